@@ -1,0 +1,28 @@
+//! Agent failures, each mapped to the exit code operators and supervisors act on.
+
+/// Exit codes: 0 stop, 1 fatal (identity revoked: re-register), 75 temporary, 78 configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// Wrong flags, missing or unusable state, a refused registration token: fix the setup.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The server no longer accepts this identity: register again.
+    #[error("identity revoked: {0}")]
+    Revoked(String),
+    /// Something that should not happen and will not get better by retrying.
+    #[error("fatal: {0}")]
+    Fatal(String),
+    /// The server stayed unreachable, or kept rate-limiting, past the retry budget.
+    #[error("temporary: {0}")]
+    Temporary(String),
+}
+
+impl AgentError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            AgentError::Config(_) => 78,
+            AgentError::Revoked(_) | AgentError::Fatal(_) => 1,
+            AgentError::Temporary(_) => 75,
+        }
+    }
+}

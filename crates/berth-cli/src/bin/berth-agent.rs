@@ -1,0 +1,97 @@
+//! `berth-agent`: register once with a one-time token, then run. Exit codes: 0 stop, 1 fatal
+//! (identity revoked: re-register), 75 temporary, 78 configuration.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use berth_agent::{AgentConfig, AgentError, RegisterOptions};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(name = "berth-agent", version, about = "The berth agent")]
+struct Args {
+    /// Register with a one-time token, then keep running.
+    #[arg(long)]
+    register: bool,
+    /// One-time registration token (reg_…); with --register.
+    #[arg(long, env = "BERTH_REGISTRATION_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The server, e.g. https://berth.example:8443.
+    #[arg(long, env = "BERTH_SERVER")]
+    server: Option<String>,
+    /// The CA fingerprint (sha256:…) printed with the token; with --register.
+    #[arg(long, env = "BERTH_CA_FINGERPRINT")]
+    ca_fingerprint: Option<String>,
+    #[arg(long, env = "BERTH_AGENT_STATE_DIR", default_value = "/var/lib/berth-agent")]
+    state_dir: PathBuf,
+    /// Agent name; defaults to the host name.
+    #[arg(long)]
+    name: Option<String>,
+    /// Labels, k=v,k2=v2.
+    #[arg(long, value_delimiter = ',')]
+    labels: Vec<String>,
+    /// Give up (exit 75) after the server has been unreachable this long.
+    #[arg(long, default_value_t = 600)]
+    retry_budget_secs: u64,
+}
+
+fn main() -> ExitCode {
+    berth_cli::init_logging();
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 78 } else { 0 });
+        }
+    };
+    // One thread keeps the idle agent small; it does little but wait on the network.
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("berth-agent: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(agent(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, exit_code = e.exit_code(), "agent stopped");
+            eprintln!("berth-agent: {e}");
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+async fn agent(args: Args) -> Result<(), AgentError> {
+    let retry_budget = Duration::from_secs(args.retry_budget_secs);
+    if args.register {
+        let missing = |flag: &str| AgentError::Config(format!("--register needs {flag}"));
+        let labels = parse_labels(&args.labels).map_err(AgentError::Config)?;
+        let registered = berth_agent::register(RegisterOptions {
+            server: args.server.clone().ok_or_else(|| missing("--server"))?,
+            state_dir: args.state_dir.clone(),
+            token: args.token.clone().ok_or_else(|| missing("--token"))?,
+            ca_fingerprint: args.ca_fingerprint.clone().ok_or_else(|| missing("--ca-fingerprint"))?,
+            name: args.name.clone().unwrap_or_else(berth_cli::default_agent_name),
+            labels,
+            retry_budget,
+        })
+        .await?;
+        eprintln!("registered as {} ({})", registered.name, registered.agent_id);
+    }
+    berth_agent::run(
+        AgentConfig {
+            server: args.server,
+            state_dir: args.state_dir,
+            retry_budget,
+        },
+        berth_cli::shutdown_signal(),
+    )
+    .await
+}
+
+fn parse_labels(items: &[String]) -> Result<BTreeMap<String, String>, String> {
+    berth_cli::parse_labels(items)
+}

@@ -1,0 +1,312 @@
+//! `berth`: the control plane (`berth server`), a one-command local setup (`berth dev`), and the
+//! admin CLI. Admin commands read `BERTH_SERVER`, `BERTH_TOKEN` and `BERTH_CA_FILE`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use berth_cli::output::{print_agent, print_agents, Output};
+use berth_client::{Client, ClientConfig, Trust};
+use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
+use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
+use berth_proto::AgentId;
+use berth_server::{Server, ServerConfig};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "berth", version, about = "berth: deploy to fleets through pull-based agents, and prove what ran")]
+struct Cli {
+    #[command(flatten)]
+    conn: Connection,
+    /// Output format for admin commands.
+    #[arg(long, short = 'o', global = true, value_enum, default_value_t = Output::Table)]
+    output: Output,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Debug, Clone)]
+struct Connection {
+    /// The server URL.
+    #[arg(long, global = true, env = "BERTH_SERVER", default_value = "https://127.0.0.1:8443")]
+    server: String,
+    /// An API token (bat_…).
+    #[arg(long, global = true, env = "BERTH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The berth CA certificate (ca.crt in the server's data dir).
+    #[arg(long, global = true, env = "BERTH_CA_FILE")]
+    ca_file: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the control plane.
+    Server(ServerArgs),
+    /// Run a server and one local agent on this machine, ready to deploy to the local Docker engine.
+    Dev(DevArgs),
+    /// Agent registration tokens.
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Agents.
+    #[command(subcommand)]
+    Agents(AgentsCommand),
+    /// API tokens for people and CI.
+    #[command(subcommand, name = "api-token")]
+    ApiToken(ApiTokenCommand),
+    /// Tenants (operator token only).
+    #[command(subcommand)]
+    Tenant(TenantCommand),
+}
+
+#[derive(Args, Debug)]
+struct ServerArgs {
+    #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+    data_dir: PathBuf,
+    #[arg(long, env = "BERTH_LISTEN", default_value = "127.0.0.1:8443")]
+    listen: SocketAddr,
+    /// A SQLite file or a postgres:// URL; default <data-dir>/berth.db.
+    #[arg(long, env = "BERTH_DATABASE")]
+    database: Option<String>,
+    /// Extra names for the server certificate (repeatable).
+    #[arg(long = "hostname", env = "BERTH_HOSTNAMES", value_delimiter = ',')]
+    hostnames: Vec<String>,
+    /// Agent heartbeat interval; agents are offline after 3 missed intervals.
+    #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL_SECS", default_value_t = 30)]
+    heartbeat_interval_secs: u64,
+    /// Agent certificate lifetime; agents renew after two thirds of it.
+    #[arg(long, env = "BERTH_AGENT_CERT_VALIDITY_SECS", default_value_t = 30 * 24 * 3600)]
+    agent_cert_validity_secs: u64,
+}
+
+impl ServerArgs {
+    fn config(&self) -> anyhow::Result<ServerConfig> {
+        if self.heartbeat_interval_secs == 0 || self.agent_cert_validity_secs < 60 {
+            bail!("--heartbeat-interval-secs must be at least 1 and --agent-cert-validity-secs at least 60");
+        }
+        let mut config = ServerConfig::new(self.data_dir.clone(), self.listen);
+        config.database = self.database.clone();
+        config.hostnames = self.hostnames.clone();
+        config.heartbeat_interval = Duration::from_secs(self.heartbeat_interval_secs);
+        config.agent_cert_validity = Duration::from_secs(self.agent_cert_validity_secs);
+        Ok(config)
+    }
+}
+
+#[derive(Args, Debug)]
+struct DevArgs {
+    #[arg(long, default_value = "./berth-dev-data")]
+    data_dir: PathBuf,
+    #[arg(long, default_value = "127.0.0.1:8443")]
+    listen: SocketAddr,
+    #[arg(long, default_value_t = 10)]
+    heartbeat_interval_secs: u64,
+}
+
+#[derive(Subcommand, Debug)]
+enum TokenCommand {
+    /// Create a one-time agent registration token.
+    Create {
+        /// Lifetime: 90s, 30m, 1h, 7d.
+        #[arg(long, default_value = "1h")]
+        expires: String,
+        /// Labels the agent inherits, k=v,k2=v2.
+        #[arg(long, value_delimiter = ',')]
+        labels: Vec<String>,
+        /// Environment the agent is bound to.
+        #[arg(long)]
+        env: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum AgentsCommand {
+    /// List agents.
+    #[command(alias = "ls")]
+    List {
+        #[arg(long, value_parser = parse_status)]
+        status: Option<AgentStatus>,
+        #[arg(long)]
+        capability: Option<String>,
+        /// key=value
+        #[arg(long)]
+        label: Option<String>,
+    },
+    /// Show one agent.
+    Show { id: AgentId },
+    /// Set labels (k=v) and remove labels (--remove k).
+    Label {
+        id: AgentId,
+        labels: Vec<String>,
+        #[arg(long)]
+        remove: Vec<String>,
+    },
+    /// Delete an agent; its certificate stops working at once.
+    Rm { id: AgentId },
+}
+
+#[derive(Subcommand, Debug)]
+enum ApiTokenCommand {
+    /// Create an API token.
+    Create {
+        #[arg(long, value_parser = parse_role)]
+        role: Role,
+        #[arg(long)]
+        name: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum TenantCommand {
+    /// Create a tenant; prints its first admin token.
+    Create { name: String },
+}
+
+fn parse_status(s: &str) -> Result<AgentStatus, String> {
+    AgentStatus::parse(s).ok_or_else(|| "one of online, degraded, offline".into())
+}
+
+fn parse_role(s: &str) -> Result<Role, String> {
+    Role::parse(s).ok_or_else(|| "one of admin, deployer, viewer".into())
+}
+
+fn main() -> ExitCode {
+    berth_cli::init_logging();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("berth: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("berth: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let out = cli.output;
+    match cli.command {
+        Command::Server(args) => serve(args.config()?).await,
+        Command::Dev(args) => berth_cli::dev::run(args.data_dir, args.listen, args.heartbeat_interval_secs).await,
+        Command::Token(TokenCommand::Create { expires, labels, env }) => {
+            let client = admin_client(&cli.conn)?;
+            let response = client
+                .send(&CreateAgentToken {
+                    labels: Some(berth_cli::parse_labels(&labels).map_err(anyhow::Error::msg)?),
+                    environment: env,
+                    expires_in_seconds: Some(berth_cli::parse_duration(&expires)?.as_secs()),
+                })
+                .await?;
+            out.print(&response, || {
+                format!(
+                    "token:          {}\nexpires at:     {}\nCA fingerprint: {}\n\nberth-agent --register --token={} --server {} --ca-fingerprint {} --state-dir /var/lib/berth-agent",
+                    response.token, berth_cli::output::rfc3339(response.expires_at), response.ca_fingerprint,
+                    response.token, cli.conn.server, response.ca_fingerprint
+                )
+            })
+        }
+        Command::Agents(cmd) => {
+            let client = admin_client(&cli.conn)?;
+            match cmd {
+                AgentsCommand::List { status, capability, label } => {
+                    let mut agents = Vec::new();
+                    let mut cursor = None;
+                    loop {
+                        let page = client
+                            .send(&ListAgents {
+                                status,
+                                capability: capability.clone(),
+                                label: label.clone(),
+                                cursor,
+                                limit: Some(500),
+                            })
+                            .await?;
+                        agents.extend(page.items);
+                        match page.next_cursor {
+                            Some(next) => cursor = Some(next),
+                            None => break,
+                        }
+                    }
+                    print_agents(out, &agents)
+                }
+                AgentsCommand::Show { id } => print_agent(out, &client.send(&GetAgent { id }).await?),
+                AgentsCommand::Label { id, labels, remove } => {
+                    let mut current = client.send(&GetAgent { id }).await?.labels;
+                    current.extend(berth_cli::parse_labels(&labels).map_err(anyhow::Error::msg)?);
+                    for k in &remove {
+                        current.remove(k);
+                    }
+                    let agent = client
+                        .send(&UpdateAgent { id, labels: Some(current), capabilities: None })
+                        .await?;
+                    print_agent(out, &agent)
+                }
+                AgentsCommand::Rm { id } => {
+                    let deleted = client.send(&DeleteAgent { id }).await?;
+                    out.print(&deleted, || format!("deleted agent {id}"))
+                }
+            }
+        }
+        Command::ApiToken(ApiTokenCommand::Create { role, name }) => {
+            let client = admin_client(&cli.conn)?;
+            let response = client.send(&CreateApiToken { role, name }).await?;
+            out.print(&response, || format!("{} token (shown once): {}", response.role.as_str(), response.token))
+        }
+        Command::Tenant(TenantCommand::Create { name }) => {
+            let client = admin_client(&cli.conn)?;
+            let response = client.send(&CreateTenant { name: name.clone() }).await?;
+            out.print(&response, || {
+                format!("tenant {name}: {}\nadmin token (shown once): {}", response.tenant_id, response.admin_token)
+            })
+        }
+    }
+}
+
+fn admin_client(conn: &Connection) -> anyhow::Result<Client> {
+    let token = conn
+        .token
+        .clone()
+        .context("no API token: set BERTH_TOKEN or pass --token")?;
+    let ca_file = conn
+        .ca_file
+        .clone()
+        .context("no CA certificate: set BERTH_CA_FILE or pass --ca-file (ca.crt in the server's data dir)")?;
+    let ca_pem = std::fs::read_to_string(&ca_file).with_context(|| format!("reading {}", ca_file.display()))?;
+    Ok(Client::new(ClientConfig {
+        server: conn.server.clone(),
+        trust: Trust::CaPem(ca_pem),
+        identity: None,
+        bearer: Some(token),
+        timeout: Duration::from_secs(30),
+    })?)
+}
+
+async fn serve(config: ServerConfig) -> anyhow::Result<()> {
+    let listen = config.listen;
+    let server = Server::bootstrap(config).await?;
+    let boot = server.bootstrapped().clone();
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    let local = listener.local_addr()?;
+    eprintln!("berth server listening on https://{local}");
+    eprintln!("CA fingerprint: {}", boot.ca_fingerprint);
+    eprintln!("CA certificate: {}", boot.data_dir.ca_cert().display());
+    match &boot.new_admin_token {
+        Some(token) => eprintln!(
+            "admin token (shown once; also in {}): {token}",
+            boot.data_dir.admin_token().display()
+        ),
+        None => eprintln!("admin token: in {}", boot.data_dir.admin_token().display()),
+    }
+    server.run(listener, berth_cli::shutdown_signal()).await?;
+    eprintln!("berth server stopped");
+    Ok(())
+}

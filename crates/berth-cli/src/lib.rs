@@ -1,0 +1,80 @@
+//! Shared pieces of the `berth` and `berth-agent` binaries: logging, signals, label parsing.
+
+use std::collections::BTreeMap;
+
+/// Logs to stderr; `RUST_LOG` overrides the default `info`.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// `k=v` items (already split on commas) into a map.
+pub fn parse_labels(items: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut labels = BTreeMap::new();
+    for item in items.iter().filter(|i| !i.is_empty()) {
+        let (k, v) = item
+            .split_once('=')
+            .ok_or_else(|| format!("label {item:?} must be key=value"))?;
+        labels.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    Ok(labels)
+}
+
+/// The host name, made into a valid agent name.
+pub fn default_agent_name() -> String {
+    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String = raw
+        .trim()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
+        .take(63)
+        .collect();
+    if name.is_empty() || !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        "agent".to_string()
+    } else {
+        name
+    }
+}
+
+pub mod dev;
+pub mod output;
+
+/// `90`, `90s`, `30m`, `1h`, `7d`.
+pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {
+    let s = s.trim();
+    let (number, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = number
+        .parse()
+        .map_err(|_| anyhow::anyhow!("duration {s:?}: expected a number with s, m, h or d"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86400,
+        _ => anyhow::bail!("duration {s:?}: unit must be s, m, h or d"),
+    };
+    Ok(std::time::Duration::from_secs(secs))
+}

@@ -1,0 +1,134 @@
+//! Human tables by default, `--output json` for scripts.
+
+use berth_proto::agent::Agent;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+impl Output {
+    /// JSON of `value`, or the human rendering.
+    pub fn print<T: Serialize>(self, value: &T, human: impl FnOnce() -> String) -> anyhow::Result<()> {
+        match self {
+            Output::Json => println!("{}", serde_json::to_string_pretty(value)?),
+            Output::Table => println!("{}", human()),
+        }
+        Ok(())
+    }
+}
+
+/// Left-aligned columns sized to their widest cell.
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    let mut out = vec![line(header.iter().map(|h| h.to_string()).collect())];
+    out.extend(rows.iter().map(|r| line(r.clone())));
+    out.join("\n")
+}
+
+fn labels(agent: &Agent) -> String {
+    agent
+        .labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn capabilities(agent: &Agent) -> String {
+    agent
+        .capabilities
+        .iter()
+        .map(|c| {
+            let mut s = c.name.clone();
+            if let Some(v) = &c.version {
+                s.push_str(&format!(" {v}"));
+            }
+            if !c.healthy {
+                s.push_str(" (broken)");
+            }
+            s
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub fn rfc3339(t: time::OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| t.to_string())
+}
+
+fn when(t: Option<time::OffsetDateTime>) -> String {
+    t.map(rfc3339).unwrap_or_else(|| "never".into())
+}
+
+pub fn print_agents(out: Output, agents: &[Agent]) -> anyhow::Result<()> {
+    out.print(&agents, || {
+        let rows: Vec<Vec<String>> = agents
+            .iter()
+            .map(|a| {
+                vec![
+                    a.id.to_string(),
+                    a.name.clone(),
+                    a.status.as_str().to_string(),
+                    when(a.last_heartbeat),
+                    capabilities(a),
+                    labels(a),
+                ]
+            })
+            .collect();
+        table(&["ID", "NAME", "STATUS", "LAST HEARTBEAT", "CAPABILITIES", "LABELS"], &rows)
+    })
+}
+
+pub fn print_agent(out: Output, a: &Agent) -> anyhow::Result<()> {
+    out.print(a, || {
+        let usage = a
+            .resource_usage
+            .as_ref()
+            .map(|u| {
+                format!(
+                    "cpu {:.1}% of {} cores, memory {} / {} MiB, disk free {} / {} GiB",
+                    u.cpu_percent,
+                    u.cpu_cores,
+                    u.memory_used_bytes >> 20,
+                    u.memory_total_bytes >> 20,
+                    u.disk_free_bytes >> 30,
+                    u.disk_total_bytes >> 30
+                )
+            })
+            .unwrap_or_else(|| "-".into());
+        let rows = vec![
+            vec!["id".into(), a.id.to_string()],
+            vec!["name".into(), a.name.clone()],
+            vec!["status".into(), a.status.as_str().into()],
+            vec!["version".into(), a.version.clone()],
+            vec!["environment".into(), a.environment.clone().unwrap_or_else(|| "-".into())],
+            vec!["labels".into(), labels(a)],
+            vec!["capabilities".into(), capabilities(a)],
+            vec!["last heartbeat".into(), when(a.last_heartbeat)],
+            vec!["resources".into(), usage],
+            vec!["certificate".into(), a.certificate_fingerprint.clone().unwrap_or_else(|| "-".into())],
+            vec!["certificate expires".into(), when(a.certificate_expires_at)],
+            vec!["registered".into(), when(Some(a.created_at))],
+        ];
+        table(&["FIELD", "VALUE"], &rows)
+    })
+}

@@ -1,0 +1,332 @@
+//! The one typed HTTPS client for the berth API, used by the CLI, the agent and the tests.
+//!
+//! TLS 1.3 only, with the aws-lc-rs provider. It trusts exactly one CA: either a CA certificate
+//! the caller holds, or — on an agent's first contact — a CA pinned by fingerprint, which the
+//! server must present in its chain. It never trusts on first use silently.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_proto::{ErrorBody, Method, Request};
+use reqwest::StatusCode;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+/// Which CA the client trusts for the server's certificate.
+#[derive(Debug, Clone)]
+pub enum Trust {
+    /// A CA certificate, PEM.
+    CaPem(String),
+    /// `sha256:<hex>` of the CA certificate's DER. The server must send that CA in its chain;
+    /// the server certificate is then verified against it as usual.
+    CaFingerprint(String),
+}
+
+/// A client certificate and its PKCS#8 key, both PEM.
+#[derive(Clone)]
+pub struct Identity {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+#[derive(Clone)]
+pub struct ClientConfig {
+    /// `https://host:port`, without a trailing slash.
+    pub server: String,
+    pub trust: Trust,
+    pub identity: Option<Identity>,
+    /// `Authorization: Bearer …` for admin calls.
+    pub bearer: Option<String>,
+    /// Per-request timeout (long-polls pass their own).
+    pub timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid client configuration: {0}")]
+    Config(String),
+    /// The server could not be reached, or the connection broke (retriable).
+    #[error("cannot reach {server}")]
+    Transport {
+        server: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The server answered with an error body.
+    #[error("{status}: {} ({})", .body.detail, .body.code)]
+    Api {
+        status: u16,
+        body: ErrorBody,
+        /// From `Retry-After`, when the server sent one.
+        retry_after: Option<Duration>,
+    },
+    #[error("unexpected response from server")]
+    Decode(#[source] reqwest::Error),
+}
+
+impl ClientError {
+    /// The stable error code, for an API error.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { body, .. } => Some(&body.code),
+            _ => None,
+        }
+    }
+
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    server: String,
+    bearer: Option<String>,
+}
+
+impl Client {
+    pub fn new(config: ClientConfig) -> Result<Client, ClientError> {
+        let tls = tls_config(&config.trust, config.identity.as_ref())?;
+        let http = reqwest::Client::builder()
+            .use_preconfigured_tls(tls)
+            .timeout(config.timeout)
+            .connect_timeout(Duration::from_secs(10))
+            .pool_idle_timeout(Duration::from_secs(120))
+            .build()
+            .map_err(|e| ClientError::Config(format!("http client: {e}")))?;
+        Ok(Client {
+            http,
+            server: config.server.trim_end_matches('/').to_string(),
+            bearer: config.bearer,
+        })
+    }
+
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// Sends a typed request and decodes its typed response.
+    pub async fn send<R: Request>(&self, request: &R) -> Result<R::Response, ClientError> {
+        self.send_with(request, &[], None).await
+    }
+
+    /// Like [`Client::send`], with extra headers and an optional per-call timeout.
+    pub async fn send_with<R: Request>(
+        &self,
+        request: &R,
+        headers: &[(&str, &str)],
+        timeout: Option<Duration>,
+    ) -> Result<R::Response, ClientError> {
+        let method = match R::METHOD {
+            Method::Get => reqwest::Method::GET,
+            Method::Post => reqwest::Method::POST,
+            Method::Put => reqwest::Method::PUT,
+            Method::Delete => reqwest::Method::DELETE,
+        };
+        let mut builder = self
+            .http
+            .request(method, format!("{}{}", self.server, request.path()));
+        if request.has_body() {
+            builder = builder.json(request);
+        }
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        if let Some(timeout) = timeout {
+            builder = builder.timeout(timeout);
+        }
+        let response = self.execute(builder).await?;
+        response.json().await.map_err(ClientError::Decode)
+    }
+
+    /// GET a path and return the body as text (metrics, OpenAPI, JWKS).
+    pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
+        let response = self
+            .execute(self.http.get(format!("{}{path}", self.server)))
+            .await?;
+        response.text().await.map_err(ClientError::Decode)
+    }
+
+    async fn execute(
+        &self,
+        mut builder: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, ClientError> {
+        if let Some(token) = &self.bearer {
+            builder = builder.bearer_auth(token);
+        }
+        let response = builder.send().await.map_err(|source| ClientError::Transport {
+            server: self.server.clone(),
+            source,
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let text = response.text().await.unwrap_or_default();
+        let body = serde_json::from_str::<ErrorBody>(&text).unwrap_or_else(|_| ErrorBody {
+            code: fallback_code(status).to_string(),
+            detail: text.chars().take(512).collect(),
+        });
+        Err(ClientError::Api {
+            status: status.as_u16(),
+            body,
+            retry_after,
+        })
+    }
+}
+
+fn fallback_code(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "UNAUTHENTICATED",
+        403 => "FORBIDDEN",
+        404 => "NOT_FOUND",
+        429 => "RATE_LIMITED",
+        s if s >= 500 => "INTERNAL",
+        _ => "INVALID_REQUEST",
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
+/// The rustls client configuration: TLS 1.3 only, the given trust, an optional client identity.
+pub fn tls_config(
+    trust: &Trust,
+    identity: Option<&Identity>,
+) -> Result<rustls::ClientConfig, ClientError> {
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| ClientError::Config(format!("tls versions: {e}")))?;
+    let verifier: Arc<dyn ServerCertVerifier> = match trust {
+        Trust::CaPem(pem) => {
+            let ca = CertificateDer::from_pem_slice(pem.as_bytes())
+                .map_err(|e| ClientError::Config(format!("CA certificate: {e}")))?;
+            webpki_verifier(ca)?
+        }
+        Trust::CaFingerprint(fp) => Arc::new(PinnedCaVerifier {
+            fingerprint: normalize_fingerprint(fp)?,
+        }),
+    };
+    let builder = builder
+        .dangerous()
+        .with_custom_certificate_verifier(verifier);
+    let mut config = match identity {
+        Some(id) => {
+            let certs = CertificateDer::pem_slice_iter(id.cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ClientError::Config(format!("client certificate: {e}")))?;
+            let key = PrivateKeyDer::from_pem_slice(id.key_pem.as_bytes())
+                .map_err(|e| ClientError::Config(format!("client key: {e}")))?;
+            builder
+                .with_client_auth_cert(certs, key)
+                .map_err(|e| ClientError::Config(format!("client identity: {e}")))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+fn webpki_verifier(ca: CertificateDer<'static>) -> Result<Arc<WebPkiServerVerifier>, ClientError> {
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(ca)
+        .map_err(|e| ClientError::Config(format!("CA certificate: {e}")))?;
+    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .map_err(|e| ClientError::Config(format!("verifier: {e}")))
+}
+
+/// `sha256:<64 lowercase hex>`; accepts upper-case hex and colons between bytes.
+pub fn normalize_fingerprint(fp: &str) -> Result<String, ClientError> {
+    let hex: String = fp
+        .strip_prefix("sha256:")
+        .ok_or_else(|| ClientError::Config("CA fingerprint must start with sha256:".into()))?
+        .chars()
+        .filter(|c| *c != ':')
+        .collect::<String>()
+        .to_ascii_lowercase();
+    if hex.len() != 64 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(ClientError::Config(
+            "CA fingerprint must be sha256: followed by 64 hex digits".into(),
+        ));
+    }
+    Ok(format!("sha256:{hex}"))
+}
+
+/// Verifies the server against a CA found in the presented chain by its pinned fingerprint.
+#[derive(Debug)]
+struct PinnedCaVerifier {
+    fingerprint: String,
+}
+
+impl ServerCertVerifier for PinnedCaVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let ca = intermediates
+            .iter()
+            .find(|c| berth_crypto::fingerprint(c) == self.fingerprint)
+            .ok_or_else(|| {
+                rustls::Error::General(format!(
+                    "server did not present the pinned CA {}",
+                    self.fingerprint
+                ))
+            })?;
+        let verifier = webpki_verifier(ca.clone().into_owned())
+            .map_err(|e| rustls::Error::General(e.to_string()))?;
+        verifier.verify_server_cert(end_entity, &[], server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        // TLS 1.2 is not offered by this client.
+        Err(rustls::Error::PeerIncompatible(
+            rustls::PeerIncompatible::Tls12NotOffered,
+        ))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &provider().signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        provider()
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}

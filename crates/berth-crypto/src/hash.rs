@@ -1,0 +1,47 @@
+//! Digests, fingerprints and random tokens. Tokens are shown once and stored only as
+//! `hash_token` output; nothing here keeps or logs a token.
+
+use aws_lc_rs::digest;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+
+/// SHA-256 of `data`.
+pub fn sha256(data: &[u8]) -> [u8; 32] {
+    let d = digest::digest(&digest::SHA256, data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// Lowercase hex SHA-256 of `data`.
+pub fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(sha256(data))
+}
+
+/// `sha256:<lowercase hex>` of a DER certificate: the form pinned by agents and stored as the
+/// certificate binding.
+pub fn fingerprint(der: &[u8]) -> String {
+    format!("sha256:{}", sha256_hex(der))
+}
+
+/// `prefix` + base64url (no padding) of 32 random bytes, e.g. `reg_…`, `bat_…`.
+pub fn random_token(prefix: &str) -> String {
+    let bytes: [u8; 32] = random_bytes();
+    format!("{prefix}{}", URL_SAFE_NO_PAD.encode(bytes))
+}
+
+/// What the database stores for a token: lowercase hex SHA-256 of its bytes. Tokens carry 256
+/// bits of entropy, so an unsalted fast hash is enough and keeps lookups by hash possible.
+pub fn hash_token(token: &str) -> String {
+    sha256_hex(token.as_bytes())
+}
+
+/// `N` bytes from the system CSPRNG.
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut out = [0u8; N];
+    // Invariant: aws-lc's RNG only fails when the OS entropy source is gone; no caller can do
+    // anything sensible with weak or missing randomness, so stopping is the safe outcome.
+    #[allow(clippy::expect_used)]
+    aws_lc_rs::rand::fill(&mut out).expect("system random number generator failed");
+    out
+}

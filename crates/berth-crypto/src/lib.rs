@@ -1,0 +1,23 @@
+//! berth-crypto owns every cryptographic decision in berth: the CA and agent certificates, P-256
+//! signatures, ES256 JWTs/JWKS, token hashing and AEAD envelopes, all on aws-lc-rs.
+//! It must never do I/O (callers pass PEM in and get PEM out) and never panic on input.
+
+mod agent_key;
+mod ca;
+mod error;
+mod hash;
+mod jwt;
+mod master_key;
+mod pem;
+mod verify;
+
+pub use agent_key::AgentKey;
+pub use ca::{
+    agent_id_from_cert, cert_not_after, cert_pem_to_der, verify_cert_issued_by, Ca, IssuedCert,
+    AGENT_URI_PREFIX,
+};
+pub use error::{CryptoError, Result};
+pub use hash::{fingerprint, hash_token, random_bytes, random_token, sha256, sha256_hex};
+pub use jwt::{verify_jwt, JwtSigner, PublicJwk};
+pub use master_key::MasterKey;
+pub use verify::{verify_with_cert, ALG_ECDSA_SHA256, ALG_RSA_SHA256};

@@ -1,0 +1,369 @@
+//! Agent registration, management and the heartbeat (seed 000 "API Endpoints").
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::{AgentId, Method, Request};
+
+/// What an agent can do on its host, with the version it found and whether it works now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Capability {
+    /// `docker`, `compose`, … (lowercase).
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// False when the capability is present but broken (the engine stopped answering, say).
+    #[serde(default = "default_true")]
+    pub healthy: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// Host resource usage reported with each heartbeat.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResourceUsage {
+    /// Host CPU busy share since the previous heartbeat, 0–100 across all cores.
+    pub cpu_percent: f64,
+    pub cpu_cores: u32,
+    pub memory_used_bytes: u64,
+    pub memory_total_bytes: u64,
+    /// Free bytes on the file system holding the agent's state directory.
+    pub disk_free_bytes: u64,
+    pub disk_total_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum AgentStatus {
+    Online,
+    Degraded,
+    Offline,
+}
+
+impl AgentStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentStatus::Online => "online",
+            AgentStatus::Degraded => "degraded",
+            AgentStatus::Offline => "offline",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AgentStatus> {
+        match s {
+            "online" => Some(AgentStatus::Online),
+            "degraded" => Some(AgentStatus::Degraded),
+            "offline" => Some(AgentStatus::Offline),
+            _ => None,
+        }
+    }
+}
+
+/// `POST /api/v1/agents/register`, header `X-Registration-Token`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RegisterAgent {
+    pub name: String,
+    pub version: String,
+    #[serde(default)]
+    pub capabilities: Vec<Capability>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// PKCS#10 CSR, PEM. Only its public key is used: the server sets the identity.
+    pub csr: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RegisterAgentResponse {
+    pub agent_id: AgentId,
+    /// The agent's certificate, PEM.
+    pub certificate: String,
+    /// The CA certificate, PEM. The agent checks it against the fingerprint it was given.
+    pub ca_certificate: String,
+}
+
+impl Request for RegisterAgent {
+    type Response = RegisterAgentResponse;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        "/api/v1/agents/register".into()
+    }
+}
+
+/// An agent as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Agent {
+    pub id: AgentId,
+    pub name: String,
+    pub version: String,
+    pub capabilities: Vec<Capability>,
+    pub labels: BTreeMap<String, String>,
+    pub status: AgentStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
+    #[serde(default, with = "crate::rfc3339::option")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub last_heartbeat: Option<OffsetDateTime>,
+    #[serde(default)]
+    pub resource_usage: Option<ResourceUsage>,
+    /// `sha256:` + hex of the bound client certificate's DER.
+    #[serde(default)]
+    pub certificate_fingerprint: Option<String>,
+    #[serde(default, with = "crate::rfc3339::option")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub certificate_expires_at: Option<OffsetDateTime>,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub updated_at: OffsetDateTime,
+}
+
+/// `GET /api/v1/agents?status=&capability=&label=k=v&cursor=&limit=`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ListAgents {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<AgentStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability: Option<String>,
+    /// `key=value`: only agents carrying that label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentList {
+    pub items: Vec<Agent>,
+    /// Pass as `cursor` to get the next page; absent on the last page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+impl Request for ListAgents {
+    type Response = AgentList;
+    const METHOD: Method = Method::Get;
+    fn path(&self) -> String {
+        let mut query = Vec::new();
+        let mut push = |k: &str, v: &str| query.push(format!("{k}={}", encode_query_value(v)));
+        if let Some(s) = self.status {
+            push("status", s.as_str());
+        }
+        if let Some(c) = &self.capability {
+            push("capability", c);
+        }
+        if let Some(l) = &self.label {
+            push("label", l);
+        }
+        if let Some(c) = &self.cursor {
+            push("cursor", c);
+        }
+        if let Some(l) = self.limit {
+            push("limit", &l.to_string());
+        }
+        if query.is_empty() {
+            "/api/v1/agents".into()
+        } else {
+            format!("/api/v1/agents?{}", query.join("&"))
+        }
+    }
+}
+
+/// Percent-encodes everything but unreserved characters (RFC 3986).
+pub fn encode_query_value(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `GET /api/v1/agents/{id}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GetAgent {
+    #[serde(skip)]
+    pub id: AgentId,
+}
+
+impl Request for GetAgent {
+    type Response = Agent;
+    const METHOD: Method = Method::Get;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}", self.id)
+    }
+}
+
+/// `PUT /api/v1/agents/{id}`: replaces labels and/or capabilities.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UpdateAgent {
+    #[serde(skip)]
+    pub id: AgentId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<Vec<Capability>>,
+}
+
+impl Request for UpdateAgent {
+    type Response = Agent;
+    const METHOD: Method = Method::Put;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}", self.id)
+    }
+}
+
+/// `DELETE /api/v1/agents/{id}`: the agent's certificate stops working at once.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeleteAgent {
+    #[serde(skip)]
+    pub id: AgentId,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Deleted {
+    pub deleted: bool,
+}
+
+impl Request for DeleteAgent {
+    type Response = Deleted;
+    const METHOD: Method = Method::Delete;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}", self.id)
+    }
+}
+
+/// `POST /api/v1/agents/{id}/heartbeat` (mTLS).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Heartbeat {
+    #[serde(skip)]
+    pub agent_id: AgentId,
+    /// What the agent says of itself: `online`, or `degraded` when a capability is broken.
+    pub status: AgentStatus,
+    pub resource_usage: ResourceUsage,
+    pub capabilities: Vec<Capability>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct HeartbeatResponse {
+    pub acknowledged: bool,
+    /// The status the server now holds for the agent.
+    pub status: AgentStatus,
+    /// The interval the server wants; the agent adopts it.
+    pub heartbeat_interval_seconds: u64,
+}
+
+impl Request for Heartbeat {
+    type Response = HeartbeatResponse;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}/heartbeat", self.agent_id)
+    }
+}
+
+/// `POST /api/v1/agents/token` (mTLS): a short-lived ES256 JWT for the calling agent.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct IssueAgentJwt {}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentJwt {
+    pub token: String,
+    pub expires_in: u64,
+    pub token_type: String,
+}
+
+impl Request for IssueAgentJwt {
+    type Response = AgentJwt;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        "/api/v1/agents/token".into()
+    }
+}
+
+/// `POST /api/v1/agents/{id}/certificate` (mTLS): renew with a fresh CSR. The old certificate
+/// stops working the moment the new one is issued.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RenewCertificate {
+    #[serde(skip)]
+    pub agent_id: AgentId,
+    pub csr: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RenewCertificateResponse {
+    pub certificate: String,
+    pub ca_certificate: String,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub expires_at: OffsetDateTime,
+}
+
+impl Request for RenewCertificate {
+    type Response = RenewCertificateResponse;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}/certificate", self.agent_id)
+    }
+}
+
+/// JWKS document served at `/.well-known/agent-jwks.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Jwks {
+    pub keys: Vec<Jwk>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Jwk {
+    pub kty: String,
+    pub crv: String,
+    pub x: String,
+    pub y: String,
+    pub kid: String,
+    #[serde(rename = "use")]
+    pub use_: String,
+    pub alg: String,
+}

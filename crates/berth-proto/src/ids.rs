@@ -1,0 +1,53 @@
+//! Newtype ids, so an agent id can never be passed where a tenant id is expected.
+
+use std::fmt;
+use std::str::FromStr;
+
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+        #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(value_type = String, format = Uuid))]
+        #[serde(transparent)]
+        pub struct $name(pub uuid::Uuid);
+
+        impl $name {
+            /// A new time-ordered (v7) id, so listing by id lists by creation.
+            pub fn new() -> Self {
+                Self(uuid::Uuid::now_v7())
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = uuid::Error;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                uuid::Uuid::parse_str(s).map(Self)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A tenant: every row and query is scoped by one.
+    TenantId
+);
+id_type!(
+    /// An agent, also the subject of its certificate (`urn:berth:agent:<id>`).
+    AgentId
+);
+id_type!(
+    /// An API or registration token's row id (never the secret itself).
+    TokenId
+);

@@ -1,0 +1,42 @@
+//! Wire types: everything that crosses the network between the berth server, agents and the CLI.
+//!
+//! This crate owns the JSON shapes and nothing else. It must never depend on tokio, an HTTP stack
+//! or SQL; the store has its own row types and each edge converts explicitly.
+
+pub mod admin;
+pub mod agent;
+pub mod error;
+pub mod ids;
+
+pub use error::ErrorBody;
+pub use ids::{AgentId, TenantId, TokenId};
+
+/// HTTP method of a typed request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Get,
+    Post,
+    Put,
+    Delete,
+}
+
+/// A typed API request: the body (or query) type is tied to its response type, so the one client
+/// in `berth-client` cannot send a request and decode the wrong answer.
+pub trait Request: serde::Serialize {
+    type Response: serde::de::DeserializeOwned;
+    const METHOD: Method;
+    /// Path and query, starting with `/`.
+    fn path(&self) -> String;
+    /// Whether the request has a JSON body (false: GET/DELETE with everything in the path).
+    fn has_body(&self) -> bool {
+        matches!(Self::METHOD, Method::Post | Method::Put)
+    }
+}
+
+/// Timestamps on the wire are RFC 3339 UTC.
+pub mod rfc3339 {
+    pub use time::serde::rfc3339::*;
+    pub mod option {
+        pub use time::serde::rfc3339::option::*;
+    }
+}

@@ -1,0 +1,124 @@
+//! Who is calling: an API token (admins, CI) or an agent proven by its client certificate.
+//!
+//! Bearer tokens are looked up by hash and scope every query to their tenant. Agent calls are
+//! accepted only when the connection's certificate is the one currently bound to the agent the
+//! request names; deleting an agent or rotating its certificate therefore revokes it at once.
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use berth_proto::admin::Role;
+use berth_proto::error::codes;
+use berth_proto::{AgentId, TenantId};
+use berth_store::{Agent, ApiToken};
+
+use crate::error::{ApiError, ApiResult};
+use crate::tls::{Peer, PeerCertificate};
+use crate::SharedState;
+
+/// An authenticated API token holder.
+pub struct Caller(pub ApiToken);
+
+impl Caller {
+    pub fn tenant(&self) -> TenantId {
+        self.0.tenant_id
+    }
+
+    /// Read access: every role.
+    pub fn can_read(&self) -> ApiResult<()> {
+        Ok(())
+    }
+
+    /// Changing agents, issuing tokens: admins only.
+    pub fn require_admin(&self) -> ApiResult<()> {
+        match self.0.role {
+            Role::Admin => Ok(()),
+            role => Err(ApiError::forbidden(
+                codes::FORBIDDEN,
+                format!("the {} role cannot do this; it needs admin", role.as_str()),
+            )),
+        }
+    }
+
+    /// Creating tenants: the bootstrap admin token of the `default` tenant only.
+    pub fn require_operator(&self) -> ApiResult<()> {
+        if self.0.operator {
+            Ok(())
+        } else {
+            Err(ApiError::forbidden(
+                codes::OPERATOR_ONLY,
+                "only the operator token may manage tenants",
+            ))
+        }
+    }
+}
+
+impl FromRequestParts<SharedState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &SharedState) -> ApiResult<Caller> {
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| {
+                ApiError::unauthenticated(codes::UNAUTHENTICATED, "missing Authorization: Bearer token")
+            })?;
+        let token = header
+            .strip_prefix("Bearer ")
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                ApiError::unauthenticated(codes::UNAUTHENTICATED, "Authorization must be a Bearer token")
+            })?;
+        match state
+            .store
+            .api_token_by_hash(&berth_crypto::hash_token(token))
+            .await?
+        {
+            Some(t) => Ok(Caller(t)),
+            None => Err(ApiError::unauthenticated(codes::UNAUTHENTICATED, "unknown API token")),
+        }
+    }
+}
+
+/// The connection's client certificate, required.
+pub fn peer_certificate(parts_peer: Option<&Peer>) -> ApiResult<PeerCertificate> {
+    parts_peer
+        .and_then(|p| p.0.clone())
+        .ok_or_else(|| {
+            ApiError::unauthenticated(
+                codes::CLIENT_CERT_REQUIRED,
+                "agent routes require the agent's client certificate",
+            )
+        })
+}
+
+/// Proves that the certificate belongs to agent `id` and is its current binding.
+///
+/// A certificate naming another agent is `403 CERT_BINDING_MISMATCH` (checked before any
+/// lookup, so it tells nothing about whether `id` exists). A certificate of a deleted agent,
+/// or one replaced by renewal, is `401 AGENT_REVOKED`: the agent must register again.
+pub async fn authenticate_agent(
+    state: &SharedState,
+    peer: &PeerCertificate,
+    id: AgentId,
+) -> ApiResult<Agent> {
+    if peer.agent_id != Some(id) {
+        state.metrics.agent_auth_refused("binding_mismatch");
+        return Err(ApiError::forbidden(
+            codes::CERT_BINDING_MISMATCH,
+            "the client certificate does not belong to this agent",
+        ));
+    }
+    let agent = state.store.get_agent_for_runtime(id).await?;
+    match agent {
+        Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => Ok(agent),
+        _ => {
+            state.metrics.agent_auth_refused("revoked");
+            Err(ApiError::unauthenticated(
+                codes::AGENT_REVOKED,
+                "this certificate is no longer bound to an agent; register again",
+            ))
+        }
+    }
+}

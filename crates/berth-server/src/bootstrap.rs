@@ -1,0 +1,233 @@
+//! First start and every start after it: the data dir's key material and the bootstrap tenant.
+//!
+//! Creates what is missing (CA, server certificate, JWT key, master key, admin token) and reuses
+//! what exists. Key files are written 0600 through a temp file and a rename, so a crash never
+//! leaves a half-written key. The admin token's secret is shown once and stored only as a hash.
+
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use berth_crypto::{Ca, JwtSigner, MasterKey};
+use berth_proto::admin::Role;
+use berth_proto::TokenId;
+use berth_store::{DynStore, NewApiToken};
+use time::OffsetDateTime;
+
+use crate::ServerConfig;
+
+pub const DEFAULT_TENANT: &str = "default";
+/// The server certificate is reissued when it would expire within this margin.
+const SERVER_CERT_RENEW_MARGIN: time::Duration = time::Duration::days(30);
+const SERVER_CERT_VALIDITY: time::Duration = time::Duration::days(365);
+
+/// The files of a data dir.
+#[derive(Debug, Clone)]
+pub struct DataDir(pub PathBuf);
+
+impl DataDir {
+    pub fn ca_cert(&self) -> PathBuf {
+        self.0.join("ca.crt")
+    }
+    pub fn ca_key(&self) -> PathBuf {
+        self.0.join("ca.key")
+    }
+    pub fn server_cert(&self) -> PathBuf {
+        self.0.join("server.crt")
+    }
+    pub fn server_key(&self) -> PathBuf {
+        self.0.join("server.key")
+    }
+    /// The names the server certificate was issued for, one a line.
+    fn server_names(&self) -> PathBuf {
+        self.0.join("server.names")
+    }
+    pub fn jwt_key(&self) -> PathBuf {
+        self.0.join("jwt.key")
+    }
+    pub fn master_key(&self) -> PathBuf {
+        self.0.join("master.key")
+    }
+    pub fn admin_token(&self) -> PathBuf {
+        self.0.join("admin.token")
+    }
+}
+
+/// What bootstrap found or made, for the CLI to print.
+#[derive(Debug, Clone)]
+pub struct Bootstrapped {
+    pub data_dir: DataDir,
+    pub ca_fingerprint: String,
+    /// The admin token's secret, only on the start that created it.
+    pub new_admin_token: Option<String>,
+}
+
+pub(crate) struct Material {
+    pub store: DynStore,
+    pub ca: Ca,
+    pub jwt: JwtSigner,
+    pub server_cert_pem: String,
+    pub server_key_pem: String,
+}
+
+pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstrapped, Material)> {
+    let dir = DataDir(config.data_dir.clone());
+    std::fs::create_dir_all(&dir.0)
+        .with_context(|| format!("creating data dir {}", dir.0.display()))?;
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("restricting data dir {}", dir.0.display()))?;
+    let now = OffsetDateTime::now_utc();
+
+    let ca = match (read_opt(&dir.ca_cert())?, read_opt(&dir.ca_key())?) {
+        (Some(cert), Some(key)) => Ca::from_pem(&cert, &key).context("loading the CA")?,
+        (None, None) => {
+            let ca = Ca::generate("berth CA", now).context("generating the CA")?;
+            write_secret(&dir.ca_key(), ca.key_pem().as_bytes())?;
+            write_public(&dir.ca_cert(), ca.cert_pem().as_bytes())?;
+            ca
+        }
+        _ => anyhow::bail!(
+            "{} and {} must both exist or both be absent",
+            dir.ca_cert().display(),
+            dir.ca_key().display()
+        ),
+    };
+
+    let mut names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+    for h in &config.hostnames {
+        if !names.contains(h) {
+            names.push(h.clone());
+        }
+    }
+    let (server_cert_pem, server_key_pem) = server_certificate(&dir, &ca, &names, now)?;
+
+    let jwt = match read_opt(&dir.jwt_key())? {
+        Some(pem) => JwtSigner::from_pem(&pem).context("loading the JWT key")?,
+        None => {
+            let signer = JwtSigner::generate().context("generating the JWT key")?;
+            write_secret(&dir.jwt_key(), signer.to_pem().as_bytes())?;
+            signer
+        }
+    };
+
+    if !dir.master_key().exists() {
+        write_secret(&dir.master_key(), MasterKey::generate().as_bytes())?;
+    }
+    let master = std::fs::read(dir.master_key()).context("reading the master key")?;
+    MasterKey::from_bytes(&master).context("the master key file is not 32 bytes")?;
+
+    if config.database.is_none() {
+        // SQLite gives its -wal and -shm files the database file's mode: create it 0600.
+        let db = dir.0.join("berth.db");
+        if !db.exists() {
+            write_secret(&db, b"")?;
+        }
+    }
+    let store = berth_store::open(&config.database_url())
+        .await
+        .context("opening the database")?;
+    let tenant = store.ensure_tenant(DEFAULT_TENANT, now).await?;
+    let new_admin_token = if store.has_operator_token(tenant.id).await? {
+        None
+    } else {
+        let token = berth_crypto::random_token("bat_");
+        store
+            .create_api_token(NewApiToken {
+                id: TokenId::new(),
+                tenant_id: tenant.id,
+                name: "bootstrap-admin".into(),
+                role: Role::Admin,
+                operator: true,
+                token_hash: berth_crypto::hash_token(&token),
+                created_at: now,
+            })
+            .await?;
+        write_secret(&dir.admin_token(), format!("{token}\n").as_bytes())?;
+        Some(token)
+    };
+
+    Ok((
+        Bootstrapped {
+            ca_fingerprint: ca.fingerprint(),
+            data_dir: dir,
+            new_admin_token,
+        },
+        Material {
+            store,
+            ca,
+            jwt,
+            server_cert_pem,
+            server_key_pem,
+        },
+    ))
+}
+
+/// Reuses the server certificate while it covers `names`, was issued by this CA and is not
+/// about to expire; otherwise issues a new one. The stored chain is server cert + CA cert, so
+/// agents that pin the CA by fingerprint find it in the handshake.
+fn server_certificate(
+    dir: &DataDir,
+    ca: &Ca,
+    names: &[String],
+    now: OffsetDateTime,
+) -> anyhow::Result<(String, String)> {
+    let wanted_names = names.join("\n");
+    if let (Some(chain), Some(key), Some(issued_names)) = (
+        read_opt(&dir.server_cert())?,
+        read_opt(&dir.server_key())?,
+        read_opt(&dir.server_names())?,
+    ) {
+        let fresh = berth_crypto::cert_pem_to_der(&chain)
+            .and_then(|der| berth_crypto::cert_not_after(&der))
+            .map(|not_after| not_after - SERVER_CERT_RENEW_MARGIN > now)
+            .unwrap_or(false);
+        if fresh && issued_names == wanted_names && chain.contains(ca.cert_pem().trim()) {
+            return Ok((chain, key));
+        }
+    }
+    let issued = ca
+        .issue_server_cert(names, now, SERVER_CERT_VALIDITY)
+        .context("issuing the server certificate")?;
+    let key = issued
+        .key_pem
+        .context("server certificate issued without its key")?;
+    let chain = format!("{}\n{}", issued.cert_pem.trim(), ca.cert_pem().trim());
+    write_secret(&dir.server_key(), key.as_bytes())?;
+    write_public(&dir.server_cert(), chain.as_bytes())?;
+    write_public(&dir.server_names(), wanted_names.as_bytes())?;
+    Ok((chain, key))
+}
+
+fn read_opt(path: &Path) -> anyhow::Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// Writes key material: mode 0600 from creation, atomically replaced.
+pub fn write_secret(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+    write_atomic(path, contents, 0o600)
+}
+
+fn write_public(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+    write_atomic(path, contents, 0o644)
+}
+
+fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    file.write_all(contents)
+        .and_then(|_| file.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! Server configuration: one struct, filled by the CLI from flags and environment variables.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Holds the CA, certificates, keys, the admin token and (by default) the SQLite database.
+    pub data_dir: PathBuf,
+    /// Where the CLI binds; the server itself serves whatever listener it is given.
+    pub listen: SocketAddr,
+    /// A SQLite path or a `postgres://` URL; `None` means `<data_dir>/berth.db`.
+    pub database: Option<String>,
+    /// Extra names for the server certificate, besides `localhost` and `127.0.0.1`.
+    pub hostnames: Vec<String>,
+    /// How often agents heartbeat; late after 2 intervals (degraded), offline after 3.
+    pub heartbeat_interval: Duration,
+    /// Lifetime of agent certificates; agents renew after two thirds of it.
+    pub agent_cert_validity: Duration,
+    /// Lifetime of agent JWTs from `/api/v1/agents/token`.
+    pub agent_jwt_ttl: Duration,
+    /// `iss` of the JWTs this server signs.
+    pub jwt_issuer: String,
+    /// Largest request body accepted.
+    pub body_limit: usize,
+    /// Most concurrent connections; further ones wait for a slot.
+    pub max_connections: usize,
+}
+
+impl ServerConfig {
+    pub fn new(data_dir: PathBuf, listen: SocketAddr) -> ServerConfig {
+        ServerConfig {
+            data_dir,
+            listen,
+            database: None,
+            hostnames: Vec::new(),
+            heartbeat_interval: Duration::from_secs(30),
+            agent_cert_validity: Duration::from_secs(30 * 24 * 3600),
+            agent_jwt_ttl: Duration::from_secs(3600),
+            jwt_issuer: "berth".to_string(),
+            body_limit: 1024 * 1024,
+            max_connections: 20_000,
+        }
+    }
+
+    pub fn database_url(&self) -> String {
+        match &self.database {
+            Some(db) => db.clone(),
+            None => self.data_dir.join("berth.db").to_string_lossy().into_owned(),
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! `ApiError`: every refusal as `{code, detail}` with a stable code and the right status.
+//!
+//! Internal failures are logged here with their whole chain, once, and answered with a generic
+//! detail so nothing internal (SQL, paths, secrets) reaches the client.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use berth_proto::error::codes;
+use berth_proto::ErrorBody;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub detail: String,
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    pub fn bad_request(code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, code, detail)
+    }
+
+    pub fn not_found(what: &str) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, codes::NOT_FOUND, format!("{what} not found"))
+    }
+
+    pub fn forbidden(code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::FORBIDDEN, code, detail)
+    }
+
+    pub fn unauthenticated(code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, code, detail)
+    }
+
+    pub fn conflict(code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, code, detail)
+    }
+
+    /// An unexpected failure: logged with its chain, answered without details.
+    pub fn internal(error: &(dyn std::error::Error + 'static)) -> ApiError {
+        let mut chain = error.to_string();
+        let mut source = error.source();
+        while let Some(s) = source {
+            chain.push_str(": ");
+            chain.push_str(&s.to_string());
+            source = s.source();
+        }
+        tracing::error!(error = %chain, "request failed");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            codes::INTERNAL,
+            "internal error; see the server log",
+        )
+    }
+}
+
+impl From<berth_store::StoreError> for ApiError {
+    fn from(e: berth_store::StoreError) -> ApiError {
+        ApiError::internal(&e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (
+            self.status,
+            Json(ErrorBody {
+                code: self.code.to_string(),
+                detail: self.detail,
+            }),
+        )
+            .into_response();
+        if let Some(secs) = self.retry_after {
+            if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                response.headers_mut().insert("retry-after", v);
+            }
+        }
+        response
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

@@ -1,0 +1,94 @@
+//! The berth control plane: one TLS 1.3 listener that knows each connection's client certificate,
+//! the HTTP API (admin, agent runtime, meta), and the reconcilers that keep derived state true.
+//!
+//! It never trusts an agent's word without proof: agent-runtime routes require a client
+//! certificate bound to the agent named in the path. All state lives in the [`berth_store::Store`].
+
+mod auth;
+mod bootstrap;
+mod config;
+mod error;
+mod extract;
+mod heartbeat;
+mod metrics;
+mod openapi;
+mod reconcile;
+mod routes;
+mod tls;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use berth_crypto::{Ca, JwtSigner};
+use berth_store::DynStore;
+use tokio::net::TcpListener;
+
+pub use bootstrap::{Bootstrapped, DataDir};
+pub use config::ServerConfig;
+pub use openapi::openapi_json;
+
+/// Everything a request handler may reach.
+pub(crate) struct AppState {
+    pub config: ServerConfig,
+    pub store: DynStore,
+    pub ca: Ca,
+    pub jwt: JwtSigner,
+    pub heartbeats: heartbeat::HeartbeatWriter,
+    pub metrics: metrics::Metrics,
+}
+
+pub(crate) type SharedState = Arc<AppState>;
+
+/// A bootstrapped server, ready to serve on a listener.
+pub struct Server {
+    state: SharedState,
+    tls: Arc<rustls::ServerConfig>,
+    bootstrapped: Bootstrapped,
+}
+
+impl Server {
+    /// Opens the data dir and store, creating the CA, certificates, keys and admin token on
+    /// first start and reusing them afterwards.
+    pub async fn bootstrap(config: ServerConfig) -> anyhow::Result<Server> {
+        let (bootstrapped, material) = bootstrap::bootstrap(&config).await?;
+        let tls = tls::server_config(&material)?;
+        let metrics = metrics::Metrics::new();
+        let heartbeats = heartbeat::HeartbeatWriter::spawn(material.store.clone(), metrics.clone());
+        let state = Arc::new(AppState {
+            config,
+            store: material.store,
+            ca: material.ca,
+            jwt: material.jwt,
+            heartbeats,
+            metrics,
+        });
+        Ok(Server {
+            state,
+            tls,
+            bootstrapped,
+        })
+    }
+
+    /// What bootstrap found or created: paths, the CA fingerprint, and the admin token when it
+    /// was created by this start (it is shown once).
+    pub fn bootstrapped(&self) -> &Bootstrapped {
+        &self.bootstrapped
+    }
+
+    /// Serves on an already-bound listener until `shutdown` resolves, then drains connections.
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
+        let app = routes::router(self.state.clone());
+        let max_connections = self.state.config.max_connections;
+        let result = tls::serve(listener, self.tls, app, shutdown, max_connections).await;
+        let _ = stop_tx.send(true);
+        let _ = reconciler.await;
+        self.state.heartbeats.close().await;
+        result
+    }
+}

@@ -1,0 +1,104 @@
+//! Prometheus metrics: typed recording functions, so names and label sets stay bounded and
+//! consistent (`berth_<thing>_<unit>_total`, plus one `berth_errors_total{error_type}`).
+
+use std::sync::Arc;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+#[derive(Clone)]
+pub struct Metrics(Arc<Inner>);
+
+struct Inner {
+    registry: Registry,
+    errors: Family<Labels, Counter>,
+    agent_auth_refusals: Family<Labels, Counter>,
+    registrations: Family<Labels, Counter>,
+    heartbeats: Counter,
+    heartbeat_batch_size: Histogram,
+    agents_marked: Family<Labels, Counter>,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("berth");
+        let errors = Family::<Labels, Counter>::default();
+        registry.register("errors", "Refusals and failures by error type", errors.clone());
+        let agent_auth_refusals = Family::<Labels, Counter>::default();
+        registry.register(
+            "agent_auth_refusals",
+            "Agent-runtime calls refused by certificate binding",
+            agent_auth_refusals.clone(),
+        );
+        let registrations = Family::<Labels, Counter>::default();
+        registry.register("agent_registrations", "Agent registrations by outcome", registrations.clone());
+        let heartbeats = Counter::default();
+        registry.register("heartbeats", "Heartbeats persisted", heartbeats.clone());
+        let heartbeat_batch_size = Histogram::new([1.0, 4.0, 16.0, 64.0, 256.0, 1024.0].into_iter());
+        registry.register(
+            "heartbeat_batch_size",
+            "Heartbeats committed per transaction",
+            heartbeat_batch_size.clone(),
+        );
+        let agents_marked = Family::<Labels, Counter>::default();
+        registry.register(
+            "agent_status_transitions",
+            "Agents moved to a status by the staleness sweep",
+            agents_marked.clone(),
+        );
+        Metrics(Arc::new(Inner {
+            registry,
+            errors,
+            agent_auth_refusals,
+            registrations,
+            heartbeats,
+            heartbeat_batch_size,
+            agents_marked,
+        }))
+    }
+
+    pub fn error(&self, error_type: &'static str) {
+        self.0.errors.get_or_create(&vec![("error_type", error_type)]).inc();
+    }
+
+    pub fn agent_auth_refused(&self, reason: &'static str) {
+        self.0
+            .agent_auth_refusals
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
+        self.error("agent_auth");
+    }
+
+    pub fn registration(&self, outcome: &'static str) {
+        self.0
+            .registrations
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc();
+    }
+
+    pub fn heartbeat_batch(&self, size: usize) {
+        self.0.heartbeats.inc_by(size as u64);
+        self.0.heartbeat_batch_size.observe(size as f64);
+    }
+
+    pub fn agents_marked(&self, status: &'static str, count: u64) {
+        if count > 0 {
+            self.0
+                .agents_marked
+                .get_or_create(&vec![("status", status)])
+                .inc_by(count);
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.0.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

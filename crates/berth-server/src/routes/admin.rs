@@ -1,0 +1,204 @@
+//! Admin API: tenants (operator only), API tokens and one-time agent registration tokens.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use berth_proto::admin::{
+    CreateAgentToken, CreateAgentTokenResponse, CreateApiToken, CreateApiTokenResponse,
+    CreateTenant, CreateTenantResponse, Role,
+};
+use berth_proto::error::codes;
+use berth_proto::{ErrorBody, TenantId, TokenId};
+use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
+use time::OffsetDateTime;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::ApiJson;
+use crate::SharedState;
+
+const DEFAULT_REGISTRATION_TTL_SECS: u64 = 3600;
+const MAX_REGISTRATION_TTL_SECS: u64 = 30 * 24 * 3600;
+
+/// Create a tenant and its first admin token (operator token only).
+#[utoipa::path(post, path = "/api/v1/admin/tenants", tag = "admin", request_body = CreateTenant,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, body = CreateTenantResponse),
+        (status = 403, body = ErrorBody, description = "OPERATOR_ONLY"),
+        (status = 409, body = ErrorBody, description = "TENANT_NAME_TAKEN"),
+    ))]
+pub async fn create_tenant(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateTenant>,
+) -> ApiResult<(StatusCode, Json<CreateTenantResponse>)> {
+    caller.require_operator()?;
+    validate_name("tenant name", &req.name)?;
+    let now = OffsetDateTime::now_utc();
+    let tenant = match state.store.create_tenant(TenantId::new(), &req.name, now).await {
+        Ok(t) => t,
+        Err(StoreError::Conflict { .. }) => {
+            return Err(ApiError::conflict(
+                codes::TENANT_NAME_TAKEN,
+                format!("a tenant named {:?} exists", req.name),
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let admin_token = issue_api_token(&state, tenant.id, "tenant-admin".into(), Role::Admin).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(CreateTenantResponse {
+            tenant_id: tenant.id,
+            admin_token,
+        }),
+    ))
+}
+
+/// Create an API token in the caller's tenant.
+#[utoipa::path(post, path = "/api/v1/admin/api-tokens", tag = "admin", request_body = CreateApiToken,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, body = CreateApiTokenResponse),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+    ))]
+pub async fn create_api_token(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateApiToken>,
+) -> ApiResult<(StatusCode, Json<CreateApiTokenResponse>)> {
+    caller.require_admin()?;
+    let name = match req.name {
+        Some(name) => {
+            validate_name("token name", &name)?;
+            name
+        }
+        None => format!("{}-token", req.role.as_str()),
+    };
+    let token = issue_api_token(&state, caller.tenant(), name, req.role).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(CreateApiTokenResponse {
+            token,
+            role: req.role,
+        }),
+    ))
+}
+
+async fn issue_api_token(
+    state: &SharedState,
+    tenant: TenantId,
+    name: String,
+    role: Role,
+) -> ApiResult<String> {
+    let token = berth_crypto::random_token("bat_");
+    state
+        .store
+        .create_api_token(NewApiToken {
+            id: TokenId::new(),
+            tenant_id: tenant,
+            name,
+            role,
+            operator: false,
+            token_hash: berth_crypto::hash_token(&token),
+            created_at: OffsetDateTime::now_utc(),
+        })
+        .await?;
+    Ok(token)
+}
+
+/// Create a one-time agent registration token.
+#[utoipa::path(post, path = "/api/v1/admin/agent-tokens", tag = "admin", request_body = CreateAgentToken,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, body = CreateAgentTokenResponse),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+    ))]
+pub async fn create_agent_token(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateAgentToken>,
+) -> ApiResult<(StatusCode, Json<CreateAgentTokenResponse>)> {
+    caller.require_admin()?;
+    let ttl = req.expires_in_seconds.unwrap_or(DEFAULT_REGISTRATION_TTL_SECS);
+    if ttl == 0 || ttl > MAX_REGISTRATION_TTL_SECS {
+        return Err(ApiError::bad_request(
+            codes::INVALID_REQUEST,
+            format!("expiresInSeconds must be between 1 and {MAX_REGISTRATION_TTL_SECS}"),
+        ));
+    }
+    let labels = req.labels.unwrap_or_default();
+    validate_labels(&labels)?;
+    if let Some(env) = &req.environment {
+        validate_name("environment", env)?;
+    }
+    let now = OffsetDateTime::now_utc();
+    let expires_at = now + time::Duration::seconds(ttl as i64);
+    let token = berth_crypto::random_token("reg_");
+    state
+        .store
+        .create_registration_token(NewRegistrationToken {
+            id: TokenId::new(),
+            tenant_id: caller.tenant(),
+            token_hash: berth_crypto::hash_token(&token),
+            labels,
+            environment: req.environment,
+            expires_at,
+            created_at: now,
+        })
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(CreateAgentTokenResponse {
+            token,
+            expires_at,
+            ca_fingerprint: state.ca.fingerprint(),
+        }),
+    ))
+}
+
+/// Names of tenants, agents, environments and tokens: 1–63 of `[A-Za-z0-9._-]`, starting with
+/// a letter or digit, so they are safe in URLs, file names and log lines.
+pub fn validate_name(what: &str, name: &str) -> ApiResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            format!("{what} must be 1-63 characters of A-Z a-z 0-9 . _ - starting with a letter or digit"),
+        ))
+    }
+}
+
+/// At most 64 labels; keys like names (plus `/`), values up to 255 printable characters.
+pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
+    let invalid = |detail: String| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, codes::INVALID_REQUEST, detail)
+    };
+    if labels.len() > 64 {
+        return Err(invalid("at most 64 labels".into()));
+    }
+    for (k, v) in labels {
+        let key_ok = !k.is_empty()
+            && k.len() <= 63
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'));
+        if !key_ok {
+            return Err(invalid(format!("label key {k:?} must be 1-63 of A-Z a-z 0-9 . _ - /")));
+        }
+        if v.len() > 255 || v.chars().any(char::is_control) {
+            return Err(invalid(format!("label {k:?} has a value over 255 bytes or with control characters")));
+        }
+    }
+    Ok(())
+}

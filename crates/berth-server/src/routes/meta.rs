@@ -1,0 +1,70 @@
+//! Liveness, readiness, metrics, the OpenAPI document and the agent JWKS.
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+use berth_proto::agent::{Jwk, Jwks};
+use serde_json::json;
+
+use crate::SharedState;
+
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/healthz", tag = "meta", responses((status = 200, description = "alive")))]
+pub async fn healthz() -> impl IntoResponse {
+    Json(json!({"status": "ok"}))
+}
+
+/// Readiness: the database answers.
+#[utoipa::path(get, path = "/readyz", tag = "meta", responses(
+    (status = 200, description = "ready"),
+    (status = 503, description = "a dependency is unavailable"),
+))]
+pub async fn readyz(State(state): State<SharedState>) -> impl IntoResponse {
+    match state.store.ping().await {
+        Ok(()) => (
+            StatusCode::OK,
+            Json(json!({"status": "ready", "checks": {"database": "ok"}})),
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "readiness: database unavailable");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({"status": "unavailable", "checks": {"database": "unavailable"}})),
+            )
+        }
+    }
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200, description = "Prometheus text format")))]
+pub async fn metrics(State(state): State<SharedState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+}
+
+#[utoipa::path(get, path = "/api/v1/openapi.json", tag = "meta", responses((status = 200, description = "this document")))]
+pub async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], crate::openapi_json())
+}
+
+/// The public keys that verify agent JWTs and deploy grants.
+#[utoipa::path(get, path = "/.well-known/agent-jwks.json", tag = "meta", responses((status = 200, body = Jwks)))]
+pub async fn jwks(State(state): State<SharedState>) -> Json<Jwks> {
+    let k = state.jwt.public_jwk();
+    Json(Jwks {
+        keys: vec![Jwk {
+            kty: k.kty,
+            crv: k.crv,
+            x: k.x,
+            y: k.y,
+            kid: k.kid,
+            use_: k.use_,
+            alg: k.alg,
+        }],
+    })
+}

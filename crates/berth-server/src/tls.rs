@@ -1,0 +1,143 @@
+//! The one listener: TLS 1.3 only, client certificates requested but optional, and each
+//! connection's verified client certificate attached to every request it carries.
+//!
+//! Chain verification happens here (rustls/webpki against the berth CA); whether a certificate
+//! is still *bound* to an agent is the route's business, checked against the store per request.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+use crate::bootstrap::Material;
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The verified client certificate of a connection, as seen by handlers.
+#[derive(Debug, Clone)]
+pub struct PeerCertificate {
+    /// `sha256:<hex>` of the DER: what agent bindings store.
+    pub fingerprint: Arc<str>,
+    /// The agent id from the `urn:berth:agent:<id>` SAN, when the certificate carries one.
+    pub agent_id: Option<berth_proto::AgentId>,
+}
+
+/// What a request knows about its connection's client certificate.
+#[derive(Debug, Clone)]
+pub struct Peer(pub Option<PeerCertificate>);
+
+pub(crate) fn server_config(material: &Material) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(CertificateDer::from(material.ca.cert_der().to_vec()))
+        .context("adding the CA to the client verifier")?;
+    let client_verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .allow_unauthenticated()
+        .build()
+        .context("building the client certificate verifier")?;
+    let chain = CertificateDer::pem_slice_iter(material.server_cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .context("parsing the server certificate chain")?;
+    let key = PrivateKeyDer::from_pem_slice(material.server_key_pem.as_bytes())
+        .context("parsing the server key")?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("selecting TLS 1.3")?
+        .with_client_cert_verifier(client_verifier)
+        .with_single_cert(chain, key)
+        .context("loading the server certificate")?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Accepts connections until `shutdown` resolves, then lets open connections finish their
+/// requests for a while before returning.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    max_connections: usize,
+) -> anyhow::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => break,
+            permit = slots.clone().acquire_owned() => permit.context("connection slots closed")?,
+        };
+        let (tcp, remote) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    tracing::debug!(%remote, error = %e, "TLS handshake refused");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%remote, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let peer = Peer(
+                stream
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|chain| chain.first())
+                    .map(|der| PeerCertificate {
+                        fingerprint: berth_crypto::fingerprint(der).into(),
+                        agent_id: berth_crypto::agent_id_from_cert(der)
+                            .ok()
+                            .map(berth_proto::AgentId),
+                    }),
+            );
+            let service = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(peer.clone());
+                app.clone().oneshot(req.map(axum::body::Body::new))
+            });
+            let builder = auto::Builder::new(TokioExecutor::new());
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn.into_owned()).await {
+                tracing::debug!(%remote, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after drain timeout"),
+    }
+    Ok(())
+}

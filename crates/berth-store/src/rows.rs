@@ -1,0 +1,267 @@
+//! What both backends share about rows: timestamps at millisecond precision, reading a row into
+//! a domain type, merging labels, and naming the unique constraint a write collided with.
+//! It holds no SQL that runs and never touches a connection, so the backends cannot drift.
+
+use std::collections::BTreeMap;
+
+use berth_proto::admin::Role;
+use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
+use berth_proto::{AgentId, TenantId, TokenId};
+use sqlx::error::ErrorKind;
+use time::{Duration, OffsetDateTime, UtcOffset};
+use uuid::Uuid;
+
+use crate::{Agent, ApiToken, HeartbeatRecord, Page, StoreError, Tenant};
+
+/// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
+/// A macro, not a const, so it can be `concat!`ed into `'static` query strings.
+macro_rules! agent_columns {
+    () => {
+        "id, tenant_id, name, version, capabilities, labels, status, reported_status, \
+         environment, last_heartbeat, resource_usage, certificate_fingerprint, \
+         certificate_expires_at, created_at, updated_at"
+    };
+}
+pub(crate) use agent_columns;
+
+/// Truncates to whole milliseconds in UTC: the precision both backends store, so a value reads
+/// back equal to what was written on either.
+pub(crate) fn millis(t: OffsetDateTime) -> OffsetDateTime {
+    let t = t.to_offset(UtcOffset::UTC);
+    // `nanosecond()` is the non-negative part within the second, also before 1970.
+    t - Duration::nanoseconds(i64::from(t.nanosecond() % 1_000_000))
+}
+
+/// Unix milliseconds, as SQLite stores timestamps.
+pub(crate) fn unix_millis(t: OffsetDateTime) -> i64 {
+    // `time` is limited to ±9999 years, about ±3.2e14 ms, far inside i64.
+    millis(t).unix_timestamp_nanos().div_euclid(1_000_000) as i64
+}
+
+pub(crate) fn from_unix_millis(column: &str, ms: i64) -> Result<OffsetDateTime, StoreError> {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .map_err(|e| StoreError::Corrupt(format!("{column}: {ms} ms is out of range: {e}")))
+}
+
+/// Reads the columns whose native types differ between backends (ids, timestamps, JSON), so
+/// one function per domain type can read a row from either.
+pub(crate) trait ColumnReader {
+    fn uuid(&self, column: &'static str) -> Result<Uuid, StoreError>;
+    fn time(&self, column: &'static str) -> Result<OffsetDateTime, StoreError>;
+    fn time_opt(&self, column: &'static str) -> Result<Option<OffsetDateTime>, StoreError>;
+    fn text(&self, column: &'static str) -> Result<String, StoreError>;
+    fn text_opt(&self, column: &'static str) -> Result<Option<String>, StoreError>;
+    fn flag(&self, column: &'static str) -> Result<bool, StoreError>;
+    fn json(&self, column: &'static str) -> Result<serde_json::Value, StoreError>;
+    fn json_opt(&self, column: &'static str) -> Result<Option<serde_json::Value>, StoreError>;
+}
+
+/// `Row::try_get` with a decode failure reported as a corrupt row, naming the column.
+pub(crate) fn get<'r, R, T>(row: &'r R, column: &'static str) -> Result<T, StoreError>
+where
+    R: sqlx::Row,
+    &'static str: sqlx::ColumnIndex<R>,
+    T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    row.try_get(column)
+        .map_err(|e| StoreError::Corrupt(format!("column {column}: {e}")))
+}
+
+fn status(column: &str, s: &str) -> Result<AgentStatus, StoreError> {
+    AgentStatus::parse(s)
+        .ok_or_else(|| StoreError::Corrupt(format!("{column}: unknown status {s:?}")))
+}
+
+fn labels(column: &str, v: serde_json::Value) -> Result<BTreeMap<String, String>, StoreError> {
+    serde_json::from_value(v).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
+}
+
+pub(crate) fn read_tenant(row: &impl ColumnReader) -> Result<Tenant, StoreError> {
+    Ok(Tenant {
+        id: TenantId(row.uuid("id")?),
+        name: row.text("name")?,
+        created_at: row.time("created_at")?,
+    })
+}
+
+pub(crate) fn read_api_token(row: &impl ColumnReader) -> Result<ApiToken, StoreError> {
+    let role = row.text("role")?;
+    Ok(ApiToken {
+        id: TokenId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        name: row.text("name")?,
+        role: Role::parse(&role).ok_or_else(|| {
+            StoreError::Corrupt(format!("api_tokens.role: unknown role {role:?}"))
+        })?,
+        operator: row.flag("operator")?,
+        created_at: row.time("created_at")?,
+    })
+}
+
+/// What a consumed registration token hands on to the agent it admits.
+pub(crate) struct ConsumedToken {
+    pub tenant_id: TenantId,
+    pub labels: BTreeMap<String, String>,
+    pub environment: Option<String>,
+}
+
+pub(crate) fn read_consumed_token(row: &impl ColumnReader) -> Result<ConsumedToken, StoreError> {
+    Ok(ConsumedToken {
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        labels: labels("registration_tokens.labels", row.json("labels")?)?,
+        environment: row.text_opt("environment")?,
+    })
+}
+
+pub(crate) fn read_agent(row: &impl ColumnReader) -> Result<Agent, StoreError> {
+    let capabilities: Vec<Capability> = serde_json::from_value(row.json("capabilities")?)
+        .map_err(|e| StoreError::Corrupt(format!("agents.capabilities: {e}")))?;
+    let resource_usage: Option<ResourceUsage> = row
+        .json_opt("resource_usage")?
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| StoreError::Corrupt(format!("agents.resource_usage: {e}")))?;
+    Ok(Agent {
+        id: AgentId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        name: row.text("name")?,
+        version: row.text("version")?,
+        capabilities,
+        labels: labels("agents.labels", row.json("labels")?)?,
+        status: status("agents.status", &row.text("status")?)?,
+        reported_status: status("agents.reported_status", &row.text("reported_status")?)?,
+        environment: row.text_opt("environment")?,
+        last_heartbeat: row.time_opt("last_heartbeat")?,
+        resource_usage,
+        certificate_fingerprint: row.text_opt("certificate_fingerprint")?,
+        certificate_expires_at: row.time_opt("certificate_expires_at")?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+    })
+}
+
+/// The agent's own labels with the token's laid over them: the admin who minted the token
+/// decides placement labels, not the host that presents it.
+pub(crate) fn merge_labels(
+    mut agent: BTreeMap<String, String>,
+    token: BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    agent.extend(token);
+    agent
+}
+
+/// Batch positions in agent-id order (stable, so repeats keep their batch order). Every writer
+/// takes row locks in this one order, so two concurrent batches cannot deadlock each other.
+pub(crate) fn lock_order(batch: &[HeartbeatRecord]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by_key(|&i| batch[i].agent_id);
+    order
+}
+
+/// A full page may have a successor; its last id is the cursor for it.
+pub(crate) fn page(items: Vec<Agent>, limit: u32) -> Page<Agent> {
+    let full = items.len() >= limit as usize;
+    let next = if full {
+        items.last().map(|a| a.id)
+    } else {
+        None
+    };
+    Page { items, next }
+}
+
+/// Unique constraints by their PostgreSQL name, the columns SQLite's message names
+/// ("UNIQUE constraint failed: <columns>"), and the name `StoreError::Conflict` reports.
+const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
+    ("tenants_pkey", "tenants.id", "tenant_id"),
+    ("tenants_name_key", "tenants.name", "tenant_name"),
+    ("api_tokens_pkey", "api_tokens.id", "api_token_id"),
+    (
+        "api_tokens_token_hash_key",
+        "api_tokens.token_hash",
+        "api_token_hash",
+    ),
+    (
+        "registration_tokens_pkey",
+        "registration_tokens.id",
+        "registration_token_id",
+    ),
+    (
+        "registration_tokens_token_hash_key",
+        "registration_tokens.token_hash",
+        "registration_token_hash",
+    ),
+    ("agents_pkey", "agents.id", "agent_id"),
+    (
+        "agents_tenant_id_name_key",
+        "agents.tenant_id, agents.name",
+        "agent_name",
+    ),
+    (
+        "agents_certificate_fingerprint_key",
+        "agents.certificate_fingerprint",
+        "agent_certificate",
+    ),
+];
+
+/// The `Conflict` name of the unique constraint `err` violated, if it is a known one.
+pub(crate) fn unique_violation(err: &sqlx::Error) -> Option<&'static str> {
+    let sqlx::Error::Database(db) = err else {
+        return None;
+    };
+    if db.kind() != ErrorKind::UniqueViolation {
+        return None;
+    }
+    if let Some(constraint) = db.constraint() {
+        return UNIQUE_CONSTRAINTS
+            .iter()
+            .find(|(pg, _, _)| *pg == constraint)
+            .map(|(_, _, name)| *name);
+    }
+    let columns = db.message().strip_prefix("UNIQUE constraint failed: ")?;
+    UNIQUE_CONSTRAINTS
+        .iter()
+        .find(|(_, sqlite, _)| *sqlite == columns)
+        .map(|(_, _, name)| *name)
+}
+
+/// Maps a failed statement: a known unique violation becomes `Conflict`, anything else keeps
+/// its source under the name of the operation.
+pub(crate) fn db_error(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |source| match unique_violation(&source) {
+        Some(constraint) => StoreError::Conflict { constraint },
+        None => StoreError::Database { operation, source },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn millis_truncates_and_converts_to_utc() {
+        let t = datetime!(2024-02-29 12:34:56.789_654_321 +02:00);
+        assert_eq!(millis(t), datetime!(2024-02-29 10:34:56.789 UTC));
+        let before_epoch = datetime!(1969-12-31 23:59:59.999_999 UTC);
+        assert_eq!(millis(before_epoch), datetime!(1969-12-31 23:59:59.999 UTC));
+        assert_eq!(
+            from_unix_millis("t", unix_millis(before_epoch)).ok(),
+            Some(millis(before_epoch))
+        );
+        assert_eq!(
+            unix_millis(t),
+            from_unix_millis("t", unix_millis(t))
+                .map(unix_millis)
+                .unwrap()
+        );
+    }
+
+    #[test]
+    fn token_labels_win() {
+        let agent = BTreeMap::from([("a".to_string(), "1".to_string()), ("b".into(), "2".into())]);
+        let token = BTreeMap::from([("b".to_string(), "3".to_string())]);
+        let merged = merge_labels(agent, token);
+        assert_eq!(merged["a"], "1");
+        assert_eq!(merged["b"], "3");
+    }
+}
