@@ -26,16 +26,18 @@ pub async fn docker() -> Option<Capability> {
     if !socket.exists() {
         return None;
     }
-    Some(match tokio::time::timeout(PROBE_TIMEOUT, engine_version(&socket)).await {
-        Ok(Ok(version)) => Capability {
-            name: "docker".into(),
-            version: Some(version),
-            healthy: true,
-            detail: None,
+    Some(
+        match tokio::time::timeout(PROBE_TIMEOUT, engine_version(&socket)).await {
+            Ok(Ok(version)) => Capability {
+                name: "docker".into(),
+                version: Some(version),
+                healthy: true,
+                detail: None,
+            },
+            Ok(Err(e)) => unhealthy("docker", format!("engine not answering: {e}")),
+            Err(_) => unhealthy("docker", "engine did not answer in time".into()),
         },
-        Ok(Err(e)) => unhealthy("docker", format!("engine not answering: {e}")),
-        Err(_) => unhealthy("docker", "engine did not answer in time".into()),
-    })
+    )
 }
 
 fn unhealthy(name: &str, detail: String) -> Capability {
@@ -70,8 +72,16 @@ async fn engine_version(socket: &std::path::Path) -> std::io::Result<String> {
 /// `docker compose` (v2) when present, else `docker-compose` (v1).
 pub async fn compose() -> Option<Capability> {
     for (program, args, flavour) in [
-        ("docker", &["compose", "version", "--short"][..], "docker compose"),
-        ("docker-compose", &["version", "--short"][..], "docker-compose"),
+        (
+            "docker",
+            &["compose", "version", "--short"][..],
+            "docker compose",
+        ),
+        (
+            "docker-compose",
+            &["version", "--short"][..],
+            "docker-compose",
+        ),
     ] {
         if let Some(version) = command_output(program, args).await {
             return Some(Capability {

@@ -53,7 +53,11 @@ pub struct AgentConfig {
     pub retry_budget: Duration,
 }
 
-fn client(server: &str, trust: Trust, identity: Option<ClientIdentity>) -> Result<Client, AgentError> {
+fn client(
+    server: &str,
+    trust: Trust,
+    identity: Option<ClientIdentity>,
+) -> Result<Client, AgentError> {
     Client::new(ClientConfig {
         server: server.to_string(),
         trust,
@@ -74,11 +78,19 @@ enum Failure {
 
 fn classify(e: ClientError) -> Failure {
     match &e {
-        ClientError::Api { status, body, retry_after } => match (*status, body.code.as_str()) {
-            (401, codes::AGENT_REVOKED) | (403, codes::CERT_BINDING_MISMATCH) | (401, codes::CLIENT_CERT_REQUIRED) => {
+        ClientError::Api {
+            status,
+            body,
+            retry_after,
+        } => match (*status, body.code.as_str()) {
+            (401, codes::AGENT_REVOKED)
+            | (403, codes::CERT_BINDING_MISMATCH)
+            | (401, codes::CLIENT_CERT_REQUIRED) => {
                 Failure::Stop(AgentError::Revoked(e.to_string()))
             }
-            (401, codes::REGISTRATION_TOKEN_INVALID) | (409, _) => Failure::Stop(AgentError::Config(e.to_string())),
+            (401, codes::REGISTRATION_TOKEN_INVALID) | (409, _) => {
+                Failure::Stop(AgentError::Config(e.to_string()))
+            }
             (429, _) => Failure::Retry(*retry_after, e.to_string()),
             (s, _) if s >= 500 => Failure::Retry(*retry_after, e.to_string()),
             _ => Failure::Stop(AgentError::Fatal(e.to_string())),
@@ -116,7 +128,10 @@ where
                 Failure::Retry(after, why) => {
                     let delay = after.unwrap_or_else(|| backoff.next_delay());
                     if started.elapsed() + delay > budget {
-                        return Err(AgentError::Temporary(format!("{what}: gave up after {:?}: {why}", started.elapsed())));
+                        return Err(AgentError::Temporary(format!(
+                            "{what}: gave up after {:?}: {why}",
+                            started.elapsed()
+                        )));
                     }
                     tracing::warn!(%why, retry_in = ?delay, "{what} failed; retrying");
                     tokio::time::sleep(delay).await;
@@ -138,11 +153,16 @@ pub async fn register(opts: RegisterOptions) -> Result<Registered, AgentError> {
     state.ensure()?;
     let fingerprint = berth_client::normalize_fingerprint(&opts.ca_fingerprint)
         .map_err(|e| AgentError::Config(e.to_string()))?;
-    let key = AgentKey::generate().map_err(|e| AgentError::Fatal(format!("generating the key: {e}")))?;
+    let key =
+        AgentKey::generate().map_err(|e| AgentError::Fatal(format!("generating the key: {e}")))?;
     let csr = key
         .csr_pem(&opts.name)
         .map_err(|e| AgentError::Fatal(format!("building the CSR: {e}")))?;
-    let client = client(&opts.server, Trust::CaFingerprint(fingerprint.clone()), None)?;
+    let client = client(
+        &opts.server,
+        Trust::CaFingerprint(fingerprint.clone()),
+        None,
+    )?;
     let request = RegisterAgent {
         name: opts.name.clone(),
         version: crate::VERSION.to_string(),
@@ -158,17 +178,22 @@ pub async fn register(opts: RegisterOptions) -> Result<Registered, AgentError> {
 
     // The TLS handshake already proved the server holds a certificate from the pinned CA; the CA
     // it hands us to keep must be that same CA.
-    let ca_der = berth_crypto::cert_pem_to_der(&response.ca_certificate)
-        .map_err(|e| AgentError::Fatal(format!("the server's CA certificate is unreadable: {e}")))?;
+    let ca_der = berth_crypto::cert_pem_to_der(&response.ca_certificate).map_err(|e| {
+        AgentError::Fatal(format!("the server's CA certificate is unreadable: {e}"))
+    })?;
     if berth_crypto::fingerprint(&ca_der) != fingerprint {
-        return Err(AgentError::Fatal("the server returned a CA that does not match the pinned fingerprint".into()));
+        return Err(AgentError::Fatal(
+            "the server returned a CA that does not match the pinned fingerprint".into(),
+        ));
     }
     let cert_der = berth_crypto::cert_pem_to_der(&response.certificate)
         .map_err(|e| AgentError::Fatal(format!("the issued certificate is unreadable: {e}")))?;
     let cert_agent = berth_crypto::agent_id_from_cert(&cert_der)
         .map_err(|e| AgentError::Fatal(format!("the issued certificate names no agent: {e}")))?;
     if cert_agent != response.agent_id.0 {
-        return Err(AgentError::Fatal("the issued certificate names another agent".into()));
+        return Err(AgentError::Fatal(
+            "the issued certificate names another agent".into(),
+        ));
     }
     let expires = berth_crypto::cert_not_after(&cert_der)
         .map_err(|e| AgentError::Fatal(format!("the issued certificate has no expiry: {e}")))?;
@@ -215,10 +240,16 @@ fn renewal_due(file: &IdentityFile, now: OffsetDateTime) -> bool {
 }
 
 /// Runs until `shutdown` resolves (Ok: exit 0) or a failure decides the exit code.
-pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+pub async fn run(
+    config: AgentConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), AgentError> {
     let state = StateDir(config.state_dir.clone());
     let mut identity = state.load()?;
-    let server = config.server.clone().unwrap_or_else(|| identity.file.server.clone());
+    let server = config
+        .server
+        .clone()
+        .unwrap_or_else(|| identity.file.server.clone());
     let agent_id = identity.file.agent_id;
     let mut client = mtls_client(&server, &identity)?;
     tracing::info!(%agent_id, %server, "agent started");
@@ -239,7 +270,11 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             compose = capabilities::compose().await;
             compose_probed = Instant::now();
         }
-        let capabilities: Vec<Capability> = capabilities::docker().await.into_iter().chain(compose.clone()).collect();
+        let capabilities: Vec<Capability> = capabilities::docker()
+            .await
+            .into_iter()
+            .chain(compose.clone())
+            .collect();
         let status = if capabilities.iter().all(|c| c.healthy) {
             AgentStatus::Online
         } else {
@@ -263,8 +298,14 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     }
 }
 
-async fn renew(state: &StateDir, client: &Client, identity: &Identity, budget: Duration) -> Result<Identity, AgentError> {
-    let key = AgentKey::generate().map_err(|e| AgentError::Fatal(format!("generating the key: {e}")))?;
+async fn renew(
+    state: &StateDir,
+    client: &Client,
+    identity: &Identity,
+    budget: Duration,
+) -> Result<Identity, AgentError> {
+    let key =
+        AgentKey::generate().map_err(|e| AgentError::Fatal(format!("generating the key: {e}")))?;
     let request = RenewCertificate {
         agent_id: identity.file.agent_id,
         csr: key

@@ -87,7 +87,11 @@ impl StateDir {
     /// file; both describe the same certificate at every instant a reader can observe.
     pub fn save(&self, identity: &Identity) -> Result<(), AgentError> {
         self.ensure()?;
-        let credentials = format!("{}\n{}\n", identity.key_pem.trim(), identity.cert_pem.trim());
+        let credentials = format!(
+            "{}\n{}\n",
+            identity.key_pem.trim(),
+            identity.cert_pem.trim()
+        );
         write_atomic(&self.credentials_path(), credentials.as_bytes(), 0o600)?;
         write_atomic(&self.ca_path(), identity.ca_pem.as_bytes(), 0o644)?;
         let json = serde_json::to_vec_pretty(&identity.file)

@@ -11,7 +11,11 @@ use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::CreateAgentToken;
 use berth_server::{Server, ServerConfig};
 
-pub async fn run(data_dir: PathBuf, listen: SocketAddr, heartbeat_interval_secs: u64) -> anyhow::Result<()> {
+pub async fn run(
+    data_dir: PathBuf,
+    listen: SocketAddr,
+    heartbeat_interval_secs: u64,
+) -> anyhow::Result<()> {
     let data_dir = std::path::absolute(&data_dir).context("resolving the data dir")?;
     let mut config = ServerConfig::new(data_dir.join("server"), listen);
     config.heartbeat_interval = Duration::from_secs(heartbeat_interval_secs.max(1));
@@ -82,7 +86,10 @@ pub async fn run(data_dir: PathBuf, listen: SocketAddr, heartbeat_interval_secs:
     println!("Use the CLI from another shell:\n");
     println!("  export BERTH_SERVER={url}");
     println!("  export BERTH_TOKEN={admin_token}");
-    println!("  export BERTH_CA_FILE={}", boot.data_dir.ca_cert().display());
+    println!(
+        "  export BERTH_CA_FILE={}",
+        boot.data_dir.ca_cert().display()
+    );
     println!("  berth agents list\n");
     println!("Press Ctrl-C to stop.");
 

@@ -46,7 +46,13 @@ pub fn default_agent_name() -> String {
     let name: String = raw
         .trim()
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
         .take(63)
         .collect();
     if name.is_empty() || !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {

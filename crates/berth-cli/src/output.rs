@@ -11,7 +11,11 @@ pub enum Output {
 
 impl Output {
     /// JSON of `value`, or the human rendering.
-    pub fn print<T: Serialize>(self, value: &T, human: impl FnOnce() -> String) -> anyhow::Result<()> {
+    pub fn print<T: Serialize>(
+        self,
+        value: &T,
+        human: impl FnOnce() -> String,
+    ) -> anyhow::Result<()> {
         match self {
             Output::Json => println!("{}", serde_json::to_string_pretty(value)?),
             Output::Table => println!("{}", human()),
@@ -94,7 +98,17 @@ pub fn print_agents(out: Output, agents: &[Agent]) -> anyhow::Result<()> {
                 ]
             })
             .collect();
-        table(&["ID", "NAME", "STATUS", "LAST HEARTBEAT", "CAPABILITIES", "LABELS"], &rows)
+        table(
+            &[
+                "ID",
+                "NAME",
+                "STATUS",
+                "LAST HEARTBEAT",
+                "CAPABILITIES",
+                "LABELS",
+            ],
+            &rows,
+        )
     })
 }
 
@@ -120,12 +134,20 @@ pub fn print_agent(out: Output, a: &Agent) -> anyhow::Result<()> {
             vec!["name".into(), a.name.clone()],
             vec!["status".into(), a.status.as_str().into()],
             vec!["version".into(), a.version.clone()],
-            vec!["environment".into(), a.environment.clone().unwrap_or_else(|| "-".into())],
+            vec![
+                "environment".into(),
+                a.environment.clone().unwrap_or_else(|| "-".into()),
+            ],
             vec!["labels".into(), labels(a)],
             vec!["capabilities".into(), capabilities(a)],
             vec!["last heartbeat".into(), when(a.last_heartbeat)],
             vec!["resources".into(), usage],
-            vec!["certificate".into(), a.certificate_fingerprint.clone().unwrap_or_else(|| "-".into())],
+            vec![
+                "certificate".into(),
+                a.certificate_fingerprint
+                    .clone()
+                    .unwrap_or_else(|| "-".into()),
+            ],
             vec!["certificate expires".into(), when(a.certificate_expires_at)],
             vec!["registered".into(), when(Some(a.created_at))],
         ];

@@ -162,10 +162,13 @@ impl Client {
         if let Some(token) = &self.bearer {
             builder = builder.bearer_auth(token);
         }
-        let response = builder.send().await.map_err(|source| ClientError::Transport {
-            server: self.server.clone(),
-            source,
-        })?;
+        let response = builder
+            .send()
+            .await
+            .map_err(|source| ClientError::Transport {
+                server: self.server.clone(),
+                source,
+            })?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);

@@ -138,7 +138,7 @@ pub struct Agent {
 
 /// `GET /api/v1/agents?status=&capability=&label=k=v&cursor=&limit=`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ListAgents {
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -61,14 +61,20 @@ impl FromRequestParts<SharedState> for Caller {
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .ok_or_else(|| {
-                ApiError::unauthenticated(codes::UNAUTHENTICATED, "missing Authorization: Bearer token")
+                ApiError::unauthenticated(
+                    codes::UNAUTHENTICATED,
+                    "missing Authorization: Bearer token",
+                )
             })?;
         let token = header
             .strip_prefix("Bearer ")
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or_else(|| {
-                ApiError::unauthenticated(codes::UNAUTHENTICATED, "Authorization must be a Bearer token")
+                ApiError::unauthenticated(
+                    codes::UNAUTHENTICATED,
+                    "Authorization must be a Bearer token",
+                )
             })?;
         match state
             .store
@@ -76,21 +82,22 @@ impl FromRequestParts<SharedState> for Caller {
             .await?
         {
             Some(t) => Ok(Caller(t)),
-            None => Err(ApiError::unauthenticated(codes::UNAUTHENTICATED, "unknown API token")),
+            None => Err(ApiError::unauthenticated(
+                codes::UNAUTHENTICATED,
+                "unknown API token",
+            )),
         }
     }
 }
 
 /// The connection's client certificate, required.
 pub fn peer_certificate(parts_peer: Option<&Peer>) -> ApiResult<PeerCertificate> {
-    parts_peer
-        .and_then(|p| p.0.clone())
-        .ok_or_else(|| {
-            ApiError::unauthenticated(
-                codes::CLIENT_CERT_REQUIRED,
-                "agent routes require the agent's client certificate",
-            )
-        })
+    parts_peer.and_then(|p| p.0.clone()).ok_or_else(|| {
+        ApiError::unauthenticated(
+            codes::CLIENT_CERT_REQUIRED,
+            "agent routes require the agent's client certificate",
+        )
+    })
 }
 
 /// Proves that the certificate belongs to agent `id` and is its current binding.
@@ -112,7 +119,9 @@ pub async fn authenticate_agent(
     }
     let agent = state.store.get_agent_for_runtime(id).await?;
     match agent {
-        Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => Ok(agent),
+        Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => {
+            Ok(agent)
+        }
         _ => {
             state.metrics.agent_auth_refused("revoked");
             Err(ApiError::unauthenticated(

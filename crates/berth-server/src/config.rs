@@ -47,7 +47,11 @@ impl ServerConfig {
     pub fn database_url(&self) -> String {
         match &self.database {
             Some(db) => db.clone(),
-            None => self.data_dir.join("berth.db").to_string_lossy().into_owned(),
+            None => self
+                .data_dir
+                .join("berth.db")
+                .to_string_lossy()
+                .into_owned(),
         }
     }
 }

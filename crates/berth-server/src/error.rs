@@ -32,7 +32,11 @@ impl ApiError {
     }
 
     pub fn not_found(what: &str) -> ApiError {
-        ApiError::new(StatusCode::NOT_FOUND, codes::NOT_FOUND, format!("{what} not found"))
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            codes::NOT_FOUND,
+            format!("{what} not found"),
+        )
     }
 
     pub fn forbidden(code: &'static str, detail: impl Into<String>) -> ApiError {

@@ -26,20 +26,26 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 
 fn json_rejection(rejection: JsonRejection) -> ApiError {
     match rejection {
-        JsonRejection::JsonDataError(e) => {
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, codes::INVALID_REQUEST, e.body_text())
+        JsonRejection::JsonDataError(e) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            e.body_text(),
+        ),
+        JsonRejection::JsonSyntaxError(e) => {
+            ApiError::bad_request(codes::MALFORMED_JSON, e.body_text())
         }
-        JsonRejection::JsonSyntaxError(e) => ApiError::bad_request(codes::MALFORMED_JSON, e.body_text()),
         JsonRejection::MissingJsonContentType(_) => ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             codes::UNSUPPORTED_MEDIA_TYPE,
             "expected Content-Type: application/json",
         ),
-        JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            codes::PAYLOAD_TOO_LARGE,
-            "request body is larger than the server accepts",
-        ),
+        JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                codes::PAYLOAD_TOO_LARGE,
+                "request body is larger than the server accepts",
+            )
+        }
         other => ApiError::bad_request(codes::INVALID_REQUEST, other.body_text()),
     }
 }
@@ -56,7 +62,10 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
             Err(PathRejection::FailedToDeserializePathParams(e)) => {
                 Err(ApiError::bad_request(codes::INVALID_ID, e.body_text()))
             }
-            Err(other) => Err(ApiError::bad_request(codes::INVALID_REQUEST, other.body_text())),
+            Err(other) => Err(ApiError::bad_request(
+                codes::INVALID_REQUEST,
+                other.body_text(),
+            )),
         }
     }
 }
@@ -73,7 +82,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
             Err(QueryRejection::FailedToDeserializeQueryString(e)) => {
                 Err(ApiError::bad_request(codes::INVALID_REQUEST, e.body_text()))
             }
-            Err(other) => Err(ApiError::bad_request(codes::INVALID_REQUEST, other.body_text())),
+            Err(other) => Err(ApiError::bad_request(
+                codes::INVALID_REQUEST,
+                other.body_text(),
+            )),
         }
     }
 }

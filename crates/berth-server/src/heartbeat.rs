@@ -40,7 +40,12 @@ impl HeartbeatWriter {
     /// Queues the heartbeat and waits for its commit. `Ok(false)`: the agent is gone or the
     /// certificate is no longer its binding.
     pub async fn record(&self, record: HeartbeatRecord) -> Result<bool, HeartbeatError> {
-        let sender = self.queue.lock().await.clone().ok_or(HeartbeatError::Stopped)?;
+        let sender = self
+            .queue
+            .lock()
+            .await
+            .clone()
+            .ok_or(HeartbeatError::Stopped)?;
         let (reply, answer) = oneshot::channel();
         sender
             .send((record, reply))

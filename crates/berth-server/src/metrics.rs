@@ -27,7 +27,11 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("berth");
         let errors = Family::<Labels, Counter>::default();
-        registry.register("errors", "Refusals and failures by error type", errors.clone());
+        registry.register(
+            "errors",
+            "Refusals and failures by error type",
+            errors.clone(),
+        );
         let agent_auth_refusals = Family::<Labels, Counter>::default();
         registry.register(
             "agent_auth_refusals",
@@ -35,10 +39,14 @@ impl Metrics {
             agent_auth_refusals.clone(),
         );
         let registrations = Family::<Labels, Counter>::default();
-        registry.register("agent_registrations", "Agent registrations by outcome", registrations.clone());
+        registry.register(
+            "agent_registrations",
+            "Agent registrations by outcome",
+            registrations.clone(),
+        );
         let heartbeats = Counter::default();
         registry.register("heartbeats", "Heartbeats persisted", heartbeats.clone());
-        let heartbeat_batch_size = Histogram::new([1.0, 4.0, 16.0, 64.0, 256.0, 1024.0].into_iter());
+        let heartbeat_batch_size = Histogram::new([1.0, 4.0, 16.0, 64.0, 256.0, 1024.0]);
         registry.register(
             "heartbeat_batch_size",
             "Heartbeats committed per transaction",
@@ -62,7 +70,10 @@ impl Metrics {
     }
 
     pub fn error(&self, error_type: &'static str) {
-        self.0.errors.get_or_create(&vec![("error_type", error_type)]).inc();
+        self.0
+            .errors
+            .get_or_create(&vec![("error_type", error_type)])
+            .inc();
     }
 
     pub fn agent_auth_refused(&self, reason: &'static str) {

@@ -28,7 +28,11 @@ pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
                 state.metrics.agents_marked("degraded", sweep.degraded);
                 state.metrics.agents_marked("offline", sweep.offline);
                 if sweep.offline > 0 || sweep.degraded > 0 {
-                    tracing::info!(offline = sweep.offline, degraded = sweep.degraded, "agent status swept");
+                    tracing::info!(
+                        offline = sweep.offline,
+                        degraded = sweep.degraded,
+                        "agent status swept"
+                    );
                 }
             }
             Err(e) => {

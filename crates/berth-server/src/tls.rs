@@ -44,10 +44,11 @@ pub(crate) fn server_config(material: &Material) -> anyhow::Result<Arc<rustls::S
     roots
         .add(CertificateDer::from(material.ca.cert_der().to_vec()))
         .context("adding the CA to the client verifier")?;
-    let client_verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .allow_unauthenticated()
-        .build()
-        .context("building the client certificate verifier")?;
+    let client_verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .allow_unauthenticated()
+            .build()
+            .context("building the client certificate verifier")?;
     let chain = CertificateDer::pem_slice_iter(material.server_cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
         .context("parsing the server certificate chain")?;
@@ -123,10 +124,12 @@ pub(crate) async fn serve(
                             .map(berth_proto::AgentId),
                     }),
             );
-            let service = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(peer.clone());
-                app.clone().oneshot(req.map(axum::body::Body::new))
-            });
+            let service = hyper::service::service_fn(
+                move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    req.extensions_mut().insert(peer.clone());
+                    app.clone().oneshot(req.map(axum::body::Body::new))
+                },
+            );
             let builder = auto::Builder::new(TokioExecutor::new());
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             if let Err(e) = watcher.watch(conn.into_owned()).await {

@@ -24,7 +24,11 @@ struct Args {
     /// The CA fingerprint (sha256:…) printed with the token; with --register.
     #[arg(long, env = "BERTH_CA_FINGERPRINT")]
     ca_fingerprint: Option<String>,
-    #[arg(long, env = "BERTH_AGENT_STATE_DIR", default_value = "/var/lib/berth-agent")]
+    #[arg(
+        long,
+        env = "BERTH_AGENT_STATE_DIR",
+        default_value = "/var/lib/berth-agent"
+    )]
     state_dir: PathBuf,
     /// Agent name; defaults to the host name.
     #[arg(long)]
@@ -47,7 +51,10 @@ fn main() -> ExitCode {
         }
     };
     // One thread keeps the idle agent small; it does little but wait on the network.
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("berth-agent: cannot start the runtime: {e}");
@@ -73,13 +80,22 @@ async fn agent(args: Args) -> Result<(), AgentError> {
             server: args.server.clone().ok_or_else(|| missing("--server"))?,
             state_dir: args.state_dir.clone(),
             token: args.token.clone().ok_or_else(|| missing("--token"))?,
-            ca_fingerprint: args.ca_fingerprint.clone().ok_or_else(|| missing("--ca-fingerprint"))?,
-            name: args.name.clone().unwrap_or_else(berth_cli::default_agent_name),
+            ca_fingerprint: args
+                .ca_fingerprint
+                .clone()
+                .ok_or_else(|| missing("--ca-fingerprint"))?,
+            name: args
+                .name
+                .clone()
+                .unwrap_or_else(berth_cli::default_agent_name),
             labels,
             retry_budget,
         })
         .await?;
-        eprintln!("registered as {} ({})", registered.name, registered.agent_id);
+        eprintln!(
+            "registered as {} ({})",
+            registered.name, registered.agent_id
+        );
     }
     berth_agent::run(
         AgentConfig {

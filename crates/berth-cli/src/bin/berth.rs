@@ -16,7 +16,11 @@ use berth_server::{Server, ServerConfig};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "berth", version, about = "berth: deploy to fleets through pull-based agents, and prove what ran")]
+#[command(
+    name = "berth",
+    version,
+    about = "berth: deploy to fleets through pull-based agents, and prove what ran"
+)]
 struct Cli {
     #[command(flatten)]
     conn: Connection,
@@ -30,7 +34,12 @@ struct Cli {
 #[derive(Args, Debug, Clone)]
 struct Connection {
     /// The server URL.
-    #[arg(long, global = true, env = "BERTH_SERVER", default_value = "https://127.0.0.1:8443")]
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_SERVER",
+        default_value = "https://127.0.0.1:8443"
+    )]
     server: String,
     /// An API token (bat_…).
     #[arg(long, global = true, env = "BERTH_TOKEN", hide_env_values = true)]
@@ -194,8 +203,14 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     let out = cli.output;
     match cli.command {
         Command::Server(args) => serve(args.config()?).await,
-        Command::Dev(args) => berth_cli::dev::run(args.data_dir, args.listen, args.heartbeat_interval_secs).await,
-        Command::Token(TokenCommand::Create { expires, labels, env }) => {
+        Command::Dev(args) => {
+            berth_cli::dev::run(args.data_dir, args.listen, args.heartbeat_interval_secs).await
+        }
+        Command::Token(TokenCommand::Create {
+            expires,
+            labels,
+            env,
+        }) => {
             let client = admin_client(&cli.conn)?;
             let response = client
                 .send(&CreateAgentToken {
@@ -215,7 +230,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Agents(cmd) => {
             let client = admin_client(&cli.conn)?;
             match cmd {
-                AgentsCommand::List { status, capability, label } => {
+                AgentsCommand::List {
+                    status,
+                    capability,
+                    label,
+                } => {
                     let mut agents = Vec::new();
                     let mut cursor = None;
                     loop {
@@ -236,7 +255,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     }
                     print_agents(out, &agents)
                 }
-                AgentsCommand::Show { id } => print_agent(out, &client.send(&GetAgent { id }).await?),
+                AgentsCommand::Show { id } => {
+                    print_agent(out, &client.send(&GetAgent { id }).await?)
+                }
                 AgentsCommand::Label { id, labels, remove } => {
                     let mut current = client.send(&GetAgent { id }).await?.labels;
                     current.extend(berth_cli::parse_labels(&labels).map_err(anyhow::Error::msg)?);
@@ -244,7 +265,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                         current.remove(k);
                     }
                     let agent = client
-                        .send(&UpdateAgent { id, labels: Some(current), capabilities: None })
+                        .send(&UpdateAgent {
+                            id,
+                            labels: Some(current),
+                            capabilities: None,
+                        })
                         .await?;
                     print_agent(out, &agent)
                 }
@@ -257,13 +282,22 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::ApiToken(ApiTokenCommand::Create { role, name }) => {
             let client = admin_client(&cli.conn)?;
             let response = client.send(&CreateApiToken { role, name }).await?;
-            out.print(&response, || format!("{} token (shown once): {}", response.role.as_str(), response.token))
+            out.print(&response, || {
+                format!(
+                    "{} token (shown once): {}",
+                    response.role.as_str(),
+                    response.token
+                )
+            })
         }
         Command::Tenant(TenantCommand::Create { name }) => {
             let client = admin_client(&cli.conn)?;
             let response = client.send(&CreateTenant { name: name.clone() }).await?;
             out.print(&response, || {
-                format!("tenant {name}: {}\nadmin token (shown once): {}", response.tenant_id, response.admin_token)
+                format!(
+                    "tenant {name}: {}\nadmin token (shown once): {}",
+                    response.tenant_id, response.admin_token
+                )
             })
         }
     }
@@ -274,11 +308,11 @@ fn admin_client(conn: &Connection) -> anyhow::Result<Client> {
         .token
         .clone()
         .context("no API token: set BERTH_TOKEN or pass --token")?;
-    let ca_file = conn
-        .ca_file
-        .clone()
-        .context("no CA certificate: set BERTH_CA_FILE or pass --ca-file (ca.crt in the server's data dir)")?;
-    let ca_pem = std::fs::read_to_string(&ca_file).with_context(|| format!("reading {}", ca_file.display()))?;
+    let ca_file = conn.ca_file.clone().context(
+        "no CA certificate: set BERTH_CA_FILE or pass --ca-file (ca.crt in the server's data dir)",
+    )?;
+    let ca_pem = std::fs::read_to_string(&ca_file)
+        .with_context(|| format!("reading {}", ca_file.display()))?;
     Ok(Client::new(ClientConfig {
         server: conn.server.clone(),
         trust: Trust::CaPem(ca_pem),

@@ -38,7 +38,11 @@ pub async fn create_tenant(
     caller.require_operator()?;
     validate_name("tenant name", &req.name)?;
     let now = OffsetDateTime::now_utc();
-    let tenant = match state.store.create_tenant(TenantId::new(), &req.name, now).await {
+    let tenant = match state
+        .store
+        .create_tenant(TenantId::new(), &req.name, now)
+        .await
+    {
         Ok(t) => t,
         Err(StoreError::Conflict { .. }) => {
             return Err(ApiError::conflict(
@@ -48,7 +52,8 @@ pub async fn create_tenant(
         }
         Err(e) => return Err(e.into()),
     };
-    let admin_token = issue_api_token(&state, tenant.id, "tenant-admin".into(), Role::Admin).await?;
+    let admin_token =
+        issue_api_token(&state, tenant.id, "tenant-admin".into(), Role::Admin).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateTenantResponse {
@@ -123,7 +128,9 @@ pub async fn create_agent_token(
     ApiJson(req): ApiJson<CreateAgentToken>,
 ) -> ApiResult<(StatusCode, Json<CreateAgentTokenResponse>)> {
     caller.require_admin()?;
-    let ttl = req.expires_in_seconds.unwrap_or(DEFAULT_REGISTRATION_TTL_SECS);
+    let ttl = req
+        .expires_in_seconds
+        .unwrap_or(DEFAULT_REGISTRATION_TTL_SECS);
     if ttl == 0 || ttl > MAX_REGISTRATION_TTL_SECS {
         return Err(ApiError::bad_request(
             codes::INVALID_REQUEST,
@@ -183,7 +190,11 @@ pub fn validate_name(what: &str, name: &str) -> ApiResult<()> {
 /// At most 64 labels; keys like names (plus `/`), values up to 255 printable characters.
 pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
     let invalid = |detail: String| {
-        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, codes::INVALID_REQUEST, detail)
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            detail,
+        )
     };
     if labels.len() > 64 {
         return Err(invalid("at most 64 labels".into()));
@@ -194,10 +205,14 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
             && k.chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'));
         if !key_ok {
-            return Err(invalid(format!("label key {k:?} must be 1-63 of A-Z a-z 0-9 . _ - /")));
+            return Err(invalid(format!(
+                "label key {k:?} must be 1-63 of A-Z a-z 0-9 . _ - /"
+            )));
         }
         if v.len() > 255 || v.chars().any(char::is_control) {
-            return Err(invalid(format!("label {k:?} has a value over 255 bytes or with control characters")));
+            return Err(invalid(format!(
+                "label {k:?} has a value over 255 bytes or with control characters"
+            )));
         }
     }
     Ok(())

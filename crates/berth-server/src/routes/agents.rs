@@ -48,7 +48,11 @@ fn to_wire(a: berth_store::Agent) -> Agent {
 
 fn validate_capabilities(capabilities: &[Capability]) -> ApiResult<()> {
     let invalid = |detail: String| {
-        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, codes::INVALID_REQUEST, detail)
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            detail,
+        )
     };
     if capabilities.len() > 32 {
         return Err(invalid("at most 32 capabilities".into()));
@@ -56,15 +60,21 @@ fn validate_capabilities(capabilities: &[Capability]) -> ApiResult<()> {
     for c in capabilities {
         let name_ok = !c.name.is_empty()
             && c.name.len() <= 32
-            && c.name
-                .chars()
-                .all(|ch| ch.is_ascii_lowercase() || ch.is_ascii_digit() || matches!(ch, '-' | '.' | '_'));
+            && c.name.chars().all(|ch| {
+                ch.is_ascii_lowercase() || ch.is_ascii_digit() || matches!(ch, '-' | '.' | '_')
+            });
         if !name_ok {
-            return Err(invalid(format!("capability name {:?} must be 1-32 of a-z 0-9 . _ -", c.name)));
+            return Err(invalid(format!(
+                "capability name {:?} must be 1-32 of a-z 0-9 . _ -",
+                c.name
+            )));
         }
         let short = |s: &Option<String>, max: usize| s.as_ref().is_none_or(|s| s.len() <= max);
         if !short(&c.version, 64) || !short(&c.detail, 512) {
-            return Err(invalid(format!("capability {:?} has an overlong version or detail", c.name)));
+            return Err(invalid(format!(
+                "capability {:?} has an overlong version or detail",
+                c.name
+            )));
         }
     }
     Ok(())
@@ -89,7 +99,10 @@ pub async fn register(
         .and_then(|v| v.to_str().ok())
         .filter(|t| !t.is_empty())
         .ok_or_else(|| {
-            ApiError::unauthenticated(codes::REGISTRATION_TOKEN_INVALID, "missing X-Registration-Token")
+            ApiError::unauthenticated(
+                codes::REGISTRATION_TOKEN_INVALID,
+                "missing X-Registration-Token",
+            )
         })?;
     validate_name("agent name", &req.name)?;
     if req.version.is_empty() || req.version.len() > 50 {
@@ -354,7 +367,10 @@ pub async fn issue_jwt(
         "nbf": now.unix_timestamp(),
         "exp": now.unix_timestamp() + ttl.as_secs() as i64,
     });
-    let token = state.jwt.sign(&claims).map_err(|e| ApiError::internal(&e))?;
+    let token = state
+        .jwt
+        .sign(&claims)
+        .map_err(|e| ApiError::internal(&e))?;
     Ok(Json(AgentJwt {
         token,
         expires_in: ttl.as_secs(),
@@ -381,10 +397,18 @@ pub async fn renew_certificate(
     let issued = state
         .ca
         .sign_agent_csr(&req.csr, id.0, now, validity)
-        .map_err(|e| ApiError::bad_request(codes::INVALID_CSR, format!("the CSR was refused: {e}")))?;
+        .map_err(|e| {
+            ApiError::bad_request(codes::INVALID_CSR, format!("the CSR was refused: {e}"))
+        })?;
     let rebound = state
         .store
-        .rebind_certificate(id, &peer.fingerprint, &issued.fingerprint, issued.not_after, now)
+        .rebind_certificate(
+            id,
+            &peer.fingerprint,
+            &issued.fingerprint,
+            issued.not_after,
+            now,
+        )
         .await?;
     if !rebound {
         return Err(ApiError::unauthenticated(

@@ -49,7 +49,10 @@ pub async fn metrics(State(state): State<SharedState>) -> impl IntoResponse {
 
 #[utoipa::path(get, path = "/api/v1/openapi.json", tag = "meta", responses((status = 200, description = "this document")))]
 pub async fn openapi() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "application/json")], crate::openapi_json())
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        crate::openapi_json(),
+    )
 }
 
 /// The public keys that verify agent JWTs and deploy grants.

@@ -23,7 +23,10 @@ pub fn router(state: SharedState) -> Router {
         .route("/.well-known/agent-jwks.json", get(meta::jwks))
         .route("/api/v1/admin/tenants", post(admin::create_tenant))
         .route("/api/v1/admin/api-tokens", post(admin::create_api_token))
-        .route("/api/v1/admin/agent-tokens", post(admin::create_agent_token))
+        .route(
+            "/api/v1/admin/agent-tokens",
+            post(admin::create_agent_token),
+        )
         .route("/api/v1/agents/register", post(agents::register))
         .route("/api/v1/agents/token", post(agents::issue_jwt))
         .route("/api/v1/agents", get(agents::list))
@@ -32,7 +35,10 @@ pub fn router(state: SharedState) -> Router {
             get(agents::get).put(agents::update).delete(agents::delete),
         )
         .route("/api/v1/agents/{id}/heartbeat", post(agents::heartbeat))
-        .route("/api/v1/agents/{id}/certificate", post(agents::renew_certificate))
+        .route(
+            "/api/v1/agents/{id}/certificate",
+            post(agents::renew_certificate),
+        )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

@@ -1,0 +1,790 @@
+//! The HTTP API against an in-process server over real TLS, with real keys: every refusal rule
+//! of the foundation is attacked here, and the happy paths are checked end to end.
+
+mod common;
+
+use std::time::Duration;
+
+use berth_client::{ClientError, Identity};
+use berth_crypto::{AgentKey, Ca};
+use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
+use berth_proto::agent::{
+    AgentStatus, DeleteAgent, GetAgent, Heartbeat, IssueAgentJwt, ListAgents, RegisterAgent,
+    RenewCertificate, ResourceUsage, UpdateAgent,
+};
+use berth_proto::AgentId;
+use common::{register_request, start, wait_for};
+
+fn code(e: &ClientError) -> (u16, String) {
+    match e {
+        ClientError::Api { status, body, .. } => (*status, body.code.clone()),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn heartbeat(agent: AgentId, status: AgentStatus) -> Heartbeat {
+    Heartbeat {
+        agent_id: agent,
+        status,
+        resource_usage: ResourceUsage {
+            cpu_percent: 1.5,
+            cpu_cores: 2,
+            memory_used_bytes: 1 << 30,
+            memory_total_bytes: 4 << 30,
+            disk_free_bytes: 10 << 30,
+            disk_total_bytes: 20 << 30,
+        },
+        capabilities: vec![],
+    }
+}
+
+#[tokio::test]
+async fn registration_token_is_single_use_and_expires() {
+    let server = start().await;
+    let admin = server.admin();
+    let token = server.registration_token(&admin).await;
+    server
+        .agent_with_token("first", &token)
+        .await
+        .expect("first use");
+    let err = server
+        .agent_with_token("second", &token)
+        .await
+        .err()
+        .expect("reuse refused");
+    assert_eq!(code(&err), (401, "REGISTRATION_TOKEN_INVALID".into()));
+
+    let err = server
+        .agent_with_token("third", "reg_unknown")
+        .await
+        .err()
+        .expect("unknown refused");
+    assert_eq!(code(&err), (401, "REGISTRATION_TOKEN_INVALID".into()));
+
+    let short = admin
+        .send(&CreateAgentToken {
+            expires_in_seconds: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let wait =
+        short.expires_at - time::OffsetDateTime::now_utc() + time::Duration::milliseconds(200);
+    tokio::time::sleep(Duration::try_from(wait).unwrap_or_default()).await;
+    let err = server
+        .agent_with_token("late", &short.token)
+        .await
+        .err()
+        .expect("expired refused");
+    assert_eq!(code(&err), (401, "REGISTRATION_TOKEN_INVALID".into()));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_concurrent_registrations_on_one_token_yield_exactly_one_agent() {
+    let server = start().await;
+    let token = server.registration_token(&server.admin()).await;
+    let client = server.client(None, None);
+    let mut attempts = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let (client, token) = (client.clone(), token.clone());
+        attempts.spawn(async move {
+            let key = AgentKey::generate().unwrap();
+            client
+                .send_with(
+                    &register_request(&format!("racer-{i}"), &key),
+                    &[("x-registration-token", &token)],
+                    None,
+                )
+                .await
+        });
+    }
+    let results = attempts.join_all().await;
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "exactly one registration wins"
+    );
+    for r in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert_eq!(code(r), (401, "REGISTRATION_TOKEN_INVALID".into()));
+    }
+    let list = server.admin().send(&ListAgents::default()).await.unwrap();
+    assert_eq!(list.items.len(), 1);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn csr_identity_claims_are_ignored() {
+    let server = start().await;
+    let victim = server.agent("victim").await;
+    // A CSR claiming CN=admin and the victim's agent URI.
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["admin.example".to_string()]).unwrap();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "admin");
+    params.subject_alt_names.push(rcgen::SanType::URI(
+        format!("urn:berth:agent:{}", victim.id).try_into().unwrap(),
+    ));
+    let csr = params.serialize_request(&key).unwrap().pem().unwrap();
+    let token = server.registration_token(&server.admin()).await;
+    let response = server
+        .client(None, None)
+        .send_with(
+            &RegisterAgent {
+                csr,
+                ..register_request("impostor", &AgentKey::generate().unwrap())
+            },
+            &[("x-registration-token", &token)],
+            None,
+        )
+        .await
+        .expect("registration succeeds with the server-chosen identity");
+    assert_ne!(response.agent_id, victim.id);
+    let der = berth_crypto::cert_pem_to_der(&response.certificate).unwrap();
+    assert_eq!(
+        berth_crypto::agent_id_from_cert(&der).unwrap(),
+        response.agent_id.0
+    );
+    // The impostor's certificate cannot act as the victim.
+    let impostor = server.client(
+        None,
+        Some(Identity {
+            cert_pem: response.certificate,
+            key_pem: key.serialize_pem(),
+        }),
+    );
+    let err = impostor
+        .send(&heartbeat(victim.id, AgentStatus::Online))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn garbage_csr_is_a_4xx() {
+    let server = start().await;
+    let token = server.registration_token(&server.admin()).await;
+    for csr in [
+        "",
+        "not a pem",
+        "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n",
+    ] {
+        let err = server
+            .client(None, None)
+            .send_with(
+                &RegisterAgent {
+                    csr: csr.to_string(),
+                    ..register_request("garbage", &AgentKey::generate().unwrap())
+                },
+                &[("x-registration-token", &token)],
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(code(&err), (400, "INVALID_CSR".into()));
+    }
+    // The refused CSRs did not consume the token.
+    server
+        .agent_with_token("after-garbage", &token)
+        .await
+        .expect("token still valid");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_certificate_from_another_ca_is_refused_at_the_handshake() {
+    let server = start().await;
+    let agent = server.agent("real").await;
+    let rogue_ca = Ca::generate("rogue", time::OffsetDateTime::now_utc()).unwrap();
+    let key = AgentKey::generate().unwrap();
+    let forged = rogue_ca
+        .sign_agent_csr(
+            &key.csr_pem("x").unwrap(),
+            agent.id.0,
+            time::OffsetDateTime::now_utc(),
+            time::Duration::days(1),
+        )
+        .unwrap();
+    let rogue = server.client(
+        None,
+        Some(Identity {
+            cert_pem: forged.cert_pem,
+            key_pem: key.to_pem(),
+        }),
+    );
+    let err = rogue
+        .send(&heartbeat(agent.id, AgentStatus::Online))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ClientError::Transport { .. }),
+        "handshake must fail, got {err:?}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn agent_routes_need_the_bound_certificate() {
+    let server = start().await;
+    let a = server.agent("agent-a").await;
+    let b = server.agent("agent-b").await;
+
+    // No client certificate at all.
+    let err = server
+        .client(None, None)
+        .send(&heartbeat(a.id, AgentStatus::Online))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "CLIENT_CERT_REQUIRED".into()));
+    // A's certificate on B's path.
+    let err = a
+        .client
+        .send(&heartbeat(b.id, AgentStatus::Online))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
+    let err = a
+        .client
+        .send(&RenewCertificate {
+            agent_id: b.id,
+            csr: a.key.csr_pem("x").unwrap(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
+
+    // A's own path works; then A is deleted and its certificate is refused on the next call.
+    a.client
+        .send(&heartbeat(a.id, AgentStatus::Online))
+        .await
+        .expect("own heartbeat");
+    server
+        .admin()
+        .send(&DeleteAgent { id: a.id })
+        .await
+        .unwrap();
+    let err = a
+        .client
+        .send(&heartbeat(a.id, AgentStatus::Online))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
+    let err = a.client.send(&IssueAgentJwt::default()).await.unwrap_err();
+    assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
+    b.client
+        .send(&heartbeat(b.id, AgentStatus::Online))
+        .await
+        .expect("B unaffected");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn renewal_rotates_the_binding_at_once() {
+    let server = start().await;
+    let agent = server.agent("renewer").await;
+    let new_key = AgentKey::generate().unwrap();
+    let renewed = agent
+        .client
+        .send(&RenewCertificate {
+            agent_id: agent.id,
+            csr: new_key.csr_pem("renewer").unwrap(),
+        })
+        .await
+        .expect("renewal");
+    let err = agent
+        .client
+        .send(&heartbeat(agent.id, AgentStatus::Online))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        code(&err),
+        (401, "AGENT_REVOKED".into()),
+        "the old certificate stops working"
+    );
+    let fresh = server.client(
+        None,
+        Some(Identity {
+            cert_pem: renewed.certificate.clone(),
+            key_pem: new_key.to_pem(),
+        }),
+    );
+    fresh
+        .send(&heartbeat(agent.id, AgentStatus::Online))
+        .await
+        .expect("the new one works");
+    let shown = server
+        .admin()
+        .send(&GetAgent { id: agent.id })
+        .await
+        .unwrap();
+    let der = berth_crypto::cert_pem_to_der(&renewed.certificate).unwrap();
+    assert_eq!(
+        shown.certificate_fingerprint,
+        Some(berth_crypto::fingerprint(&der))
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn roles_and_tenants_are_enforced() {
+    let server = start().await;
+    let admin = server.admin();
+    let viewer = admin
+        .send(&CreateApiToken {
+            role: Role::Viewer,
+            name: None,
+        })
+        .await
+        .unwrap();
+    let deployer = admin
+        .send(&CreateApiToken {
+            role: Role::Deployer,
+            name: Some("ci".into()),
+        })
+        .await
+        .unwrap();
+    for token in [&viewer.token, &deployer.token] {
+        let c = server.client(Some(token), None);
+        let err = c.send(&CreateAgentToken::default()).await.unwrap_err();
+        assert_eq!(code(&err), (403, "FORBIDDEN".into()));
+        let err = c
+            .send(&CreateApiToken {
+                role: Role::Admin,
+                name: None,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(code(&err), (403, "FORBIDDEN".into()));
+        c.send(&ListAgents::default())
+            .await
+            .expect("reading is allowed");
+    }
+    let err = server
+        .client(Some("bat_nope"), None)
+        .send(&ListAgents::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "UNAUTHENTICATED".into()));
+
+    // Only the operator creates tenants; a tenant admin cannot.
+    let other = admin
+        .send(&CreateTenant {
+            name: "acme".into(),
+        })
+        .await
+        .expect("operator creates a tenant");
+    let err = admin
+        .send(&CreateTenant {
+            name: "acme".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "TENANT_NAME_TAKEN".into()));
+    let acme = server.client(Some(&other.admin_token), None);
+    let err = acme
+        .send(&CreateTenant {
+            name: "evil".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "OPERATOR_ONLY".into()));
+
+    // The default tenant's agent is invisible to acme: 404, not 403.
+    let agent = server.agent("default-agent").await;
+    for err in [
+        acme.send(&GetAgent { id: agent.id }).await.unwrap_err(),
+        acme.send(&UpdateAgent {
+            id: agent.id,
+            labels: Some(Default::default()),
+            capabilities: None,
+        })
+        .await
+        .unwrap_err(),
+        acme.send(&DeleteAgent { id: agent.id }).await.unwrap_err(),
+    ] {
+        assert_eq!(code(&err), (404, "NOT_FOUND".into()));
+    }
+    assert!(acme
+        .send(&ListAgents::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+    // An acme registration token registers into acme, with the token's labels and environment.
+    let token = acme
+        .send(&CreateAgentToken {
+            labels: Some([("team".to_string(), "acme".to_string())].into()),
+            environment: Some("staging".into()),
+            expires_in_seconds: None,
+        })
+        .await
+        .unwrap();
+    let acme_agent = server
+        .agent_with_token("default-agent", &token.token)
+        .await
+        .expect("same name, other tenant");
+    let shown = acme.send(&GetAgent { id: acme_agent.id }).await.unwrap();
+    assert_eq!(shown.labels.get("team").map(String::as_str), Some("acme"));
+    assert_eq!(shown.environment.as_deref(), Some("staging"));
+    assert!(admin.send(&GetAgent { id: acme_agent.id }).await.is_err());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn heartbeats_drive_status() {
+    let server = start().await;
+    let agent = server.agent("beater").await;
+    let admin = server.admin();
+    let ack = agent
+        .client
+        .send(&heartbeat(agent.id, AgentStatus::Degraded))
+        .await
+        .unwrap();
+    assert!(ack.acknowledged);
+    assert_eq!(ack.heartbeat_interval_seconds, 1);
+    let shown = admin.send(&GetAgent { id: agent.id }).await.unwrap();
+    assert_eq!(shown.status, AgentStatus::Degraded);
+    assert_eq!(shown.resource_usage.unwrap().cpu_cores, 2);
+    agent
+        .client
+        .send(&heartbeat(agent.id, AgentStatus::Online))
+        .await
+        .unwrap();
+    let online = ListAgents {
+        status: Some(AgentStatus::Online),
+        ..Default::default()
+    };
+    assert_eq!(admin.send(&online).await.unwrap().items.len(), 1);
+    // Silence: offline after three 1 s intervals.
+    wait_for(
+        "the agent to go offline",
+        Duration::from_secs(30),
+        || async {
+            admin.send(&GetAgent { id: agent.id }).await.unwrap().status == AgentStatus::Offline
+        },
+    )
+    .await;
+    let err = agent
+        .client
+        .send(&heartbeat(agent.id, AgentStatus::Offline))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn agent_jwt_verifies_against_the_jwks() {
+    let server = start().await;
+    let token = server
+        .admin()
+        .send(&CreateAgentToken {
+            environment: Some("prod".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let agent = server
+        .agent_with_token("jwt-agent", &token.token)
+        .await
+        .unwrap();
+    let jwt = agent.client.send(&IssueAgentJwt::default()).await.unwrap();
+    assert_eq!(jwt.expires_in, 3600);
+    let jwks: berth_proto::agent::Jwks = serde_json::from_str(
+        &server
+            .client(None, None)
+            .get_text("/.well-known/agent-jwks.json")
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let keys: Vec<berth_crypto::PublicJwk> =
+        serde_json::from_value(serde_json::to_value(&jwks.keys).unwrap()).unwrap();
+    let claims = berth_crypto::verify_jwt(
+        &jwt.token,
+        &keys,
+        "berth-agent",
+        time::OffsetDateTime::now_utc(),
+    )
+    .unwrap();
+    assert_eq!(claims["sub"], format!("agent:{}", agent.id));
+    assert_eq!(claims["env_id"], "prod");
+    assert_eq!(claims["kind"], "agent");
+    assert!(claims["jti"].is_string() && claims["iss"].is_string());
+    // Not without the certificate.
+    let err = server
+        .client(None, None)
+        .send(&IssueAgentJwt::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "CLIENT_CERT_REQUIRED".into()));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tls_1_2_is_refused() {
+    let server = start().await;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(
+            berth_crypto::cert_pem_to_der(&server.ca_pem).unwrap(),
+        ))
+        .unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::aws_lc_rs::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS12])
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    assert!(
+        connector.connect(name, tcp).await.is_err(),
+        "a TLS 1.2 handshake must fail"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_4xx_json_error_never_a_5xx() {
+    let server = start().await;
+    let agent = server.agent("target").await;
+    let raw = server.raw(None);
+    let url = |p: &str| format!("{}{p}", server.url);
+    let bearer = format!("Bearer {}", server.admin_token);
+    let cases: Vec<(reqwest::RequestBuilder, u16, &str)> = vec![
+        (
+            raw.post(url("/api/v1/admin/agent-tokens"))
+                .header("authorization", &bearer)
+                .header("content-type", "application/json")
+                .body("{not json"),
+            400,
+            "MALFORMED_JSON",
+        ),
+        (
+            raw.post(url("/api/v1/admin/agent-tokens"))
+                .header("authorization", &bearer)
+                .json(&serde_json::json!({"labels": {}, "bogus": 1})),
+            422,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.post(url("/api/v1/admin/api-tokens"))
+                .header("authorization", &bearer)
+                .json(&serde_json::json!({"role": "root"})),
+            422,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.post(url("/api/v1/admin/agent-tokens"))
+                .header("authorization", &bearer)
+                .body("{}"),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+        ),
+        (
+            raw.post(url("/api/v1/admin/agent-tokens"))
+                .header("authorization", &bearer)
+                .header("content-type", "application/json")
+                .body(format!(
+                    "{{\"environment\": \"{}\"}}",
+                    "x".repeat(2 * 1024 * 1024)
+                )),
+            413,
+            "PAYLOAD_TOO_LARGE",
+        ),
+        (
+            raw.get(url("/api/v1/agents/not-a-uuid"))
+                .header("authorization", &bearer),
+            400,
+            "INVALID_ID",
+        ),
+        (
+            raw.get(url("/api/v1/agents?status=sleeping"))
+                .header("authorization", &bearer),
+            400,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.get(url("/api/v1/agents?cursor=zzz"))
+                .header("authorization", &bearer),
+            400,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.get(url("/api/v1/agents?label=nokey"))
+                .header("authorization", &bearer),
+            400,
+            "INVALID_REQUEST",
+        ),
+        (raw.get(url("/api/v1/nothing-here")), 404, "NOT_FOUND"),
+        (
+            raw.patch(url("/api/v1/agents"))
+                .header("authorization", &bearer),
+            405,
+            "METHOD_NOT_ALLOWED",
+        ),
+        (
+            raw.post(url("/api/v1/agents/register"))
+                .header("x-registration-token", "reg_x")
+                .json(&serde_json::json!({"name": "n"})),
+            422,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.post(url("/api/v1/agents/register"))
+                .header("x-registration-token", "reg_x")
+                .json(&serde_json::json!({"name": "bad name!", "version": "1", "csr": "x"})),
+            422,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.post(url("/api/v1/agents/register"))
+                .json(&serde_json::json!({"name": "n", "version": "1", "csr": "x"})),
+            401,
+            "REGISTRATION_TOKEN_INVALID",
+        ),
+        (
+            raw.put(url(&format!("/api/v1/agents/{}", agent.id)))
+                .header("authorization", &bearer)
+                .json(&serde_json::json!({"labels": {"bad key!": "v"}})),
+            422,
+            "INVALID_REQUEST",
+        ),
+        (
+            raw.post(url("/api/v1/admin/agent-tokens"))
+                .header("authorization", &bearer)
+                .json(&serde_json::json!({"expiresInSeconds": 0})),
+            400,
+            "INVALID_REQUEST",
+        ),
+    ];
+    for (i, (request, status, expected)) in cases.into_iter().enumerate() {
+        let response = request
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("case {i}: {e}"));
+        let got = response.status().as_u16();
+        let body: serde_json::Value = response
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("case {i}: body is not JSON: {e}"));
+        assert_eq!(
+            (got, body["code"].as_str().unwrap_or("")),
+            (status, expected),
+            "case {i}: {body}"
+        );
+        assert!(body["detail"].is_string(), "case {i}: {body}");
+    }
+    // The agent's own malformed heartbeat is refused the same way.
+    let with_cert = server.raw(Some(&agent.identity()));
+    let response = with_cert
+        .post(url(&format!("/api/v1/agents/{}/heartbeat", agent.id)))
+        .header("content-type", "application/json")
+        .body("[1,2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn listing_paginates_and_filters() {
+    let server = start().await;
+    let admin = server.admin();
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(server.agent(&format!("page-{i}")).await.id);
+    }
+    admin
+        .send(&UpdateAgent {
+            id: ids[2],
+            labels: Some([("role".to_string(), "db".to_string())].into()),
+            capabilities: None,
+        })
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = admin
+            .send(&ListAgents {
+                cursor: cursor.clone(),
+                limit: Some(2),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(page.items.len() <= 2);
+        seen.extend(page.items.iter().map(|a| a.id));
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ids, "every agent once, in creation order");
+    let db = admin
+        .send(&ListAgents {
+            label: Some("role=db".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        db.items.iter().map(|a| a.id).collect::<Vec<_>>(),
+        vec![ids[2]]
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn meta_endpoints_answer() {
+    let server = start().await;
+    let c = server.client(None, None);
+    assert!(c.get_text("/healthz").await.unwrap().contains("ok"));
+    assert!(c.get_text("/readyz").await.unwrap().contains("ready"));
+    server.agent("metered").await;
+    let metrics = c.get_text("/metrics").await.unwrap();
+    assert!(
+        metrics.contains("berth_agent_registrations_total"),
+        "{metrics}"
+    );
+    server.stop().await;
+}
+
+/// The served OpenAPI document equals the committed one. Regenerate with
+/// `BERTH_UPDATE_OPENAPI=1 cargo test -p berth-server --test api openapi`.
+#[tokio::test]
+async fn openapi_document_matches_the_committed_copy() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../openapi/berth.json");
+    let generated = berth_server::openapi_json();
+    if std::env::var_os("BERTH_UPDATE_OPENAPI").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).expect("openapi/berth.json is committed");
+    assert!(
+        committed == generated,
+        "the OpenAPI document drifted; regenerate it (see this test's doc)"
+    );
+    let server = start().await;
+    let served = server
+        .client(None, None)
+        .get_text("/api/v1/openapi.json")
+        .await
+        .unwrap();
+    assert_eq!(served, generated);
+    for path in [
+        "/api/v1/agents/register",
+        "/api/v1/admin/agent-tokens",
+        "/api/v1/agents/{id}/heartbeat",
+    ] {
+        assert!(generated.contains(path), "{path} is documented");
+    }
+    server.stop().await;
+}

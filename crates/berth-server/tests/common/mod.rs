@@ -1,0 +1,173 @@
+//! An in-process server on 127.0.0.1:0 with a temp data dir, and clients that speak to it over
+//! real TLS: admin (bearer) clients and agents with real keys and certificates.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use berth_client::{Client, ClientConfig, Identity, Trust};
+use berth_crypto::AgentKey;
+use berth_proto::admin::CreateAgentToken;
+use berth_proto::agent::RegisterAgent;
+use berth_proto::AgentId;
+use berth_server::{Server, ServerConfig};
+
+pub struct TestServer {
+    pub url: String,
+    pub addr: std::net::SocketAddr,
+    pub ca_pem: String,
+    pub ca_fingerprint: String,
+    pub admin_token: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    pub dir: tempfile::TempDir,
+}
+
+pub struct TestAgent {
+    pub id: AgentId,
+    pub key: AgentKey,
+    pub cert_pem: String,
+    pub client: Client,
+}
+
+pub async fn start() -> TestServer {
+    start_with(|_| {}).await
+}
+
+pub async fn start_with(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let mut config = ServerConfig::new(dir.path().join("data"), addr);
+    config.heartbeat_interval = Duration::from_secs(1);
+    adjust(&mut config);
+    let server = Server::bootstrap(config).await.expect("bootstrap");
+    let boot = server.bootstrapped().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(listener, async {
+        let _ = stopped.await;
+    }));
+    TestServer {
+        url: format!("https://{addr}"),
+        addr,
+        ca_pem: std::fs::read_to_string(boot.data_dir.ca_cert()).expect("ca"),
+        ca_fingerprint: boot.ca_fingerprint,
+        admin_token: boot.new_admin_token.expect("first start makes a token"),
+        stop: Some(stop),
+        task: Some(task),
+        dir,
+    }
+}
+
+impl TestServer {
+    pub fn client(&self, bearer: Option<&str>, identity: Option<Identity>) -> Client {
+        Client::new(ClientConfig {
+            server: self.url.clone(),
+            trust: Trust::CaPem(self.ca_pem.clone()),
+            identity,
+            bearer: bearer.map(str::to_string),
+            timeout: Duration::from_secs(30),
+        })
+        .expect("client")
+    }
+
+    pub fn admin(&self) -> Client {
+        self.client(Some(&self.admin_token), None)
+    }
+
+    /// A plain reqwest client over the same TLS settings, for hand-crafted bad requests.
+    pub fn raw(&self, identity: Option<&Identity>) -> reqwest::Client {
+        let tls =
+            berth_client::tls_config(&Trust::CaPem(self.ca_pem.clone()), identity).expect("tls");
+        reqwest::Client::builder()
+            .use_preconfigured_tls(tls)
+            .build()
+            .expect("raw client")
+    }
+
+    pub async fn registration_token(&self, admin: &Client) -> String {
+        admin
+            .send(&CreateAgentToken::default())
+            .await
+            .expect("registration token")
+            .token
+    }
+
+    /// Registers an agent with a real key and returns it with an mTLS client.
+    pub async fn agent(&self, name: &str) -> TestAgent {
+        let token = self.registration_token(&self.admin()).await;
+        self.agent_with_token(name, &token).await.expect("register")
+    }
+
+    pub async fn agent_with_token(
+        &self,
+        name: &str,
+        token: &str,
+    ) -> Result<TestAgent, berth_client::ClientError> {
+        let key = AgentKey::generate().expect("key");
+        let response = self
+            .client(None, None)
+            .send_with(
+                &register_request(name, &key),
+                &[("x-registration-token", token)],
+                None,
+            )
+            .await?;
+        let identity = Identity {
+            cert_pem: response.certificate.clone(),
+            key_pem: key.to_pem(),
+        };
+        Ok(TestAgent {
+            id: response.agent_id,
+            cert_pem: response.certificate,
+            client: self.client(None, Some(identity)),
+            key,
+        })
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("join").expect("server ran cleanly");
+        }
+    }
+}
+
+pub fn register_request(name: &str, key: &AgentKey) -> RegisterAgent {
+    RegisterAgent {
+        name: name.to_string(),
+        version: "0.0.0-test".into(),
+        capabilities: vec![],
+        labels: Default::default(),
+        csr: key.csr_pem(name).expect("csr"),
+    }
+}
+
+impl TestAgent {
+    pub fn identity(&self) -> Identity {
+        Identity {
+            cert_pem: self.cert_pem.clone(),
+            key_pem: self.key.to_pem(),
+        }
+    }
+}
+
+/// Polls `condition` until it holds or the deadline passes.
+pub async fn wait_for<F, Fut>(what: &str, deadline: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = std::time::Instant::now();
+    while !condition().await {
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
