@@ -1,6 +1,7 @@
 //! Agent failures, each mapped to the exit code operators and supervisors act on.
 
-/// Exit codes: 0 stop, 1 fatal (identity revoked: re-register), 75 temporary, 78 configuration.
+/// Exit codes: 0 stop, 1 fatal (identity revoked: re-register; or fenced by a newer process),
+/// 75 temporary, 78 configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     /// Wrong flags, missing or unusable state, a refused registration token: fix the setup.
@@ -9,6 +10,9 @@ pub enum AgentError {
     /// The server no longer accepts this identity: register again.
     #[error("identity revoked: {0}")]
     Revoked(String),
+    /// Another process took over this identity (a newer session generation): stop all work.
+    #[error("fenced: {0}")]
+    Fenced(String),
     /// Something that should not happen and will not get better by retrying.
     #[error("fatal: {0}")]
     Fatal(String),
@@ -21,7 +25,7 @@ impl AgentError {
     pub fn exit_code(&self) -> i32 {
         match self {
             AgentError::Config(_) => 78,
-            AgentError::Revoked(_) | AgentError::Fatal(_) => 1,
+            AgentError::Revoked(_) | AgentError::Fenced(_) | AgentError::Fatal(_) => 1,
             AgentError::Temporary(_) => 75,
         }
     }

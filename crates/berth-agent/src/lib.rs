@@ -7,9 +7,11 @@
 mod backoff;
 mod capabilities;
 mod error;
+mod journal;
 mod resources;
 mod run;
 mod state;
+mod tasks;
 
 pub use error::AgentError;
 pub use run::{register, run, AgentConfig, RegisterOptions, Registered};

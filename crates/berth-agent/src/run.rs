@@ -8,12 +8,14 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use berth_client::{Client, ClientConfig, ClientError, Identity as ClientIdentity, Trust};
 use berth_crypto::AgentKey;
 use berth_proto::agent::{AgentStatus, Capability, Heartbeat, RegisterAgent, RenewCertificate};
 use berth_proto::error::codes;
+use berth_proto::transport::{AcquireSession, ReleaseSession, GENERATION_HEADER};
 use berth_proto::AgentId;
 use time::OffsetDateTime;
 
@@ -51,6 +53,25 @@ pub struct AgentConfig {
     pub server: Option<String>,
     pub state_dir: PathBuf,
     pub retry_budget: Duration,
+    /// Programs `execute-command` may run (absolute paths); empty turns it off.
+    pub allow_commands: Vec<PathBuf>,
+    /// Where version stickers live; default `<state_dir>/stickers`.
+    pub sticker_dir: Option<PathBuf>,
+    /// Tasks run at once.
+    pub max_concurrent_tasks: usize,
+}
+
+impl AgentConfig {
+    pub fn new(state_dir: PathBuf) -> AgentConfig {
+        AgentConfig {
+            server: None,
+            state_dir,
+            retry_budget: Duration::from_secs(600),
+            allow_commands: Vec::new(),
+            sticker_dir: None,
+            max_concurrent_tasks: 8,
+        }
+    }
 }
 
 fn client(
@@ -69,14 +90,14 @@ fn client(
 }
 
 /// What to do about a failed call.
-enum Failure {
+pub(crate) enum Failure {
     /// Stop: the error is final.
     Stop(AgentError),
     /// Try again after this long (from `Retry-After`), or after the back-off delay.
     Retry(Option<Duration>, String),
 }
 
-fn classify(e: ClientError) -> Failure {
+pub(crate) fn classify(e: ClientError) -> Failure {
     match &e {
         ClientError::Api {
             status,
@@ -95,7 +116,21 @@ fn classify(e: ClientError) -> Failure {
             (s, _) if s >= 500 => Failure::Retry(*retry_after, e.to_string()),
             _ => Failure::Stop(AgentError::Fatal(e.to_string())),
         },
-        ClientError::Transport { .. } => Failure::Retry(None, format!("{e}: {}", error_chain(&e))),
+        ClientError::Transport { .. } => {
+            let chain = error_chain(&e);
+            // Certificate failures do not heal by retrying: the server is not the one we pinned
+            // (configuration), or it refuses our certificate (re-register).
+            if chain.contains("pinned CA") || chain.contains("invalid peer certificate") {
+                Failure::Stop(AgentError::Config(format!("{e}: {chain}")))
+            } else if chain.contains("BadCertificate")
+                || chain.contains("CertificateExpired")
+                || chain.contains("UnknownCA")
+            {
+                Failure::Stop(AgentError::Revoked(format!("{e}: {chain}")))
+            } else {
+                Failure::Retry(None, format!("{e}: {chain}"))
+            }
+        }
         ClientError::Decode(_) => Failure::Retry(None, e.to_string()),
         ClientError::Config(_) => Failure::Stop(AgentError::Config(e.to_string())),
     }
@@ -113,7 +148,11 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// Retries `call` with jittered back-off until it succeeds, fails for good, or the budget is
 /// spent (then `Temporary`, exit 75).
-async fn with_retries<T, F, Fut>(what: &str, budget: Duration, mut call: F) -> Result<T, AgentError>
+pub(crate) async fn with_retries<T, F, Fut>(
+    what: &str,
+    budget: Duration,
+    mut call: F,
+) -> Result<T, AgentError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, ClientError>>,
@@ -239,32 +278,139 @@ fn renewal_due(file: &IdentityFile, now: OffsetDateTime) -> bool {
     now >= file.certificate_issued_at + life * 2 / 3
 }
 
+/// The client and signing key in use; replaced together when the certificate is renewed, so a
+/// result is always signed with the key of the certificate its connection presents.
+#[derive(Clone)]
+pub(crate) struct Link {
+    pub client: Client,
+    pub key: Arc<AgentKey>,
+}
+
+pub(crate) type SharedLink = Arc<RwLock<Link>>;
+
+pub(crate) fn current(link: &SharedLink) -> Link {
+    link.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn make_link(server: &str, identity: &Identity) -> Result<Link, AgentError> {
+    Ok(Link {
+        client: mtls_client(server, identity)?,
+        key: Arc::new(
+            AgentKey::from_pem(&identity.key_pem)
+                .map_err(|e| AgentError::Config(format!("agent.pem holds an unusable key: {e}")))?,
+        ),
+    })
+}
+
 /// Runs until `shutdown` resolves (Ok: exit 0) or a failure decides the exit code.
 pub async fn run(
     config: AgentConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AgentError> {
     let state = StateDir(config.state_dir.clone());
-    let mut identity = state.load()?;
+    let identity = state.load()?;
     let server = config
         .server
         .clone()
         .unwrap_or_else(|| identity.file.server.clone());
     let agent_id = identity.file.agent_id;
-    let mut client = mtls_client(&server, &identity)?;
-    tracing::info!(%agent_id, %server, "agent started");
+    let link: SharedLink = Arc::new(RwLock::new(make_link(&server, &identity)?));
+    let instance_id = uuid::Uuid::new_v4().to_string();
 
     tokio::pin!(shutdown);
+    let acquire = AcquireSession {
+        agent_id,
+        instance_id: instance_id.clone(),
+    };
+    let client = current(&link).client;
+    let session = tokio::select! {
+        _ = &mut shutdown => return Ok(()),
+        s = with_retries("session", config.retry_budget, || client.send(&acquire)) => s?,
+    };
+    let generation = session.generation;
+    tracing::info!(%agent_id, %server, generation, instance = %instance_id, "agent started; session acquired");
+
+    let capabilities = Arc::new(std::sync::Mutex::new(serde_json::Value::Null));
+    let runner = crate::tasks::Runner::new(
+        agent_id,
+        generation,
+        link.clone(),
+        &config,
+        capabilities.clone(),
+    )?;
+    let heartbeats = heartbeat_loop(
+        &config,
+        &state,
+        identity,
+        &server,
+        link.clone(),
+        generation,
+        capabilities,
+    );
+    let outcome = tokio::select! {
+        _ = &mut shutdown => Ok(()),
+        r = heartbeats => r,
+        r = runner.poll_loop() => r,
+    };
+    // Stop running work: all of it when fenced (another process owns the identity now), after a
+    // short grace otherwise so results already computed still reach the server.
+    let fenced = matches!(outcome, Err(AgentError::Fenced(_)));
+    runner
+        .stop(if fenced {
+            Duration::ZERO
+        } else {
+            SHUTDOWN_GRACE
+        })
+        .await;
+    if outcome.is_ok() {
+        let release = ReleaseSession { agent_id };
+        let generation_header = generation.to_string();
+        let client = current(&link).client;
+        match client
+            .send_with(
+                &release,
+                &[(GENERATION_HEADER, &generation_header)],
+                Some(Duration::from_secs(5)),
+            )
+            .await
+        {
+            Ok(_) => tracing::info!("session released"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not release the session; it expires by itself")
+            }
+        }
+    }
+    outcome
+}
+
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+async fn heartbeat_loop(
+    config: &AgentConfig,
+    state: &StateDir,
+    mut identity: Identity,
+    server: &str,
+    link: SharedLink,
+    generation: i64,
+    shared_capabilities: Arc<std::sync::Mutex<serde_json::Value>>,
+) -> Result<(), AgentError> {
+    let agent_id = identity.file.agent_id;
+    let generation_header = generation.to_string();
     let mut sampler = Sampler::default();
     let mut compose = capabilities::compose().await;
     let mut compose_probed = Instant::now();
     loop {
         if renewal_due(&identity.file, OffsetDateTime::now_utc()) {
-            identity = tokio::select! {
-                _ = &mut shutdown => return Ok(()),
-                renewed = renew(&state, &client, &identity, config.retry_budget) => renewed?,
-            };
-            client = mtls_client(&server, &identity)?;
+            let client = current(&link).client;
+            identity = renew(
+                state,
+                &client,
+                &identity,
+                config.retry_budget,
+                &generation_header,
+            )
+            .await?;
+            *link.write().unwrap_or_else(|e| e.into_inner()) = make_link(server, &identity)?;
         }
         if compose_probed.elapsed() >= COMPOSE_PROBE_EVERY {
             compose = capabilities::compose().await;
@@ -275,6 +421,9 @@ pub async fn run(
             .into_iter()
             .chain(compose.clone())
             .collect();
+        if let Ok(mut shared) = shared_capabilities.lock() {
+            *shared = serde_json::to_value(&capabilities).unwrap_or_default();
+        }
         let status = if capabilities.iter().all(|c| c.healthy) {
             AgentStatus::Online
         } else {
@@ -286,15 +435,14 @@ pub async fn run(
             resource_usage: sampler.sample(&config.state_dir),
             capabilities,
         };
-        let sent = tokio::select! {
-            _ = &mut shutdown => return Ok(()),
-            sent = with_retries("heartbeat", config.retry_budget, || client.send(&heartbeat)) => sent?,
-        };
+        let client = current(&link).client;
+        let headers = [(GENERATION_HEADER, generation_header.as_str())];
+        let sent = with_retries("heartbeat", config.retry_budget, || {
+            client.send_with(&heartbeat, &headers, None)
+        })
+        .await?;
         let interval = Duration::from_secs(sent.heartbeat_interval_seconds.max(1));
-        tokio::select! {
-            _ = &mut shutdown => return Ok(()),
-            _ = tokio::time::sleep(interval) => {}
-        }
+        tokio::time::sleep(interval).await;
     }
 }
 
@@ -303,6 +451,7 @@ async fn renew(
     client: &Client,
     identity: &Identity,
     budget: Duration,
+    generation: &str,
 ) -> Result<Identity, AgentError> {
     let key =
         AgentKey::generate().map_err(|e| AgentError::Fatal(format!("generating the key: {e}")))?;
@@ -312,7 +461,11 @@ async fn renew(
             .csr_pem(&identity.file.name)
             .map_err(|e| AgentError::Fatal(format!("building the CSR: {e}")))?,
     };
-    let response = with_retries("certificate renewal", budget, || client.send(&request)).await?;
+    let headers = [(GENERATION_HEADER, generation)];
+    let response = with_retries("certificate renewal", budget, || {
+        client.send_with(&request, &headers, None)
+    })
+    .await?;
     let renewed = Identity {
         file: IdentityFile {
             certificate_issued_at: OffsetDateTime::now_utc(),

@@ -72,8 +72,7 @@ pub async fn run(
     let agent_task = tokio::spawn(berth_agent::run(
         AgentConfig {
             server: Some(url.clone()),
-            state_dir: agent_dir,
-            retry_budget: Duration::from_secs(600),
+            ..AgentConfig::new(agent_dir)
         },
         stopped(stop_rx),
     ));

@@ -1,6 +1,7 @@
 //! Human tables by default, `--output json` for scripts.
 
 use berth_proto::agent::Agent;
+use berth_proto::task::TaskView;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -151,6 +152,75 @@ pub fn print_agent(out: Output, a: &Agent) -> anyhow::Result<()> {
             vec!["certificate expires".into(), when(a.certificate_expires_at)],
             vec!["registered".into(), when(Some(a.created_at))],
         ];
+        table(&["FIELD", "VALUE"], &rows)
+    })
+}
+
+pub fn print_tasks(out: Output, tasks: &[TaskView]) -> anyhow::Result<()> {
+    out.print(&tasks, || {
+        let rows: Vec<Vec<String>> = tasks
+            .iter()
+            .map(|t| {
+                vec![
+                    t.id.to_string(),
+                    t.task_type.clone(),
+                    state_label(t),
+                    t.agent_id.to_string(),
+                    t.attempt_count.to_string(),
+                    t.error_code.clone().unwrap_or_default(),
+                    rfc3339(t.created_at),
+                ]
+            })
+            .collect();
+        table(
+            &[
+                "ID", "TYPE", "STATE", "AGENT", "ATTEMPTS", "ERROR", "CREATED",
+            ],
+            &rows,
+        )
+    })
+}
+
+fn state_label(t: &TaskView) -> String {
+    if t.read_back {
+        format!("{} (read-back)", t.state)
+    } else {
+        t.state.clone()
+    }
+}
+
+pub fn print_task(out: Output, t: &TaskView) -> anyhow::Result<()> {
+    out.print(t, || {
+        let mut rows = vec![
+            vec!["id".into(), t.id.to_string()],
+            vec!["type".into(), t.task_type.clone()],
+            vec!["state".into(), state_label(t)],
+            vec!["agent".into(), t.agent_id.to_string()],
+            vec!["side effects".into(), t.side_effects.to_string()],
+            vec!["attempts".into(), t.attempt_count.to_string()],
+            vec![
+                "error".into(),
+                t.error_code.clone().unwrap_or_else(|| "-".into()),
+            ],
+            vec!["created".into(), rfc3339(t.created_at)],
+            vec!["finished".into(), when(t.finished_at)],
+        ];
+        if let Some(result) = &t.result {
+            rows.push(vec!["result".into(), result.to_string()]);
+        }
+        for a in &t.attempts {
+            let signed = a
+                .result
+                .as_ref()
+                .and_then(|r| r.get("signatureAlgorithm"))
+                .and_then(|v| v.as_str())
+                .map(|alg| format!(", signed {alg}, verified"))
+                .unwrap_or_default();
+            rows.push(vec![
+                format!("attempt {}", a.assignment_id),
+                format!("{} (generation {}{signed})", a.state, a.generation),
+            ]);
+        }
         table(&["FIELD", "VALUE"], &rows)
     })
 }

@@ -35,5 +35,18 @@ pub mod codes {
     pub const AGENT_REVOKED: &str = "AGENT_REVOKED";
     pub const RATE_LIMITED: &str = "RATE_LIMITED";
     pub const INTERNAL: &str = "INTERNAL";
+    // --- task transport ---
+    pub const SESSION_HELD: &str = "SESSION_HELD";
+    /// Stale or missing generation, or a result for an assignment that is no longer current.
+    pub const FENCED: &str = "FENCED";
+    pub const TRANSPORT_DISABLED: &str = "TRANSPORT_DISABLED";
+    pub const SIGNATURE_MISSING: &str = "SIGNATURE_MISSING";
+    pub const SIGNATURE_INVALID: &str = "SIGNATURE_INVALID";
+    pub const UNSUPPORTED_SIGNATURE_ALGORITHM: &str = "UNSUPPORTED_SIGNATURE_ALGORITHM";
+    pub const UNSUPPORTED_CONTRACT_VERSION: &str = "UNSUPPORTED_CONTRACT_VERSION";
+    pub const TASK_ID_MISMATCH: &str = "TASK_ID_MISMATCH";
+    pub const AGENT_ID_MISMATCH: &str = "AGENT_ID_MISMATCH";
+    pub const NO_MATCHING_AGENT: &str = "NO_MATCHING_AGENT";
+    pub const TASK_NOT_RETRIABLE: &str = "TASK_NOT_RETRIABLE";
     pub const UNAVAILABLE: &str = "UNAVAILABLE";
 }

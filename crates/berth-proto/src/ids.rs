@@ -51,3 +51,11 @@ id_type!(
     /// An API or registration token's row id (never the secret itself).
     TokenId
 );
+id_type!(
+    /// A task: one unit of work for one agent.
+    TaskId
+);
+id_type!(
+    /// One delivery of a task to an agent; a fresh one per delivery.
+    AssignmentId
+);

@@ -7,9 +7,12 @@ pub mod admin;
 pub mod agent;
 pub mod error;
 pub mod ids;
+pub mod payload;
+pub mod task;
+pub mod transport;
 
 pub use error::ErrorBody;
-pub use ids::{AgentId, TenantId, TokenId};
+pub use ids::{AgentId, AssignmentId, TaskId, TenantId, TokenId};
 
 /// HTTP method of a typed request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -39,6 +39,17 @@ impl Caller {
         }
     }
 
+    /// Creating and steering tasks: admins and deployers.
+    pub fn require_deployer(&self) -> ApiResult<()> {
+        match self.0.role {
+            Role::Admin | Role::Deployer => Ok(()),
+            Role::Viewer => Err(ApiError::forbidden(
+                codes::FORBIDDEN,
+                "the viewer role cannot do this; it needs deployer or admin",
+            )),
+        }
+    }
+
     /// Creating tenants: the bootstrap admin token of the `default` tenant only.
     pub fn require_operator(&self) -> ApiResult<()> {
         if self.0.operator {

@@ -67,6 +67,7 @@ pub(crate) struct Material {
     pub store: DynStore,
     pub ca: Ca,
     pub jwt: JwtSigner,
+    pub master_key: MasterKey,
     pub server_cert_pem: String,
     pub server_key_pem: String,
 }
@@ -115,7 +116,8 @@ pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstra
         write_secret(&dir.master_key(), MasterKey::generate().as_bytes())?;
     }
     let master = std::fs::read(dir.master_key()).context("reading the master key")?;
-    MasterKey::from_bytes(&master).context("the master key file is not 32 bytes")?;
+    let master_key =
+        MasterKey::from_bytes(&master).context("the master key file is not 32 bytes")?;
 
     if config.database.is_none() {
         // SQLite gives its -wal and -shm files the database file's mode: create it 0600.
@@ -157,6 +159,7 @@ pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstra
             store,
             ca,
             jwt,
+            master_key,
             server_cert_pem,
             server_key_pem,
         },

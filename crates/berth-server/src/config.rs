@@ -26,6 +26,14 @@ pub struct ServerConfig {
     pub body_limit: usize,
     /// Most concurrent connections; further ones wait for a slot.
     pub max_connections: usize,
+    /// `--agent-transport disabled`: every poll and result fails closed and `/readyz` says so.
+    pub agent_transport_enabled: bool,
+    /// Longest a task poll waits for an assignment (at most 25 s).
+    pub long_poll: Duration,
+    /// Added to a task's timeout to form its delivery lease.
+    pub lease_grace: Duration,
+    /// Retry back-off and dead-letter threshold.
+    pub retry_policy: berth_store::RetryPolicy,
 }
 
 impl ServerConfig {
@@ -41,6 +49,10 @@ impl ServerConfig {
             jwt_issuer: "berth".to_string(),
             body_limit: 1024 * 1024,
             max_connections: 20_000,
+            agent_transport_enabled: true,
+            long_poll: Duration::from_secs(25),
+            lease_grace: Duration::from_secs(30),
+            retry_policy: berth_store::RetryPolicy::default(),
         }
     }
 

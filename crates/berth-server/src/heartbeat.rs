@@ -4,7 +4,7 @@
 //! A heartbeat is acknowledged only after its transaction committed. Nothing waits on a timer:
 //! under low load a batch is one record, under load batches grow by themselves.
 
-use berth_store::{DynStore, HeartbeatRecord};
+use berth_store::{DynStore, HeartbeatOutcome, HeartbeatRecord};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use crate::metrics::Metrics;
@@ -12,7 +12,7 @@ use crate::metrics::Metrics;
 const MAX_BATCH: usize = 2048;
 const QUEUE: usize = 16 * 1024;
 
-type Reply = oneshot::Sender<Result<bool, ()>>;
+type Reply = oneshot::Sender<Result<HeartbeatOutcome, ()>>;
 
 pub struct HeartbeatWriter {
     queue: Mutex<Option<mpsc::Sender<(HeartbeatRecord, Reply)>>>,
@@ -37,9 +37,11 @@ impl HeartbeatWriter {
         }
     }
 
-    /// Queues the heartbeat and waits for its commit. `Ok(false)`: the agent is gone or the
-    /// certificate is no longer its binding.
-    pub async fn record(&self, record: HeartbeatRecord) -> Result<bool, HeartbeatError> {
+    /// Queues the heartbeat and waits for its commit.
+    pub async fn record(
+        &self,
+        record: HeartbeatRecord,
+    ) -> Result<HeartbeatOutcome, HeartbeatError> {
         let sender = self
             .queue
             .lock()

@@ -12,14 +12,16 @@ mod extract;
 mod heartbeat;
 mod metrics;
 mod openapi;
+mod readback;
 mod reconcile;
 mod routes;
 mod tls;
+mod wake;
 
 use std::future::Future;
 use std::sync::Arc;
 
-use berth_crypto::{Ca, JwtSigner};
+use berth_crypto::{Ca, JwtSigner, MasterKey};
 use berth_store::DynStore;
 use tokio::net::TcpListener;
 
@@ -33,6 +35,8 @@ pub(crate) struct AppState {
     pub store: DynStore,
     pub ca: Ca,
     pub jwt: JwtSigner,
+    pub master_key: MasterKey,
+    pub wakeups: wake::Wakeups,
     pub heartbeats: heartbeat::HeartbeatWriter,
     pub metrics: metrics::Metrics,
 }
@@ -54,11 +58,14 @@ impl Server {
         let tls = tls::server_config(&material)?;
         let metrics = metrics::Metrics::new();
         let heartbeats = heartbeat::HeartbeatWriter::spawn(material.store.clone(), metrics.clone());
+        let wakeups = wake::Wakeups::spawn(material.store.task_events());
         let state = Arc::new(AppState {
             config,
             store: material.store,
             ca: material.ca,
             jwt: material.jwt,
+            master_key: material.master_key,
+            wakeups,
             heartbeats,
             metrics,
         });

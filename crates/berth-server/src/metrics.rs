@@ -21,6 +21,10 @@ struct Inner {
     heartbeats: Counter,
     heartbeat_batch_size: Histogram,
     agents_marked: Family<Labels, Counter>,
+    result_rejections: Family<Labels, Counter>,
+    results_accepted: Family<Labels, Counter>,
+    tasks: Family<Labels, Counter>,
+    sessions_held: Counter,
 }
 
 impl Metrics {
@@ -58,7 +62,31 @@ impl Metrics {
             "Agents moved to a status by the staleness sweep",
             agents_marked.clone(),
         );
+        let result_rejections = Family::<Labels, Counter>::default();
+        registry.register(
+            "result_rejections",
+            "Task results refused, by reason",
+            result_rejections.clone(),
+        );
+        let results_accepted = Family::<Labels, Counter>::default();
+        registry.register(
+            "results_accepted",
+            "Verified task results recorded, by the task's new state",
+            results_accepted.clone(),
+        );
+        let tasks = Family::<Labels, Counter>::default();
+        registry.register("task_events", "Task lifecycle events", tasks.clone());
+        let sessions_held = Counter::default();
+        registry.register(
+            "session_conflicts",
+            "Session acquisitions refused because another live process holds the identity",
+            sessions_held.clone(),
+        );
         Metrics(Arc::new(Inner {
+            result_rejections,
+            results_accepted,
+            tasks,
+            sessions_held,
             registry,
             errors,
             agent_auth_refusals,
@@ -103,6 +131,49 @@ impl Metrics {
                 .get_or_create(&vec![("status", status)])
                 .inc_by(count);
         }
+    }
+
+    pub fn result_rejected(&self, reason: &'static str) {
+        self.0
+            .result_rejections
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
+        self.error("result_rejected");
+    }
+
+    pub fn result_accepted(&self, state: &'static str) {
+        self.0
+            .results_accepted
+            .get_or_create(&vec![("state", state)])
+            .inc();
+    }
+
+    fn task_event(&self, event: &'static str, count: u64) {
+        if count > 0 {
+            self.0
+                .tasks
+                .get_or_create(&vec![("event", event)])
+                .inc_by(count);
+        }
+    }
+
+    pub fn task_created(&self) {
+        self.task_event("created", 1);
+    }
+
+    pub fn task_assigned(&self) {
+        self.task_event("assigned", 1);
+    }
+
+    pub fn leases_expired(&self, unknown: u64, requeued: u64, dead_lettered: u64) {
+        self.task_event("lease_lost_unknown", unknown);
+        self.task_event("lease_lost_requeued", requeued);
+        self.task_event("dead_lettered", dead_lettered);
+    }
+
+    pub fn session_held(&self) {
+        self.0.sessions_held.inc();
+        self.error("session_held");
     }
 
     pub fn encode(&self) -> String {

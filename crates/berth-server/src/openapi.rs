@@ -4,7 +4,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::{admin, agents, meta};
+use crate::routes::{admin, agents, meta, tasks, transport};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -14,6 +14,8 @@ use crate::routes::{admin, agents, meta};
         admin::create_tenant, admin::create_api_token, admin::create_agent_token,
         agents::register, agents::list, agents::get, agents::update, agents::delete,
         agents::heartbeat, agents::issue_jwt, agents::renew_certificate,
+        transport::acquire_session, transport::release_session, transport::poll, transport::submit_result,
+        tasks::create, tasks::list, tasks::get, tasks::cancel, tasks::retry,
     ),
     modifiers(&BearerAuth),
 )]

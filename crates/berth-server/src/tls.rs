@@ -28,6 +28,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// The verified client certificate of a connection, as seen by handlers.
 #[derive(Debug, Clone)]
 pub struct PeerCertificate {
+    /// The certificate itself: result signatures are verified with its public key.
+    pub der: Arc<Vec<u8>>,
     /// `sha256:<hex>` of the DER: what agent bindings store.
     pub fingerprint: Arc<str>,
     /// The agent id from the `urn:berth:agent:<id>` SAN, when the certificate carries one.
@@ -118,6 +120,7 @@ pub(crate) async fn serve(
                     .peer_certificates()
                     .and_then(|chain| chain.first())
                     .map(|der| PeerCertificate {
+                        der: Arc::new(der.to_vec()),
                         fingerprint: berth_crypto::fingerprint(der).into(),
                         agent_id: berth_crypto::agent_id_from_cert(der)
                             .ok()

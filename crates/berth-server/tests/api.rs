@@ -38,6 +38,23 @@ fn heartbeat(agent: AgentId, status: AgentStatus) -> Heartbeat {
     }
 }
 
+/// Sends a heartbeat from `client` for `agent` under `generation`.
+async fn beat(
+    client: &berth_client::Client,
+    agent: AgentId,
+    generation: i64,
+    status: AgentStatus,
+) -> Result<berth_proto::agent::HeartbeatResponse, ClientError> {
+    let g = generation.to_string();
+    client
+        .send_with(
+            &heartbeat(agent, status),
+            &[(berth_proto::transport::GENERATION_HEADER, &g)],
+            None,
+        )
+        .await
+}
+
 #[tokio::test]
 async fn registration_token_is_single_use_and_expires() {
     let server = start().await;
@@ -154,8 +171,7 @@ async fn csr_identity_claims_are_ignored() {
             key_pem: key.serialize_pem(),
         }),
     );
-    let err = impostor
-        .send(&heartbeat(victim.id, AgentStatus::Online))
+    let err = beat(&impostor, victim.id, 0, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
@@ -230,6 +246,7 @@ async fn agent_routes_need_the_bound_certificate() {
     let server = start().await;
     let a = server.agent("agent-a").await;
     let b = server.agent("agent-b").await;
+    let (ga, gb) = (a.session().await, b.session().await);
 
     // No client certificate at all.
     let err = server
@@ -239,9 +256,7 @@ async fn agent_routes_need_the_bound_certificate() {
         .unwrap_err();
     assert_eq!(code(&err), (401, "CLIENT_CERT_REQUIRED".into()));
     // A's certificate on B's path.
-    let err = a
-        .client
-        .send(&heartbeat(b.id, AgentStatus::Online))
+    let err = beat(&a.client, b.id, ga, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
@@ -256,8 +271,7 @@ async fn agent_routes_need_the_bound_certificate() {
     assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
 
     // A's own path works; then A is deleted and its certificate is refused on the next call.
-    a.client
-        .send(&heartbeat(a.id, AgentStatus::Online))
+    beat(&a.client, a.id, ga, AgentStatus::Online)
         .await
         .expect("own heartbeat");
     server
@@ -265,16 +279,13 @@ async fn agent_routes_need_the_bound_certificate() {
         .send(&DeleteAgent { id: a.id })
         .await
         .unwrap();
-    let err = a
-        .client
-        .send(&heartbeat(a.id, AgentStatus::Online))
+    let err = beat(&a.client, a.id, ga, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
     let err = a.client.send(&IssueAgentJwt::default()).await.unwrap_err();
     assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
-    b.client
-        .send(&heartbeat(b.id, AgentStatus::Online))
+    beat(&b.client, b.id, gb, AgentStatus::Online)
         .await
         .expect("B unaffected");
     server.stop().await;
@@ -284,6 +295,7 @@ async fn agent_routes_need_the_bound_certificate() {
 async fn renewal_rotates_the_binding_at_once() {
     let server = start().await;
     let agent = server.agent("renewer").await;
+    let generation = agent.session().await;
     let new_key = AgentKey::generate().unwrap();
     let renewed = agent
         .client
@@ -293,9 +305,7 @@ async fn renewal_rotates_the_binding_at_once() {
         })
         .await
         .expect("renewal");
-    let err = agent
-        .client
-        .send(&heartbeat(agent.id, AgentStatus::Online))
+    let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(
@@ -310,8 +320,7 @@ async fn renewal_rotates_the_binding_at_once() {
             key_pem: new_key.to_pem(),
         }),
     );
-    fresh
-        .send(&heartbeat(agent.id, AgentStatus::Online))
+    beat(&fresh, agent.id, generation, AgentStatus::Online)
         .await
         .expect("the new one works");
     let shown = server
@@ -436,10 +445,9 @@ async fn roles_and_tenants_are_enforced() {
 async fn heartbeats_drive_status() {
     let server = start().await;
     let agent = server.agent("beater").await;
+    let generation = agent.session().await;
     let admin = server.admin();
-    let ack = agent
-        .client
-        .send(&heartbeat(agent.id, AgentStatus::Degraded))
+    let ack = beat(&agent.client, agent.id, generation, AgentStatus::Degraded)
         .await
         .unwrap();
     assert!(ack.acknowledged);
@@ -447,9 +455,7 @@ async fn heartbeats_drive_status() {
     let shown = admin.send(&GetAgent { id: agent.id }).await.unwrap();
     assert_eq!(shown.status, AgentStatus::Degraded);
     assert_eq!(shown.resource_usage.unwrap().cpu_cores, 2);
-    agent
-        .client
-        .send(&heartbeat(agent.id, AgentStatus::Online))
+    beat(&agent.client, agent.id, generation, AgentStatus::Online)
         .await
         .unwrap();
     let online = ListAgents {
@@ -466,9 +472,7 @@ async fn heartbeats_drive_status() {
         },
     )
     .await;
-    let err = agent
-        .client
-        .send(&heartbeat(agent.id, AgentStatus::Offline))
+    let err = beat(&agent.client, agent.id, generation, AgentStatus::Offline)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));

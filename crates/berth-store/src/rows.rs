@@ -6,12 +6,15 @@ use std::collections::BTreeMap;
 
 use berth_proto::admin::Role;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
-use berth_proto::{AgentId, TenantId, TokenId};
+use berth_proto::{AgentId, AssignmentId, TaskId, TenantId, TokenId};
 use sqlx::error::ErrorKind;
 use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
-use crate::{Agent, ApiToken, HeartbeatRecord, Page, StoreError, Tenant};
+use crate::{
+    Agent, ApiToken, Attempt, AttemptResult, AttemptState, HeartbeatRecord, Page, RetryPolicy,
+    StoreError, Task, TaskState, Tenant,
+};
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
 /// A macro, not a const, so it can be `concat!`ed into `'static` query strings.
@@ -23,6 +26,26 @@ macro_rules! agent_columns {
     };
 }
 pub(crate) use agent_columns;
+
+/// The task columns every `SELECT`/`RETURNING` reads, in the order [`read_task`] expects.
+macro_rules! task_columns {
+    () => {
+        "id, tenant_id, task_type, agent_id, payload, credentials_sealed, variables, \
+         timeout_seconds, priority, side_effects, idempotency_key, request_hash, read_back_of, \
+         state, attempts, next_attempt_at, current_assignment, lease_expires_at, \
+         cancel_requested, read_back, error_code, result, created_at, updated_at, finished_at"
+    };
+}
+pub(crate) use task_columns;
+
+/// The attempt columns, in the order [`read_attempt`] expects.
+macro_rules! attempt_columns {
+    () => {
+        "assignment_id, task_id, agent_id, generation, state, assigned_at, lease_expires_at, \
+         finished_at, envelope, error_code"
+    };
+}
+pub(crate) use attempt_columns;
 
 /// Truncates to whole milliseconds in UTC: the precision both backends store, so a value reads
 /// back equal to what was written on either.
@@ -54,6 +77,10 @@ pub(crate) trait ColumnReader {
     fn flag(&self, column: &'static str) -> Result<bool, StoreError>;
     fn json(&self, column: &'static str) -> Result<serde_json::Value, StoreError>;
     fn json_opt(&self, column: &'static str) -> Result<Option<serde_json::Value>, StoreError>;
+    fn uuid_opt(&self, column: &'static str) -> Result<Option<Uuid>, StoreError>;
+    /// Every integer column is 64-bit on both backends (`BIGINT` / `INTEGER`).
+    fn int(&self, column: &'static str) -> Result<i64, StoreError>;
+    fn bytes_opt(&self, column: &'static str) -> Result<Option<Vec<u8>>, StoreError>;
 }
 
 /// `Row::try_get` with a decode failure reported as a corrupt row, naming the column.
@@ -140,6 +167,181 @@ pub(crate) fn read_agent(row: &impl ColumnReader) -> Result<Agent, StoreError> {
     })
 }
 
+fn narrow<T: TryFrom<i64>>(column: &str, v: i64) -> Result<T, StoreError> {
+    T::try_from(v).map_err(|_| StoreError::Corrupt(format!("{column}: {v} is out of range")))
+}
+
+pub(crate) fn read_task(row: &impl ColumnReader) -> Result<Task, StoreError> {
+    let state = row.text("state")?;
+    Ok(Task {
+        id: TaskId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        task_type: row.text("task_type")?,
+        agent_id: AgentId(row.uuid("agent_id")?),
+        payload: row.json("payload")?,
+        credentials_sealed: row.bytes_opt("credentials_sealed")?,
+        variables: labels("tasks.variables", row.json("variables")?)?,
+        timeout_seconds: narrow("tasks.timeout_seconds", row.int("timeout_seconds")?)?,
+        priority: narrow("tasks.priority", row.int("priority")?)?,
+        side_effects: row.flag("side_effects")?,
+        idempotency_key: row.text_opt("idempotency_key")?,
+        read_back_of: row.uuid_opt("read_back_of")?.map(TaskId),
+        state: TaskState::parse(&state)
+            .ok_or_else(|| StoreError::Corrupt(format!("tasks.state: unknown state {state:?}")))?,
+        attempts: narrow("tasks.attempts", row.int("attempts")?)?,
+        next_attempt_at: row.time_opt("next_attempt_at")?,
+        current_assignment: row.uuid_opt("current_assignment")?.map(AssignmentId),
+        lease_expires_at: row.time_opt("lease_expires_at")?,
+        cancel_requested: row.flag("cancel_requested")?,
+        read_back: row.flag("read_back")?,
+        error_code: row.text_opt("error_code")?,
+        result: row.json_opt("result")?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+        finished_at: row.time_opt("finished_at")?,
+    })
+}
+
+pub(crate) fn read_attempt(row: &impl ColumnReader) -> Result<Attempt, StoreError> {
+    let state = row.text("state")?;
+    Ok(Attempt {
+        assignment_id: AssignmentId(row.uuid("assignment_id")?),
+        task_id: TaskId(row.uuid("task_id")?),
+        agent_id: AgentId(row.uuid("agent_id")?),
+        generation: row.int("generation")?,
+        state: AttemptState::parse(&state).ok_or_else(|| {
+            StoreError::Corrupt(format!("task_attempts.state: unknown state {state:?}"))
+        })?,
+        assigned_at: row.time("assigned_at")?,
+        lease_expires_at: row.time("lease_expires_at")?,
+        finished_at: row.time_opt("finished_at")?,
+        envelope: row.json_opt("envelope")?,
+        error_code: row.text_opt("error_code")?,
+    })
+}
+
+/// Where a task goes when a delivery ends: the one decision both backends apply.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Transition {
+    pub state: TaskState,
+    pub attempt: AttemptState,
+    /// For `retry_wait`.
+    pub next_attempt_at: Option<OffsetDateTime>,
+    /// The new `error_code`; `None` keeps the previous one.
+    pub error_code: Option<String>,
+    /// `finished_at`, set when the task reaches a terminal state.
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+/// Error code of a delivery whose lease ran out before a result arrived.
+pub(crate) const LEASE_EXPIRED: &str = "LEASE_EXPIRED";
+/// Error code of the open tasks of a deleted agent.
+pub(crate) const AGENT_DELETED: &str = "AGENT_DELETED";
+
+/// A failed delivery of a task that may run again: `retry_wait` after the policy's backoff, or
+/// `dead_letter` once `attempts` reached the budget. A task an operator asked to cancel is not
+/// requeued against that wish: it becomes `cancelled`.
+fn requeue(
+    attempts: u32,
+    cancel_requested: bool,
+    policy: &RetryPolicy,
+    now: OffsetDateTime,
+    attempt: AttemptState,
+    error_code: &str,
+) -> Transition {
+    let (state, next_attempt_at) = if cancel_requested {
+        (TaskState::Cancelled, None)
+    } else if attempts >= policy.max_attempts {
+        (TaskState::DeadLetter, None)
+    } else {
+        (
+            TaskState::RetryWait,
+            Some(millis(now + policy.delay_after(attempts))),
+        )
+    };
+    Transition {
+        state,
+        attempt,
+        next_attempt_at,
+        error_code: Some(error_code.to_string()),
+        finished_at: state.is_terminal().then(|| millis(now)),
+    }
+}
+
+/// A verified result for the task's current delivery, its `attempts`-th.
+pub(crate) fn completion_transition(
+    result: &AttemptResult,
+    attempts: u32,
+    cancel_requested: bool,
+    policy: &RetryPolicy,
+    now: OffsetDateTime,
+) -> Transition {
+    let done = |state, attempt, error_code: Option<&String>| Transition {
+        state,
+        attempt,
+        next_attempt_at: None,
+        error_code: error_code.cloned(),
+        finished_at: Some(millis(now)),
+    };
+    match result {
+        AttemptResult::Succeeded => done(TaskState::Succeeded, AttemptState::Succeeded, None),
+        AttemptResult::Cancelled => done(TaskState::Cancelled, AttemptState::Cancelled, None),
+        AttemptResult::Failed {
+            error_code,
+            retriable: false,
+        } => done(TaskState::Failed, AttemptState::Failed, Some(error_code)),
+        AttemptResult::Failed {
+            error_code,
+            retriable: true,
+        } => requeue(
+            attempts,
+            cancel_requested,
+            policy,
+            now,
+            AttemptState::Failed,
+            error_code,
+        ),
+    }
+}
+
+/// A lease that ran out: a task with side effects may have run, so it becomes `unknown` (never
+/// re-run automatically); one without is requeued like a retriable failure.
+pub(crate) fn expiry_transition(
+    side_effects: bool,
+    attempts: u32,
+    cancel_requested: bool,
+    policy: &RetryPolicy,
+    now: OffsetDateTime,
+) -> Transition {
+    if side_effects {
+        Transition {
+            state: TaskState::Unknown,
+            attempt: AttemptState::Expired,
+            next_attempt_at: None,
+            error_code: Some(LEASE_EXPIRED.to_string()),
+            finished_at: None,
+        }
+    } else {
+        requeue(
+            attempts,
+            cancel_requested,
+            policy,
+            now,
+            AttemptState::Expired,
+            LEASE_EXPIRED,
+        )
+    }
+}
+
+/// The deadline of a delivery: the task timeout plus the grace period.
+pub(crate) fn lease_deadline(
+    now: OffsetDateTime,
+    timeout_seconds: u32,
+    grace: std::time::Duration,
+) -> OffsetDateTime {
+    millis(now + std::time::Duration::from_secs(u64::from(timeout_seconds)) + grace)
+}
+
 /// The agent's own labels with the token's laid over them: the admin who minted the token
 /// decides placement labels, not the host that presents it.
 pub(crate) fn merge_labels(
@@ -159,13 +361,9 @@ pub(crate) fn lock_order(batch: &[HeartbeatRecord]) -> Vec<usize> {
 }
 
 /// A full page may have a successor; its last id is the cursor for it.
-pub(crate) fn page(items: Vec<Agent>, limit: u32) -> Page<Agent> {
+pub(crate) fn page<T>(items: Vec<T>, limit: u32, id: impl Fn(&T) -> Uuid) -> Page<T> {
     let full = items.len() >= limit as usize;
-    let next = if full {
-        items.last().map(|a| a.id)
-    } else {
-        None
-    };
+    let next = if full { items.last().map(id) } else { None };
     Page { items, next }
 }
 
@@ -200,6 +398,17 @@ const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
         "agents_certificate_fingerprint_key",
         "agents.certificate_fingerprint",
         "agent_certificate",
+    ),
+    ("tasks_pkey", "tasks.id", "task_id"),
+    (
+        "tasks_tenant_id_idempotency_key_key",
+        "tasks.tenant_id, tasks.idempotency_key",
+        "task_idempotency_key",
+    ),
+    (
+        "task_attempts_pkey",
+        "task_attempts.assignment_id",
+        "assignment_id",
     ),
 ];
 

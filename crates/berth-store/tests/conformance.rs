@@ -62,6 +62,7 @@ async fn postgres_conformance() {
                 .expect("connect postgres"),
         );
         conformance::run_all(store.clone()).await;
+        listener_survives_a_dropped_connection(&store, &url).await;
         // `open` dispatches on the URL scheme and re-running migrations is a no-op.
         let reopened = berth_store::open(&url).await.expect("reopen postgres");
         assert_eq!(reopened.backend(), "postgres");
@@ -72,6 +73,55 @@ async fn postgres_conformance() {
     if let Err(failure) = outcome {
         std::panic::resume_unwind(failure.into_panic());
     }
+}
+
+/// Kills the backend of the store's LISTEN connection: the store must say "wake everyone" (the
+/// nil agent id), listen again, and carry the next notification.
+async fn listener_survives_a_dropped_connection(store: &DynStore, url: &str) {
+    use std::time::Duration;
+    let mut events = store.task_events();
+    let mut admin = PgConnection::connect(url).await.expect("connect");
+    let killed: Vec<(bool,)> = sqlx::query_as(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() \
+         AND query ILIKE 'LISTEN%'",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .expect("terminate the listener");
+    assert_eq!(killed, vec![(true,)], "exactly one listener connection");
+    let woken = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match events.recv().await {
+                Ok(id) if id.0.is_nil() => return,
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => panic!("task events closed: {e}"),
+            }
+        }
+    })
+    .await;
+    assert!(woken.is_ok(), "a dropped listener wakes everyone");
+    // Listening again: a notification sent now arrives.
+    let agent = uuid::Uuid::new_v4();
+    let arrived = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            sqlx::query("SELECT pg_notify('berth_tasks', $1)")
+                .bind(agent.to_string())
+                .execute(&mut admin)
+                .await
+                .expect("notify");
+            match tokio::time::timeout(Duration::from_millis(500), events.recv()).await {
+                Ok(Ok(id)) if id.0 == agent => return,
+                _ => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        arrived.is_ok(),
+        "the listener listens again after reconnecting"
+    );
+    admin.close().await.ok();
 }
 
 /// A database `berth_test_<random>` on the admin URL's server, dropped by [`TestDatabase::drop`].

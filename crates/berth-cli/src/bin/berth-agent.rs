@@ -39,6 +39,15 @@ struct Args {
     /// Give up (exit 75) after the server has been unreachable this long.
     #[arg(long, default_value_t = 600)]
     retry_budget_secs: u64,
+    /// A program `execute-command` tasks may run (absolute path; repeatable). None: off.
+    #[arg(long = "allow-command", value_name = "PATH")]
+    allow_commands: Vec<PathBuf>,
+    /// Where version stickers are kept (default <state-dir>/stickers).
+    #[arg(long)]
+    sticker_dir: Option<PathBuf>,
+    /// Tasks run at once.
+    #[arg(long, default_value_t = 8)]
+    max_concurrent_tasks: usize,
 }
 
 fn main() -> ExitCode {
@@ -72,11 +81,13 @@ fn main() -> ExitCode {
 }
 
 async fn agent(args: Args) -> Result<(), AgentError> {
+    let shutdown = berth_cli::shutdown_signal();
+    tokio::pin!(shutdown);
     let retry_budget = Duration::from_secs(args.retry_budget_secs);
     if args.register {
         let missing = |flag: &str| AgentError::Config(format!("--register needs {flag}"));
         let labels = parse_labels(&args.labels).map_err(AgentError::Config)?;
-        let registered = berth_agent::register(RegisterOptions {
+        let registering = berth_agent::register(RegisterOptions {
             server: args.server.clone().ok_or_else(|| missing("--server"))?,
             state_dir: args.state_dir.clone(),
             token: args.token.clone().ok_or_else(|| missing("--token"))?,
@@ -90,22 +101,31 @@ async fn agent(args: Args) -> Result<(), AgentError> {
                 .unwrap_or_else(berth_cli::default_agent_name),
             labels,
             retry_budget,
-        })
-        .await?;
+        });
+        let registered = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            registered = registering => registered?,
+        };
         eprintln!(
             "registered as {} ({})",
             registered.name, registered.agent_id
         );
     }
-    berth_agent::run(
-        AgentConfig {
-            server: args.server,
-            state_dir: args.state_dir,
-            retry_budget,
-        },
-        berth_cli::shutdown_signal(),
-    )
-    .await
+    if let Some(bad) = args.allow_commands.iter().find(|p| !p.is_absolute()) {
+        return Err(AgentError::Config(format!(
+            "--allow-command {} must be an absolute path",
+            bad.display()
+        )));
+    }
+    let config = AgentConfig {
+        server: args.server,
+        retry_budget,
+        allow_commands: args.allow_commands,
+        sticker_dir: args.sticker_dir,
+        max_concurrent_tasks: args.max_concurrent_tasks,
+        ..AgentConfig::new(args.state_dir)
+    };
+    berth_agent::run(config, shutdown).await
 }
 
 fn parse_labels(items: &[String]) -> Result<BTreeMap<String, String>, String> {

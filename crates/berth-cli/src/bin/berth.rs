@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use berth_cli::output::{print_agent, print_agents, Output};
+use berth_cli::output::{print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
-use berth_proto::AgentId;
+use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask};
+use berth_proto::{AgentId, TaskId};
 use berth_server::{Server, ServerConfig};
 use clap::{Args, Parser, Subcommand};
 
@@ -67,6 +69,59 @@ enum Command {
     /// Tenants (operator token only).
     #[command(subcommand)]
     Tenant(TenantCommand),
+    /// Tasks: one unit of work for one agent.
+    #[command(subcommand)]
+    Task(TaskCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum TaskCommand {
+    /// Create a task for one agent (by id or label selector).
+    Create {
+        /// health-check, inspect, read-sticker, write-sticker, execute-command, docker.run, …
+        #[arg(long = "type")]
+        task_type: String,
+        #[arg(long, conflicts_with = "selector")]
+        agent: Option<AgentId>,
+        /// Labels, k=v,k2=v2: the first matching online agent.
+        #[arg(long, value_delimiter = ',')]
+        selector: Vec<String>,
+        /// The payload as JSON, or @FILE.
+        #[arg(long, default_value = "{}")]
+        payload: String,
+        /// A credential k=v (repeatable); sealed at rest, never shown again.
+        #[arg(long = "credential")]
+        credentials: Vec<String>,
+        /// A variable k=v (repeatable).
+        #[arg(long = "var")]
+        variables: Vec<String>,
+        #[arg(long)]
+        timeout_secs: Option<u32>,
+        #[arg(long)]
+        priority: Option<i32>,
+        /// Makes retrying this command safe: the same key returns the same task.
+        #[arg(long)]
+        idempotency_key: Option<String>,
+        /// Wait until the task is finished (or unknown) and show it.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// List tasks (e.g. --state dead_letter).
+    #[command(alias = "list")]
+    Ls {
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        agent: Option<AgentId>,
+        #[arg(long = "type")]
+        task_type: Option<String>,
+    },
+    /// Show a task with its attempts and verified results.
+    Show { id: TaskId },
+    /// Cancel a task (queued: at once; running: the agent stops it; unknown: abandoned).
+    Cancel { id: TaskId },
+    /// Retry an unknown or dead-lettered task.
+    Retry { id: TaskId },
 }
 
 #[derive(Args, Debug)]
@@ -87,6 +142,12 @@ struct ServerArgs {
     /// Agent certificate lifetime; agents renew after two thirds of it.
     #[arg(long, env = "BERTH_AGENT_CERT_VALIDITY_SECS", default_value_t = 30 * 24 * 3600)]
     agent_cert_validity_secs: u64,
+    /// `disabled` makes every task poll and result fail closed, and /readyz report it.
+    #[arg(long, env = "BERTH_AGENT_TRANSPORT", value_parser = ["enabled", "disabled"], default_value = "enabled")]
+    agent_transport: String,
+    /// Added to a task's timeout to form its delivery lease.
+    #[arg(long, env = "BERTH_LEASE_GRACE_SECS", default_value_t = 30)]
+    lease_grace_secs: u64,
 }
 
 impl ServerArgs {
@@ -99,6 +160,8 @@ impl ServerArgs {
         config.hostnames = self.hostnames.clone();
         config.heartbeat_interval = Duration::from_secs(self.heartbeat_interval_secs);
         config.agent_cert_validity = Duration::from_secs(self.agent_cert_validity_secs);
+        config.agent_transport_enabled = self.agent_transport == "enabled";
+        config.lease_grace = Duration::from_secs(self.lease_grace_secs);
         Ok(config)
     }
 }
@@ -290,6 +353,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 )
             })
         }
+        Command::Task(cmd) => task_command(&cli.conn, out, cmd).await,
         Command::Tenant(TenantCommand::Create { name }) => {
             let client = admin_client(&cli.conn)?;
             let response = client.send(&CreateTenant { name: name.clone() }).await?;
@@ -300,6 +364,85 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 )
             })
         }
+    }
+}
+
+async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyhow::Result<()> {
+    let client = admin_client(conn)?;
+    match cmd {
+        TaskCommand::Create {
+            task_type,
+            agent,
+            selector,
+            payload,
+            credentials,
+            variables,
+            timeout_secs,
+            priority,
+            idempotency_key,
+            wait,
+        } => {
+            let payload_text = match payload.strip_prefix('@') {
+                Some(file) => {
+                    std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
+                }
+                None => payload,
+            };
+            let selector = berth_cli::parse_labels(&selector).map_err(anyhow::Error::msg)?;
+            let request = CreateTask {
+                task_type,
+                agent_id: agent,
+                selector: (!selector.is_empty()).then_some(selector),
+                payload: serde_json::from_str(&payload_text).context("--payload is not JSON")?,
+                credentials: Some(
+                    berth_cli::parse_labels(&credentials).map_err(anyhow::Error::msg)?,
+                ),
+                variables: Some(berth_cli::parse_labels(&variables).map_err(anyhow::Error::msg)?),
+                timeout_seconds: timeout_secs,
+                priority,
+            };
+            let headers: Vec<(&str, &str)> = idempotency_key
+                .iter()
+                .map(|k| ("idempotency-key", k.as_str()))
+                .collect();
+            let mut task = client.send_with(&request, &headers, None).await?;
+            while wait && matches!(task.state.as_str(), "pending" | "leased" | "retry_wait") {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                task = client.send(&GetTask { id: task.id }).await?;
+            }
+            if wait {
+                task = client.send(&GetTask { id: task.id }).await?;
+            }
+            print_task(out, &task)
+        }
+        TaskCommand::Ls {
+            state,
+            agent,
+            task_type,
+        } => {
+            let mut tasks = Vec::new();
+            let mut cursor = None;
+            loop {
+                let page = client
+                    .send(&ListTasks {
+                        state: state.clone(),
+                        agent_id: agent,
+                        task_type: task_type.clone(),
+                        cursor,
+                        limit: Some(500),
+                    })
+                    .await?;
+                tasks.extend(page.items);
+                match page.next_cursor {
+                    Some(next) => cursor = Some(next),
+                    None => break,
+                }
+            }
+            print_tasks(out, &tasks)
+        }
+        TaskCommand::Show { id } => print_task(out, &client.send(&GetTask { id }).await?),
+        TaskCommand::Cancel { id } => print_task(out, &client.send(&CancelTask { id }).await?),
+        TaskCommand::Retry { id } => print_task(out, &client.send(&RetryTask { id }).await?),
     }
 }
 

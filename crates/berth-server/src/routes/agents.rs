@@ -13,7 +13,9 @@ use berth_proto::agent::{
 };
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody};
-use berth_store::{AgentFilter, AgentUpdate, HeartbeatRecord, NewAgent, RegisterError};
+use berth_store::{
+    AgentFilter, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, RegisterError,
+};
 use serde_json::json;
 use time::OffsetDateTime;
 
@@ -284,15 +286,17 @@ pub async fn delete(
 /// Heartbeat (mTLS): status, resource usage and capabilities. Committed in a group with
 /// concurrent heartbeats; applied only while the certificate is the agent's binding.
 #[utoipa::path(post, path = "/api/v1/agents/{id}/heartbeat", tag = "agent-runtime", request_body = Heartbeat,
-    params(("id" = String, Path, format = Uuid)),
+    params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
     responses(
         (status = 200, body = HeartbeatResponse),
+        (status = 409, body = ErrorBody, description = "FENCED"),
         (status = 401, body = ErrorBody, description = "CLIENT_CERT_REQUIRED or AGENT_REVOKED"),
         (status = 403, body = ErrorBody, description = "CERT_BINDING_MISMATCH"),
     ))]
 pub async fn heartbeat(
     State(state): State<SharedState>,
     peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
     ApiPath(id): ApiPath<AgentId>,
     ApiJson(req): ApiJson<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
@@ -312,26 +316,45 @@ pub async fn heartbeat(
         ));
     }
     validate_capabilities(&req.capabilities)?;
+    let generation = headers
+        .get(berth_proto::transport::GENERATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .ok_or_else(|| {
+            ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation")
+        })?;
+    let now = OffsetDateTime::now_utc();
     // The binding is checked inside the heartbeat transaction, so a heartbeat racing a delete
     // or a renewal cannot resurrect the old certificate.
-    let applied = state
+    let outcome = state
         .heartbeats
         .record(HeartbeatRecord {
             agent_id: id,
             certificate_fingerprint: peer.fingerprint.to_string(),
+            generation,
+            session_expires_at: now + state.config.heartbeat_interval * 3,
             reported_status: req.status,
             resource_usage: req.resource_usage,
             capabilities: req.capabilities,
-            at: OffsetDateTime::now_utc(),
+            at: now,
         })
         .await
         .map_err(|e| ApiError::internal(&e))?;
-    if !applied {
-        state.metrics.agent_auth_refused("revoked");
-        return Err(ApiError::unauthenticated(
-            codes::AGENT_REVOKED,
-            "this certificate is no longer bound to an agent; register again",
-        ));
+    match outcome {
+        HeartbeatOutcome::Applied => {}
+        HeartbeatOutcome::Fenced => {
+            return Err(ApiError::conflict(
+                codes::FENCED,
+                "this process's generation is no longer current; another process took over",
+            ))
+        }
+        HeartbeatOutcome::Revoked => {
+            state.metrics.agent_auth_refused("revoked");
+            return Err(ApiError::unauthenticated(
+                codes::AGENT_REVOKED,
+                "this certificate is no longer bound to an agent; register again",
+            ));
+        }
     }
     Ok(Json(HeartbeatResponse {
         acknowledged: true,

@@ -21,19 +21,31 @@ pub async fn healthz() -> impl IntoResponse {
     (status = 503, description = "a dependency is unavailable"),
 ))]
 pub async fn readyz(State(state): State<SharedState>) -> impl IntoResponse {
-    match state.store.ping().await {
-        Ok(()) => (
-            StatusCode::OK,
-            Json(json!({"status": "ready", "checks": {"database": "ok"}})),
-        ),
+    let database = match state.store.ping().await {
+        Ok(()) => "ok",
         Err(e) => {
             tracing::warn!(error = %e, "readiness: database unavailable");
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                Json(json!({"status": "unavailable", "checks": {"database": "unavailable"}})),
-            )
+            "unavailable"
         }
-    }
+    };
+    // The seed's rule: with the transport off, the server is not ready to run tasks, and says so.
+    let transport = if state.config.agent_transport_enabled {
+        "ok"
+    } else {
+        "disabled"
+    };
+    let ready = database == "ok" && transport == "ok";
+    (
+        if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        },
+        Json(json!({
+            "status": if ready { "ready" } else { "unavailable" },
+            "checks": {"database": database, "agentTaskTransport": transport},
+        })),
+    )
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200, description = "Prometheus text format")))]

@@ -12,6 +12,8 @@ use crate::SharedState;
 pub mod admin;
 pub mod agents;
 pub mod meta;
+pub mod tasks;
+pub mod transport;
 
 pub fn router(state: SharedState) -> Router {
     let body_limit = state.config.body_limit;
@@ -39,6 +41,22 @@ pub fn router(state: SharedState) -> Router {
             "/api/v1/agents/{id}/certificate",
             post(agents::renew_certificate),
         )
+        .route(
+            "/api/v1/agents/{id}/session",
+            post(transport::acquire_session).delete(transport::release_session),
+        )
+        .route(
+            "/api/v1/release-orchestrator/agent-runtime/agents/{id}/tasks:poll",
+            post(transport::poll),
+        )
+        .route(
+            "/api/v1/release-orchestrator/agent-runtime/agents/{id}/tasks/{task_id}/result",
+            post(transport::submit_result),
+        )
+        .route("/api/v1/tasks", post(tasks::create).get(tasks::list))
+        .route("/api/v1/tasks/{id}", get(tasks::get))
+        .route("/api/v1/tasks/{id}/cancel", post(tasks::cancel))
+        .route("/api/v1/tasks/{id}/retry", post(tasks::retry))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

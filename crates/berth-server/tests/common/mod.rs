@@ -5,11 +5,17 @@
 
 use std::time::Duration;
 
+use base64::Engine;
 use berth_client::{Client, ClientConfig, Identity, Trust};
 use berth_crypto::AgentKey;
 use berth_proto::admin::CreateAgentToken;
 use berth_proto::agent::RegisterAgent;
+use berth_proto::transport::{
+    AcquireSession, AgentTaskPollRequest, AgentTaskPollResponse, ResultAck, SubmitResult,
+    CONTRACT_VERSION, GENERATION_HEADER,
+};
 use berth_proto::AgentId;
+use berth_proto::{AssignmentId, TaskId};
 use berth_server::{Server, ServerConfig};
 
 pub struct TestServer {
@@ -170,4 +176,80 @@ where
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+impl TestAgent {
+    /// Acquires a session as a fresh process instance; returns the generation.
+    pub async fn session(&self) -> i64 {
+        self.client
+            .send(&AcquireSession {
+                agent_id: self.id,
+                instance_id: uuid::Uuid::new_v4().to_string(),
+            })
+            .await
+            .expect("session")
+            .generation
+    }
+
+    pub async fn poll(
+        &self,
+        generation: i64,
+    ) -> Result<AgentTaskPollResponse, berth_client::ClientError> {
+        let request = AgentTaskPollRequest {
+            contract_version: CONTRACT_VERSION.into(),
+            agent_id: self.id,
+            capabilities: vec![],
+        };
+        let g = generation.to_string();
+        self.client
+            .send_with(&request, &[(GENERATION_HEADER, &g)], None)
+            .await
+    }
+
+    /// An unsigned envelope for a finished assignment.
+    pub fn envelope(
+        &self,
+        task: TaskId,
+        assignment: AssignmentId,
+        success: bool,
+        result_data: serde_json::Value,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "contractVersion": CONTRACT_VERSION,
+            "agentId": self.id,
+            "taskId": task,
+            "assignmentId": assignment,
+            "success": success,
+            "message": "done",
+            "resultData": result_data.to_string(),
+            "duration": "00:00:01",
+            "completedAt": "2026-11-30T12:00:00Z",
+            "signatureAlgorithm": "ecdsa-sha256",
+        })
+    }
+
+    /// Signs an envelope with this agent's key (JCS of everything but `signature`).
+    pub fn sign(&self, mut envelope: serde_json::Value) -> serde_json::Value {
+        sign_with(&self.key, &mut envelope);
+        envelope
+    }
+
+    pub async fn submit(
+        &self,
+        generation: i64,
+        envelope: serde_json::Value,
+    ) -> Result<ResultAck, berth_client::ClientError> {
+        let g = generation.to_string();
+        self.client
+            .send_with(&SubmitResult(envelope), &[(GENERATION_HEADER, &g)], None)
+            .await
+    }
+}
+
+pub fn sign_with(key: &AgentKey, envelope: &mut serde_json::Value) {
+    let bytes = berth_proto::transport::signing_input(envelope).expect("jcs");
+    let signature = key.sign(&bytes).expect("sign");
+    envelope["signature"] = base64::engine::general_purpose::STANDARD
+        .encode(signature)
+        .into();
 }

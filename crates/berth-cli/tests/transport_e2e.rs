@@ -1,0 +1,967 @@
+//! End-to-end tests of `agent-task-transport/v1` with real processes: `berth server` (SQLite, or
+//! two replicas on PostgreSQL), `berth-agent`s with temp state and sticker dirs, and the admin CLI
+//! (`berth task … -o json`). Bulk work goes through the typed API client.
+//!
+//! Effects are counted on the agents' side: the `write-sticker` executor appends one JSON line
+//! (with `taskId`) to `<sticker-dir>/history.log` per execution.
+
+#![cfg(unix)]
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_client::{Client, ClientError};
+use berth_proto::task::{CreateTask, GetTask, ListTasks, TaskView};
+use berth_proto::transport::{AgentTaskPollRequest, CONTRACT_VERSION, GENERATION_HEADER};
+use berth_proto::{AgentId, TaskId};
+use common::*;
+use serde_json::{json, Value};
+
+/// How long a task may take to reach a state that needs only the agent and the sweeper.
+const TASK: Duration = Duration::from_secs(60);
+
+fn id_of(v: &Value) -> String {
+    str_of(v, "id").to_string()
+}
+
+fn attempts(task: &Value) -> &Vec<Value> {
+    task["attempts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no attempts in {task}"))
+}
+
+fn count(history: &[String], task_id: &str) -> usize {
+    history.iter().filter(|t| *t == task_id).count()
+}
+
+/// Waits until the agent's own log shows the server refused a result for `task_id` as FENCED.
+fn wait_fenced_in_log(agent: &mut Proc, task_id: &str) {
+    wait_for(
+        TASK,
+        &format!("{} to log FENCED for task {task_id}", agent.name),
+        || {
+            let log = agent.stderr();
+            if log
+                .lines()
+                .any(|l| l.contains(task_id) && l.contains("FENCED"))
+            {
+                Ok(())
+            } else {
+                Err(log)
+            }
+        },
+    );
+}
+
+/// The generation of the agent process's latest session, once it has logged one.
+fn wait_generation(agent: &mut Proc, at_least: i64) -> i64 {
+    wait_for(
+        SETTLE,
+        &format!("{} to acquire a session", agent.name),
+        || {
+            if let Some(status) = agent.try_status() {
+                return Err(format!("exited {status}"));
+            }
+            match acquired_generations(&agent.stderr()).last() {
+                Some(&g) if g >= at_least => Ok(g),
+                _ => Err(agent.stderr()),
+            }
+        },
+    )
+}
+
+/// Runs an `inspect` task to completion. Afterwards the agent's long-poll is fresh: it polls
+/// again the moment it receives an assignment.
+fn round_trip(server: &Server, agent_id: &str) {
+    let task = server.create_task(agent_id, "inspect", &json!({}), Some(30));
+    server.wait_task_state(&id_of(&task), TASK, "succeeded");
+}
+
+/// Stops the agent (SIGSTOP) while its long-poll is held on the server, then creates a task
+/// with `create`: the server claims it into that held poll, so the task is `leased` to a process
+/// that cannot act on it. Returns the task id with the agent still stopped.
+///
+/// Deterministic except for one case: the agent stopped between two polls (a window of
+/// microseconds every 25 s). Then nothing claims the task; the agent is resumed, the task is
+/// left to finish, and the sequence is tried again with a fresh `create(attempt)`.
+fn lease_into_stopped_agent(
+    server: &Server,
+    agent: &mut Proc,
+    agent_id: &str,
+    create: &dyn Fn(usize) -> Value,
+) -> String {
+    for attempt in 0..3 {
+        round_trip(server, agent_id);
+        agent.signal(libc::SIGSTOP);
+        let id = id_of(&create(attempt));
+        let leased = try_wait_for(Duration::from_secs(15), || {
+            let task = server.try_task(&id)?;
+            if task["state"] == "leased" {
+                Ok(task)
+            } else {
+                Err(task.to_string())
+            }
+        });
+        if leased.is_ok() {
+            return id;
+        }
+        eprintln!("note: the agent was stopped between two polls; trying again");
+        agent.signal(libc::SIGCONT);
+        server.wait_task(&id, TASK, "finished", |t| {
+            !matches!(t["state"].as_str(), Some("pending" | "leased"))
+        });
+    }
+    panic!("could not lease a task into the stopped agent in 3 tries");
+}
+
+/// The read-back (`read-sticker`) task the server scheduled for `task_id`.
+fn wait_read_back(
+    server: &Server,
+    task_id: &str,
+    what: &str,
+    check: impl Fn(&Value) -> bool,
+) -> Value {
+    wait_for(TASK, &format!("the read-back of {task_id}: {what}"), || {
+        let tasks = server.try_cli(&["task", "ls", "--type", "read-sticker"])?;
+        let found = tasks
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|t| t["readBackOf"] == task_id)
+            .cloned();
+        match found {
+            Some(t) if check(&t) => Ok(t),
+            _ => Err(tasks.to_string()),
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. a paused agent: late results are fenced; lost leases resolve by the task's kind
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn paused_agent_late_results_are_fenced_and_lost_leases_resolve() {
+    let tmp = tempdir();
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1", "--lease-grace-secs", "1"],
+    );
+    let mut agent = Agent::register(
+        &server,
+        tmp.path(),
+        "paused-1",
+        &["--retry-budget-secs", "120"],
+    );
+    let agent_id = agent.id.clone();
+    let generation = wait_generation(&mut agent.proc, 1);
+
+    // (b) A read-only task whose lease is lost is requeued, and runs again after SIGCONT. The
+    // agent stays stopped past the lease (1 s timeout + 1 s grace) and 3 heartbeat intervals.
+    let id = lease_into_stopped_agent(&server, &mut agent.proc, &agent_id, &|_| {
+        server.create_task(&agent_id, "inspect", &json!({}), Some(1))
+    });
+    let requeued = server.wait_task_state(&id, TASK, "retry_wait");
+    assert_eq!(attempts(&requeued)[0]["state"], "expired", "{requeued}");
+    server.wait_agent(&agent_id, "the stopped agent offline", |a| {
+        a["status"] == "offline"
+    });
+    agent.proc.signal(libc::SIGCONT);
+    let done = server.wait_task_state(&id, TASK, "succeeded");
+    let tries = attempts(&done);
+    assert_eq!(tries.len(), 2, "{done}");
+    assert_eq!(tries[0]["state"], "expired", "{done}");
+    assert_eq!(tries[1]["state"], "succeeded", "{done}");
+    assert_eq!(done["readBack"], false, "{done}");
+    // Nobody else took the identity: the resumed process keeps its session.
+    assert_eq!(tries[1]["generation"], generation, "{done}");
+    // Its late result for the expired delivery was refused.
+    wait_fenced_in_log(&mut agent.proc, &id);
+    agent.wait_online(&server);
+    agent.proc.assert_running();
+
+    // (a) A side-effecting task whose lease is lost becomes `unknown` and is never re-run. Here
+    // the stopped agent already holds the assignment; after SIGCONT it writes the sticker, its
+    // result is fenced, and the read-back (queued behind it on the same agent, and run only
+    // after the write: the agent reads its queued poll answer first) finds the sticker.
+    let id = lease_into_stopped_agent(&server, &mut agent.proc, &agent_id, &|n| {
+        server.create_task(
+            &agent_id,
+            "write-sticker",
+            &json!({"name": format!("paused-found-{n}")}),
+            Some(1),
+        )
+    });
+    let unknown = server.wait_task_state(&id, TASK, "unknown");
+    assert_eq!(attempts(&unknown)[0]["state"], "expired", "{unknown}");
+    assert_eq!(
+        count(&agent.history(), &id),
+        0,
+        "the stopped agent wrote a sticker"
+    );
+    let read_back = wait_read_back(&server, &id, "queued", |_| true);
+    agent.proc.signal(libc::SIGCONT);
+    let done = server.wait_task_state(&id, TASK, "succeeded");
+    assert_eq!(done["readBack"], true, "{done}");
+    assert_eq!(done["result"]["found"], true, "{done}");
+    assert_eq!(done["result"]["sticker"]["taskId"], id.as_str(), "{done}");
+    assert_eq!(done["result"]["readBackTaskId"], read_back["id"], "{done}");
+    assert_eq!(attempts(&done).len(), 1, "re-run automatically: {done}");
+    assert_eq!(count(&agent.history(), &id), 1, "executions of {id}");
+    wait_fenced_in_log(&mut agent.proc, &id);
+
+    // (a') The same, but the stopped process dies with its assignment: the sticker is not
+    // there, so the task stays `unknown` until an operator retries it.
+    let id = lease_into_stopped_agent(&server, &mut agent.proc, &agent_id, &|n| {
+        server.create_task(
+            &agent_id,
+            "write-sticker",
+            &json!({"name": format!("paused-lost-{n}")}),
+            Some(1),
+        )
+    });
+    server.wait_task_state(&id, TASK, "unknown");
+    // Once it is offline its session lease has lapsed too, so a new process may start.
+    server.wait_agent(&agent_id, "the stopped agent offline", |a| {
+        a["status"] == "offline"
+    });
+    agent.proc.kill9();
+    agent.proc = Agent::restart(
+        &server.url,
+        &agent.state_dir,
+        &agent.sticker_dir,
+        "paused-1 (restarted)",
+        &["--retry-budget-secs", "120"],
+    );
+    let new_generation = wait_generation(&mut agent.proc, generation + 1);
+    wait_read_back(&server, &id, "succeeded", |t| t["state"] == "succeeded");
+    let still = server.wait_task(&id, TASK, "read-back evidence", |t| {
+        t["result"]["found"].is_boolean()
+    });
+    assert_eq!(still["state"], "unknown", "{still}");
+    assert_eq!(still["readBack"], false, "{still}");
+    assert_eq!(still["result"]["found"], false, "{still}");
+    assert_eq!(count(&agent.history(), &id), 0, "the lost assignment ran");
+
+    let retried = server.cli(&["task", "retry", &id]);
+    assert_eq!(retried["state"], "pending", "{retried}");
+    let done = server.wait_task_state(&id, TASK, "succeeded");
+    assert_eq!(done["readBack"], false, "{done}");
+    let tries = attempts(&done);
+    assert_eq!(tries.len(), 2, "{done}");
+    assert_eq!(tries[1]["generation"], new_generation, "{done}");
+    assert_eq!(count(&agent.history(), &id), 1, "executions of {id}");
+    agent.proc.assert_running();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. kill -9 of the server while 1,000 tasks run
+// ---------------------------------------------------------------------------------------------
+
+const CRASH_TASKS: usize = 1000;
+const CREATORS: usize = 16;
+
+fn retriable(e: &ClientError) -> bool {
+    match e {
+        ClientError::Transport { .. } | ClientError::Decode(_) => true,
+        ClientError::Api { status, .. } => *status >= 500,
+        ClientError::Config(_) => false,
+    }
+}
+
+/// Creates task `n` with `Idempotency-Key: crash-<n>`, retrying through the server's crash
+/// until the server acknowledges it; returns the acknowledged id.
+async fn create_until_acknowledged(
+    api: &Client,
+    n: usize,
+    agent: AgentId,
+) -> Result<TaskId, String> {
+    let request = CreateTask {
+        task_type: "write-sticker".into(),
+        agent_id: Some(agent),
+        payload: json!({ "name": format!("t-{n}") }),
+        timeout_seconds: Some(5),
+        ..Default::default()
+    };
+    let key = format!("crash-{n}");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        match api
+            .send_with(
+                &request,
+                &[("idempotency-key", &key)],
+                Some(Duration::from_secs(15)),
+            )
+            .await
+        {
+            Ok(task) => return Ok(task.id),
+            Err(e) if retriable(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(format!("creating task {n}: {e}")),
+        }
+    }
+}
+
+async fn list_all(api: &Client, task_type: Option<&str>) -> Result<Vec<TaskView>, ClientError> {
+    let mut all = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = api
+            .send(&ListTasks {
+                task_type: task_type.map(str::to_string),
+                cursor,
+                limit: Some(1000),
+                ..Default::default()
+            })
+            .await?;
+        all.extend(page.items);
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => return Ok(all),
+        }
+    }
+}
+
+#[test]
+fn server_kill_9_loses_no_task_and_runs_none_twice() {
+    let tmp = tempdir();
+    let data = tmp.path().join("data");
+    // The port is chosen up front so the restarted server comes back where the agents look.
+    let listen = format!("127.0.0.1:{}", free_port());
+    let server_args = ["--heartbeat-interval-secs", "2", "--lease-grace-secs", "3"];
+    let mut server = Server::start_at(&data, &listen, &server_args, None);
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|i| {
+            Agent::register(
+                &server,
+                tmp.path(),
+                &format!("crash-{i}"),
+                &["--max-concurrent-tasks", "8", "--retry-budget-secs", "240"],
+            )
+        })
+        .collect();
+    let agent_ids: Vec<AgentId> = agents
+        .iter()
+        .map(|a| AgentId(a.id.parse().expect("agent id")))
+        .collect();
+    let executed = |agents: &[Agent]| agents.iter().map(|a| a.history().len()).sum::<usize>();
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = server.api();
+    let acknowledged: Arc<Mutex<BTreeMap<usize, TaskId>>> = Arc::default();
+    let next = Arc::new(AtomicUsize::new(0));
+    let creators: Vec<_> = (0..CREATORS)
+        .map(|_| {
+            let (api, acknowledged, next, agent_ids) = (
+                api.clone(),
+                acknowledged.clone(),
+                next.clone(),
+                agent_ids.clone(),
+            );
+            rt.spawn(async move {
+                loop {
+                    let n = next.fetch_add(1, Ordering::SeqCst);
+                    if n >= CRASH_TASKS {
+                        return Ok::<(), String>(());
+                    }
+                    let id = create_until_acknowledged(&api, n, agent_ids[n % 3]).await?;
+                    acknowledged.lock().unwrap().insert(n, id);
+                }
+            })
+        })
+        .collect();
+
+    // kill -9 while tasks run, then restart on the same data dir and port.
+    wait_for(Duration::from_secs(180), "150 tasks to have run", || {
+        let n = executed(&agents);
+        if n >= 150 {
+            Ok(())
+        } else {
+            Err(format!("{n} executed"))
+        }
+    });
+    let started = Instant::now();
+    server.proc.kill9();
+    let at_kill = (acknowledged.lock().unwrap().len(), executed(&agents));
+    server = Server::start_at(&data, &listen, &server_args, None);
+    let downtime = started.elapsed();
+
+    for creator in creators {
+        rt.block_on(creator)
+            .expect("creator task")
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    assert_eq!(acknowledged.len(), CRASH_TASKS);
+
+    // Until nothing is queued, running or waiting to retry (read-backs included).
+    let settled = wait_for(Duration::from_secs(240), "every task to settle", || {
+        let all = rt
+            .block_on(list_all(&api, None))
+            .map_err(|e| e.to_string())?;
+        let open = all
+            .iter()
+            .filter(|t| matches!(t.state.as_str(), "pending" | "leased" | "retry_wait"))
+            .count();
+        if open > 0 {
+            return Err(format!("{open} of {} tasks open", all.len()));
+        }
+        // A read-back's verdict is recorded right after its result.
+        let verdicts_due = all
+            .iter()
+            .filter(|rb| rb.read_back_of.is_some() && rb.state == "succeeded")
+            .filter_map(|rb| all.iter().find(|t| Some(t.id) == rb.read_back_of))
+            .filter(|parent| parent.state == "unknown" && parent.result.is_none())
+            .count();
+        if verdicts_due > 0 {
+            return Err(format!("{verdicts_due} read-back verdicts pending"));
+        }
+        Ok(all)
+    });
+    server.proc.assert_running();
+    for agent in &mut agents {
+        agent.proc.assert_running();
+    }
+
+    let tasks: BTreeMap<TaskId, &TaskView> = settled
+        .iter()
+        .filter(|t| t.task_type == "write-sticker")
+        .map(|t| (t.id, t))
+        .collect();
+    // Every acknowledged task exists; there is no other (the idempotency keys held).
+    let acked_ids: BTreeSet<TaskId> = acknowledged.values().copied().collect();
+    assert_eq!(
+        acked_ids.len(),
+        CRASH_TASKS,
+        "two keys acknowledged one task"
+    );
+    let missing: Vec<_> = acked_ids
+        .iter()
+        .filter(|id| !tasks.contains_key(id))
+        .collect();
+    assert!(missing.is_empty(), "acknowledged tasks lost: {missing:?}");
+    let extra: Vec<_> = tasks.keys().filter(|id| !acked_ids.contains(id)).collect();
+    assert!(extra.is_empty(), "tasks nobody acknowledged: {extra:?}");
+
+    // Executions, by task, with the agent that ran each.
+    let mut runs: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for agent in &agents {
+        for task_id in agent.history() {
+            runs.entry(task_id).or_default().push(agent.id.clone());
+        }
+    }
+    let twice: Vec<_> = runs.iter().filter(|(_, by)| by.len() > 1).collect();
+    assert!(twice.is_empty(), "tasks executed more than once: {twice:?}");
+
+    let (mut by_result, mut by_read_back, mut unknown, mut unknown_ran) = (0, 0, 0, 0);
+    for task in tasks.values() {
+        let id = task.id.to_string();
+        let ran = runs.get(&id);
+        if let Some(by) = ran {
+            assert_eq!(
+                by[0],
+                task.agent_id.to_string(),
+                "{id} ran on another agent"
+            );
+        }
+        match (task.state.as_str(), task.read_back) {
+            ("succeeded", false) => {
+                by_result += 1;
+                assert!(ran.is_some(), "{id} succeeded without running: {task:?}");
+            }
+            ("succeeded", true) => {
+                by_read_back += 1;
+                assert!(
+                    ran.is_some(),
+                    "{id} succeeded by read-back without running: {task:?}"
+                );
+                let result = task.result.as_ref().expect("read-back evidence");
+                assert_eq!(result["sticker"]["taskId"], id.as_str(), "{task:?}");
+            }
+            ("unknown", false) => {
+                unknown += 1;
+                unknown_ran += usize::from(ran.is_some());
+            }
+            _ => panic!(
+                "task {id} ended {} (readBack {}): {task:?}",
+                task.state, task.read_back
+            ),
+        }
+    }
+    let read_backs = settled.iter().filter(|t| t.read_back_of.is_some()).count();
+    println!(
+        "crash test: {CRASH_TASKS} tasks acknowledged; killed after {} acknowledged / {} executed; \
+         down {downtime:?}; succeeded by result {by_result}, by read-back {by_read_back}, \
+         unknown {unknown} ({unknown_ran} of them ran); read-backs {read_backs}; \
+         executions {} (none twice)",
+        at_kill.0,
+        at_kill.1,
+        runs.len()
+    );
+    assert_eq!(by_result + by_read_back + unknown, CRASH_TASKS);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. a cloned identity
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn cloned_identity_is_refused_then_takes_over_and_fences_the_original() {
+    let tmp = tempdir();
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let mut original = Agent::register(&server, tmp.path(), "twin", &[]);
+    let first = wait_generation(&mut original.proc, 1);
+
+    // A copied state dir: the same key, certificate and agent id in a second process.
+    let copy = tmp.path().join("twin-copy");
+    std::fs::create_dir(&copy).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for file in ["identity.json", "agent.pem", "ca.crt"] {
+        std::fs::copy(original.state_dir.join(file), copy.join(file)).unwrap();
+    }
+    let mut clone = Agent::restart(
+        &server.url,
+        &copy,
+        &tmp.path().join("twin-copy-stickers"),
+        "twin (clone)",
+        &["--retry-budget-secs", "120"],
+    );
+
+    // Refused while the original holds the session, and it keeps trying.
+    wait_for(
+        SETTLE,
+        "the clone to be refused twice with SESSION_HELD",
+        || {
+            let log = clone.stderr();
+            if let Some(status) = clone.try_status() {
+                panic!("the clone gave up ({status}) instead of retrying:\n{log}");
+            }
+            let refusals = log.matches("SESSION_HELD").count();
+            if refusals >= 2 {
+                Ok(())
+            } else {
+                Err(format!("{refusals} refusals: {log}"))
+            }
+        },
+    );
+    server.wait_agent(
+        &original.id,
+        "the agent degraded while a clone contends",
+        |a| a["status"] == "degraded",
+    );
+    original.proc.assert_running();
+    assert!(
+        acquired_generations(&clone.stderr()).is_empty(),
+        "the clone acquired a held session:\n{}",
+        clone.stderr()
+    );
+
+    // The original stops past its session lease (3 intervals): the clone takes over.
+    original.proc.signal(libc::SIGSTOP);
+    let taken = wait_generation(&mut clone, first + 1);
+    let task = server.create_task(&original.id, "inspect", &json!({}), Some(30));
+    let done = server.wait_task_state(&id_of(&task), TASK, "succeeded");
+    assert_eq!(attempts(&done)[0]["generation"], taken, "{done}");
+
+    // Resumed, the original finds it was fenced and exits 1.
+    original.proc.signal(libc::SIGCONT);
+    let resumed = Instant::now();
+    let code = original.proc.wait_code(EXIT);
+    let took = resumed.elapsed();
+    let log = original.proc.stderr();
+    assert_eq!(code, 1, "exit code of the fenced original:\n{log}");
+    assert!(log.contains("FENCED"), "{log}");
+    assert!(took < Duration::from_secs(15), "fenced exit took {took:?}");
+    clone.assert_running();
+    server.wait_agent(&original.id, "the agent online with the clone", |a| {
+        a["status"] == "online"
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. executors that must refuse, and commands as argument vectors
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn unsupported_types_and_commands_off_the_allow_list_fail_closed() {
+    let tmp = tempdir();
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let echo = program(&["/bin/echo", "/usr/bin/echo"]);
+    let plain = Agent::register(&server, tmp.path(), "plain", &[]);
+    let allowed = Agent::register(&server, tmp.path(), "allowed", &["--allow-command", &echo]);
+    let marker = tmp.path().join("pwned");
+    let touch = format!("touch {}", marker.display());
+
+    let unsupported = server.create_task(&plain.id, "docker.whatever", &json!({}), None);
+    let off = server.create_task(
+        &plain.id,
+        "execute-command",
+        &json!({"command": [echo, "hi"]}),
+        None,
+    );
+    let not_listed = server.create_task(
+        &allowed.id,
+        "execute-command",
+        &json!({"command": ["/bin/sh", "-c", touch]}),
+        None,
+    );
+    let literal_args = [
+        "a;b".to_string(),
+        format!("$({touch})"),
+        format!("`{touch}`"),
+        format!("x && {touch}"),
+        "'q' \"d\" \\n".to_string(),
+        "$HOME".to_string(),
+        "|".to_string(),
+        "*".to_string(),
+    ];
+    let mut argv = vec![echo.clone()];
+    argv.extend(literal_args.iter().cloned());
+    let echoed = server.create_task(
+        &allowed.id,
+        "execute-command",
+        &json!({ "command": argv }),
+        None,
+    );
+
+    for (task, code) in [
+        (&unsupported, "UNSUPPORTED_TASK_TYPE"),
+        (&off, "COMMAND_NOT_ALLOWED"),
+        (&not_listed, "COMMAND_NOT_ALLOWED"),
+    ] {
+        let done = server.wait_task(&id_of(task), TASK, "finished", |t| {
+            !matches!(t["state"].as_str(), Some("pending" | "leased"))
+        });
+        assert_eq!(done["state"], "failed", "{done}");
+        assert_eq!(done["errorCode"], code, "{done}");
+        assert_eq!(done["result"]["errorType"], code, "{done}");
+        assert_eq!(done["attemptCount"], 1, "a refusal is not retried: {done}");
+    }
+    let done = server.wait_task(&id_of(&echoed), TASK, "finished", |t| {
+        !matches!(t["state"].as_str(), Some("pending" | "leased"))
+    });
+    assert_eq!(done["state"], "succeeded", "{done}");
+    let outputs = &done["result"]["outputs"];
+    assert_eq!(outputs["exitCode"], 0, "{done}");
+    assert_eq!(
+        outputs["stdout"],
+        format!("{}\n", literal_args.join(" ")),
+        "arguments must reach the program verbatim: {done}"
+    );
+    assert!(!marker.exists(), "a shell ran: {} exists", marker.display());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5 and 6. a timeout and a cancellation stop the process
+// ---------------------------------------------------------------------------------------------
+
+/// Starts a server and an agent allowed to run `sleep`; returns them with the sleep path.
+fn sleepy(tmp: &Path, name: &str) -> (Server, Agent, String) {
+    let sleep = program(&["/bin/sleep", "/usr/bin/sleep"]);
+    let server = Server::start(&tmp.join("data"), &["--heartbeat-interval-secs", "1"]);
+    let agent = Agent::register(&server, tmp, name, &["--allow-command", &sleep]);
+    (server, agent, sleep)
+}
+
+fn wait_sleep_running(agent: &Agent) {
+    wait_for(Duration::from_secs(30), "the agent's sleep child", || {
+        if live_children(agent.proc.pid(), "sleep").is_empty() {
+            Err("no sleep child".into())
+        } else {
+            Ok(())
+        }
+    });
+}
+
+fn wait_sleep_gone(agent: &Agent) {
+    wait_for(
+        Duration::from_secs(15),
+        "the sleep child to be gone",
+        || {
+            let left = live_children(agent.proc.pid(), "sleep");
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("still running: {left:?}"))
+            }
+        },
+    );
+}
+
+#[test]
+fn a_command_past_its_timeout_is_killed_and_fails_with_timeout() {
+    let tmp = tempdir();
+    let (server, mut agent, sleep) = sleepy(tmp.path(), "timeout-1");
+    let started = Instant::now();
+    let task = server.create_task(
+        &agent.id,
+        "execute-command",
+        &json!({"command": [sleep, "30"]}),
+        Some(2),
+    );
+    wait_sleep_running(&agent);
+    let done = server.wait_task(&id_of(&task), Duration::from_secs(40), "finished", |t| {
+        !matches!(t["state"].as_str(), Some("pending" | "leased"))
+    });
+    let took = started.elapsed();
+    assert_eq!(done["state"], "failed", "{done}");
+    assert_eq!(done["errorCode"], "TIMEOUT", "{done}");
+    assert_eq!(attempts(&done)[0]["state"], "failed", "{done}");
+    assert!(
+        took < Duration::from_secs(20),
+        "a 2 s timeout ended after {took:?}"
+    );
+    wait_sleep_gone(&agent);
+    agent.proc.assert_running();
+    println!("timeout: task failed with TIMEOUT {took:?} after creation");
+}
+
+#[test]
+fn cancelling_a_running_command_stops_it() {
+    let tmp = tempdir();
+    let (server, mut agent, sleep) = sleepy(tmp.path(), "cancel-1");
+    let task = server.create_task(
+        &agent.id,
+        "execute-command",
+        &json!({"command": [sleep, "30"]}),
+        Some(120),
+    );
+    let id = id_of(&task);
+    server.wait_task_state(&id, TASK, "leased");
+    wait_sleep_running(&agent);
+
+    let started = Instant::now();
+    let requested = server.cli(&["task", "cancel", &id]);
+    assert_eq!(requested["state"], "leased", "{requested}");
+    assert_eq!(requested["cancelRequested"], true, "{requested}");
+    let done = server.wait_task(&id, Duration::from_secs(40), "finished", |t| {
+        !matches!(t["state"].as_str(), Some("pending" | "leased"))
+    });
+    let took = started.elapsed();
+    assert_eq!(done["state"], "cancelled", "{done}");
+    assert_eq!(attempts(&done)[0]["state"], "cancelled", "{done}");
+    assert!(took < Duration::from_secs(20), "cancellation took {took:?}");
+    wait_sleep_gone(&agent);
+    agent.proc.assert_running();
+    println!("cancel: task cancelled {took:?} after `berth task cancel`");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. two replicas on one PostgreSQL database
+// ---------------------------------------------------------------------------------------------
+
+const POSTGRES_URL_VAR: &str = "BERTH_TEST_POSTGRES_URL";
+
+/// A database `berth_e2e_<random>` on the admin URL's server, dropped (with its connections)
+/// when the guard goes.
+struct TestDatabase {
+    admin_url: String,
+    name: String,
+    url: String,
+}
+
+fn psql(admin_url: &str, sql: &str) -> Result<(), String> {
+    let out = std::process::Command::new("psql")
+        .arg(admin_url)
+        .args(["-v", "ON_ERROR_STOP=1", "-q", "-c", sql])
+        .env("PGCONNECT_TIMEOUT", "10")
+        .output()
+        .map_err(|e| format!("running psql: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "psql {sql:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+impl TestDatabase {
+    fn create(admin_url: &str) -> TestDatabase {
+        let name = format!("berth_e2e_{}", uuid::Uuid::new_v4().simple());
+        psql(admin_url, &format!("CREATE DATABASE {name}")).unwrap_or_else(|e| panic!("{e}"));
+        // The admin URL with our database as its path.
+        let (base, query) = match admin_url.split_once('?') {
+            Some((b, q)) => (b, format!("?{q}")),
+            None => (admin_url, String::new()),
+        };
+        let authority_end = base.find("://").map_or(0, |i| i + 3);
+        let root = match base[authority_end..].find('/') {
+            Some(i) => &base[..authority_end + i],
+            None => base,
+        };
+        TestDatabase {
+            admin_url: admin_url.to_string(),
+            url: format!("{root}/{name}{query}"),
+            name,
+        }
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        if let Err(e) = psql(&self.admin_url, &sql) {
+            eprintln!("warning: could not drop {}: {e}", self.name);
+        }
+    }
+}
+
+/// An mTLS client holding the agent's identity from its state dir.
+fn agent_client(server: &Server, state_dir: &Path) -> Client {
+    let pem = std::fs::read_to_string(state_dir.join("agent.pem")).expect("agent.pem");
+    let split = pem
+        .find("-----BEGIN CERTIFICATE-----")
+        .expect("certificate in agent.pem");
+    let ca = std::fs::read_to_string(server.data_dir.join("ca.crt")).expect("ca.crt");
+    Client::new(berth_client::ClientConfig {
+        server: server.url.clone(),
+        trust: berth_client::Trust::CaPem(ca),
+        identity: Some(berth_client::Identity {
+            key_pem: pem[..split].trim().to_string(),
+            cert_pem: pem[split..].trim().to_string(),
+        }),
+        bearer: None,
+        timeout: Duration::from_secs(30),
+    })
+    .expect("agent client")
+}
+
+fn api_wait_succeeded(rt: &tokio::runtime::Runtime, api: &Client, id: TaskId) -> TaskView {
+    wait_for(TASK, &format!("task {id} to succeed"), || {
+        let task = rt
+            .block_on(api.send(&GetTask { id }))
+            .map_err(|e| e.to_string())?;
+        match task.state.as_str() {
+            "succeeded" => Ok(task),
+            "pending" | "leased" | "retry_wait" => Err(format!("{task:?}")),
+            other => panic!("task {id} ended {other}: {task:?}"),
+        }
+    })
+}
+
+#[test]
+fn two_replicas_on_postgres_wake_across_replicas_and_fence_together() {
+    let admin_url = match std::env::var(POSTGRES_URL_VAR) {
+        Ok(url) => url,
+        Err(_) if std::env::var("CI").is_ok_and(|v| v == "true") => panic!(
+            "{POSTGRES_URL_VAR} is not set under CI=true: start PostgreSQL with \
+             `bash scripts/postgres.sh` and export its last line as {POSTGRES_URL_VAR}"
+        ),
+        Err(_) => {
+            println!("skipped two_replicas_on_postgres…: {POSTGRES_URL_VAR} is not set");
+            return;
+        }
+    };
+    // Declared first, dropped last: after every server has been killed.
+    let database = TestDatabase::create(&admin_url);
+    let tmp = tempdir();
+    let args = [
+        "--heartbeat-interval-secs",
+        "1",
+        "--database",
+        &database.url,
+    ];
+
+    // Replicas share nothing but the database — and the key material, which is not in the
+    // database: the CA (agents pin it, and each replica issues its server certificate from it),
+    // the JWT key and the master key (credentials sealed by one replica are opened by another).
+    // So replica 2's data dir starts as a copy of those four files of replica 1's.
+    let dir_1 = tmp.path().join("replica-1");
+    let dir_2 = tmp.path().join("replica-2");
+    let replica_1 = Server::start(&dir_1, &args);
+    std::fs::create_dir(&dir_2).unwrap();
+    std::fs::set_permissions(&dir_2, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for file in ["ca.crt", "ca.key", "jwt.key", "master.key"] {
+        std::fs::copy(dir_1.join(file), dir_2.join(file)).unwrap();
+    }
+    let replica_2 = Server::start_at(&dir_2, "127.0.0.1:0", &args, Some(&replica_1.admin_token));
+    assert_eq!(replica_2.ca_fingerprint, replica_1.ca_fingerprint);
+    assert!(
+        !dir_2.join("admin.token").exists(),
+        "the second replica minted another bootstrap token"
+    );
+
+    // The agent registers (and holds its first session) through replica 1, then runs against
+    // replica 2: a new session, a new generation.
+    let mut agent = Agent::register(&replica_1, tmp.path(), "pg-1", &[]);
+    let stale = wait_generation(&mut agent.proc, 1);
+    assert_eq!(agent.proc.terminate(), 0, "{}", agent.proc.stderr());
+    agent.proc = Agent::restart(
+        &replica_2.url,
+        &agent.state_dir,
+        &agent.sticker_dir,
+        "pg-1 (on replica 2)",
+        &["--retry-budget-secs", "60"],
+    );
+    let current = wait_generation(&mut agent.proc, stale + 1);
+    agent.wait_online(&replica_1);
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    // Fencing holds across replicas: the generation replaced on replica 2 is refused by replica 1.
+    let as_agent = agent_client(&replica_1, &agent.state_dir);
+    let agent_id = AgentId(agent.id.parse().unwrap());
+    let poll = AgentTaskPollRequest {
+        contract_version: CONTRACT_VERSION.into(),
+        agent_id,
+        capabilities: vec![],
+    };
+    let stale_header = stale.to_string();
+    let refused = rt
+        .block_on(as_agent.send_with(&poll, &[(GENERATION_HEADER, &stale_header)], None))
+        .expect_err("a poll with the replaced generation");
+    assert_eq!(
+        (refused.status(), refused.code()),
+        (Some(409), Some("FENCED")),
+        "{refused}"
+    );
+
+    // A task created through replica 1 is handed to the long-poll held on replica 2.
+    let api = replica_1.api();
+    let create = || CreateTask {
+        task_type: "inspect".into(),
+        agent_id: Some(agent_id),
+        payload: json!({}),
+        timeout_seconds: Some(30),
+        ..Default::default()
+    };
+    let warm_up = rt.block_on(api.send(&create())).expect("create");
+    api_wait_succeeded(&rt, &api, warm_up.id);
+    let mut latencies = Vec::new();
+    for _ in 0..5 {
+        let created = rt.block_on(api.send(&create())).expect("create");
+        let done = api_wait_succeeded(&rt, &api, created.id);
+        let attempt = done.attempts.first().expect("an attempt");
+        assert_eq!(attempt.generation, current, "{done:?}");
+        let latency: Duration = (attempt.assigned_at - done.created_at)
+            .try_into()
+            .unwrap_or_default();
+        latencies.push(latency);
+    }
+    latencies.sort();
+    println!(
+        "cross-replica wake (created on replica 1 → assigned on replica 2): min {:?}, median {:?}, max {:?}",
+        latencies[0],
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() - 1]
+    );
+    assert!(
+        latencies[latencies.len() - 1] < Duration::from_secs(2),
+        "a long-poll on replica 2 was not woken by a task created on replica 1: {latencies:?}"
+    );
+    agent.proc.assert_running();
+}

@@ -1,0 +1,119 @@
+//! Why a deployment step failed, as a typed error with a stable `UPPER_SNAKE` code and whether a
+//! retry may help. Executors turn it into an [`Outcome`](crate::Outcome) in one place; messages
+//! never carry credential values (the outcome is redacted again anyway).
+
+/// A failed step of `docker.run`, `rollback` or `compose.up`.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("{0}")]
+    InvalidPayload(String),
+    #[error("{0}")]
+    DigestRequired(String),
+    #[error("{0}")]
+    DigestMismatch(String),
+    #[error("docker engine unreachable: {0}")]
+    DockerUnavailable(String),
+    #[error("registry unreachable while pulling {image}: {detail}")]
+    RegistryUnavailable { image: String, detail: String },
+    #[error("registry refused the credentials for {image} (check registryUsername/registryPassword): {detail}")]
+    RegistryAuthFailed { image: String, detail: String },
+    #[error("image {image} not found in its registry: {detail}")]
+    ImageNotFound { image: String, detail: String },
+    #[error("pulling {image} failed: {detail}")]
+    PullFailed { image: String, detail: String },
+    #[error("{0}")]
+    HealthCheckUnavailable(String),
+    #[error("{0}")]
+    HealthCheckFailed(String),
+    #[error("{hook} hook failed: {detail}")]
+    HookFailed { hook: &'static str, detail: String },
+    #[error("{hook} hook timed out after {seconds}s and was killed")]
+    HookTimeout { hook: &'static str, seconds: u64 },
+    #[error("docker engine refused to {action} {target}: {detail}")]
+    Engine {
+        action: &'static str,
+        target: String,
+        detail: String,
+    },
+    #[error("no previous container {0}-previous-* to roll back to")]
+    NoPreviousContainer(String),
+    #[error("writing the version sticker failed")]
+    Sticker(#[source] crate::sticker::StickerError),
+    #[error("the payload has no compose_lock artifact with inline content")]
+    ComposeLockMissing,
+    #[error("the compose lock is invalid: {0}")]
+    ComposeLockInvalid(String),
+    #[error("{0}")]
+    ServiceNotFound(String),
+    #[error("neither `docker compose` nor `docker-compose` works on this host: {0}")]
+    ComposeUnavailable(String),
+    #[error("`compose {action}` failed: {detail}")]
+    Compose {
+        action: &'static str,
+        detail: String,
+    },
+    #[error("{what} {path}")]
+    Io {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the task was cancelled")]
+    Cancelled,
+    #[error("the task ran out of time")]
+    TimedOut,
+}
+
+impl ExecError {
+    /// The stable code in `Outcome.error_type`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ExecError::InvalidPayload(_) => "INVALID_PAYLOAD",
+            ExecError::DigestRequired(_) => "DIGEST_REQUIRED",
+            ExecError::DigestMismatch(_) => "DIGEST_MISMATCH",
+            ExecError::DockerUnavailable(_) => "DOCKER_UNAVAILABLE",
+            ExecError::RegistryUnavailable { .. } => "REGISTRY_UNAVAILABLE",
+            ExecError::RegistryAuthFailed { .. } => "REGISTRY_AUTH_FAILED",
+            ExecError::ImageNotFound { .. } => "IMAGE_NOT_FOUND",
+            ExecError::PullFailed { .. } => "PULL_FAILED",
+            ExecError::HealthCheckUnavailable(_) => "HEALTH_CHECK_UNAVAILABLE",
+            ExecError::HealthCheckFailed(_) => "HEALTH_CHECK_FAILED",
+            ExecError::HookFailed { .. } => "HOOK_FAILED",
+            ExecError::HookTimeout { .. } => "HOOK_TIMEOUT",
+            ExecError::Engine { .. } => "DOCKER_ERROR",
+            ExecError::NoPreviousContainer(_) => "NO_PREVIOUS_CONTAINER",
+            ExecError::Sticker(_) => "STICKER_WRITE_FAILED",
+            ExecError::ComposeLockMissing => "COMPOSE_LOCK_MISSING",
+            ExecError::ComposeLockInvalid(_) => "COMPOSE_LOCK_INVALID",
+            ExecError::ServiceNotFound(_) => "SERVICE_NOT_FOUND",
+            ExecError::ComposeUnavailable(_) => "COMPOSE_UNAVAILABLE",
+            ExecError::Compose { .. } => "COMPOSE_FAILED",
+            ExecError::Io { .. } => "IO_ERROR",
+            ExecError::Cancelled => "CANCELLED",
+            ExecError::TimedOut => "TIMEOUT",
+        }
+    }
+
+    /// Whether running the same task again may succeed without anyone changing anything.
+    pub fn retriable(&self) -> bool {
+        matches!(
+            self,
+            ExecError::DockerUnavailable(_)
+                | ExecError::RegistryUnavailable { .. }
+                | ExecError::PullFailed { .. }
+        )
+    }
+
+    /// The message with its source chain, for the outcome (logged once, where it is handled).
+    pub fn chain(&self) -> String {
+        let mut out = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            out.push_str(": ");
+            out.push_str(&s.to_string());
+            source = s.source();
+        }
+        out
+    }
+}

@@ -1,0 +1,140 @@
+//! Task executors: the code that does what a task asks, on the agent's host.
+//!
+//! An executor gets a [`Task`] and returns an [`Outcome`]; it never talks to the control plane,
+//! never signs anything and never decides retries on its own (it says whether a failure is
+//! retriable). Commands run as argument vectors, never through a shell, and every log line that
+//! leaves an executor has the task's credential values redacted.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+pub mod builtin;
+pub mod compose;
+pub mod docker;
+mod engine;
+pub mod error;
+pub mod hooks;
+pub mod probe;
+mod process;
+pub mod redact;
+mod reference;
+mod run;
+pub mod sticker;
+
+pub use compose::ComposeExecutor;
+pub use docker::DockerExecutor;
+pub use engine::{
+    CREDENTIAL_REGISTRY_PASSWORD, CREDENTIAL_REGISTRY_SERVER, CREDENTIAL_REGISTRY_USERNAME,
+    LABEL_DEPLOYED_AT, LABEL_DIGEST, LABEL_IMAGE, LABEL_RELEASE_ID, LABEL_RELEASE_NAME,
+};
+pub use error::ExecError;
+
+/// One delivery of a task, as the executor sees it.
+#[derive(Debug, Clone)]
+pub struct Task {
+    pub task_id: uuid::Uuid,
+    pub task_type: String,
+    /// The decoded `assignment.payload`.
+    pub payload: serde_json::Value,
+    /// Secrets for this task (registry passwords…): never logged, never echoed in outcomes.
+    pub credentials: BTreeMap<String, String>,
+    pub variables: BTreeMap<String, String>,
+    /// The executor must finish (or give up) within this time; the agent also enforces it.
+    pub timeout: Duration,
+    /// Cancelled when the operator cancels the task or the agent is fenced: stop, clean up,
+    /// and return an outcome with `error_type: CANCELLED`.
+    pub cancel: CancellationToken,
+}
+
+/// Durations of the phases of a deployment, in milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PhaseMetrics {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deploy_duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check_duration_ms: Option<u64>,
+}
+
+/// What happened. Serialized (camelCase) as the `resultData` of the signed result envelope.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Outcome {
+    pub success: bool,
+    /// One line for people.
+    pub message: String,
+    /// Stable code for a failure (`DIGEST_MISMATCH`, `HEALTH_CHECK_FAILED`, `TIMEOUT`, `CANCELLED`,
+    /// `UNSUPPORTED_TASK_TYPE`, `INVALID_PAYLOAD`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_type: Option<String>,
+    /// Whether running the task again may succeed (registry down: yes; bad password: no).
+    #[serde(default)]
+    pub retriable: bool,
+    #[serde(default)]
+    pub outputs: serde_json::Map<String, serde_json::Value>,
+    /// Redacted log of what the executor did.
+    #[serde(default)]
+    pub logs: String,
+    #[serde(default)]
+    pub metrics: PhaseMetrics,
+}
+
+impl Outcome {
+    pub fn ok(message: impl Into<String>) -> Outcome {
+        Outcome {
+            success: true,
+            message: message.into(),
+            ..Default::default()
+        }
+    }
+
+    pub fn failed(error_type: &str, message: impl Into<String>, retriable: bool) -> Outcome {
+        Outcome {
+            success: false,
+            message: message.into(),
+            error_type: Some(error_type.to_string()),
+            retriable,
+            ..Default::default()
+        }
+    }
+
+    pub fn with_output(mut self, key: &str, value: impl Into<serde_json::Value>) -> Outcome {
+        self.outputs.insert(key.to_string(), value.into());
+        self
+    }
+
+    pub fn with_logs(mut self, logs: String) -> Outcome {
+        self.logs = logs;
+        self
+    }
+}
+
+/// Does one or more task types.
+#[async_trait::async_trait]
+pub trait Executor: Send + Sync {
+    /// The task types this executor runs, e.g. `["docker.run", "rollback"]`.
+    fn task_types(&self) -> &'static [&'static str];
+
+    /// Whether this task type changes the target. A task with side effects that loses its lease
+    /// becomes `unknown` and is never re-run automatically.
+    fn has_side_effects(&self, task_type: &str) -> bool;
+
+    /// Runs the task. Never panics on bad payloads: returns `INVALID_PAYLOAD`.
+    async fn execute(&self, task: &Task) -> Outcome;
+}
+
+/// Parses the payload into the executor's type, or a non-retriable `INVALID_PAYLOAD` outcome.
+pub fn parse_payload<T: serde::de::DeserializeOwned>(task: &Task) -> Result<T, Box<Outcome>> {
+    serde_json::from_value(task.payload.clone()).map_err(|e| {
+        Box::new(Outcome::failed(
+            "INVALID_PAYLOAD",
+            format!("the {} payload is invalid: {e}", task.task_type),
+            false,
+        ))
+    })
+}

@@ -1,0 +1,209 @@
+//! Version stickers: a small JSON file per deployment target saying which release is there, so
+//! the control plane can read back what a lost task really did. Written atomically (temp file,
+//! fsync, rename) without a shell, and every write is appended to `history.log`, one JSON line,
+//! so repeated executions are visible.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// What a sticker says.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Sticker {
+    /// The target: a container name, a compose project, or any name the task chose.
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// The task that wrote it.
+    pub task_id: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub written_at: time::OffsetDateTime,
+    /// Anything else the task wants recorded.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StickerError {
+    #[error(
+        "sticker name {0:?} must be 1-128 characters of A-Z a-z 0-9 . _ - and not start with a dot"
+    )]
+    InvalidName(String),
+    #[error("sticker {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("sticker {path} is not valid JSON: {source}")]
+    Corrupt {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Where stickers live: one directory, one `<name>.json` each.
+#[derive(Debug, Clone)]
+pub struct StickerStore {
+    dir: PathBuf,
+}
+
+impl StickerStore {
+    pub fn new(dir: impl Into<PathBuf>) -> StickerStore {
+        StickerStore { dir: dir.into() }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path(&self, name: &str) -> Result<PathBuf, StickerError> {
+        let ok = !name.is_empty()
+            && name.len() <= 128
+            && !name.starts_with('.')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if ok {
+            Ok(self.dir.join(format!("{name}.json")))
+        } else {
+            Err(StickerError::InvalidName(name.to_string()))
+        }
+    }
+
+    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StickerError + '_ {
+        move |source| StickerError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    /// Writes the sticker atomically and appends it to the history.
+    pub fn write(&self, sticker: &Sticker) -> Result<PathBuf, StickerError> {
+        let path = self.path(&sticker.name)?;
+        std::fs::create_dir_all(&self.dir).map_err(Self::io(&self.dir))?;
+        let json = serde_json::to_vec_pretty(sticker).map_err(|source| StickerError::Corrupt {
+            path: path.clone(),
+            source,
+        })?;
+        let tmp = self.dir.join(format!(".{}.tmp", sticker.name));
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&json)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(Self::io(&path))?;
+        let history = self.dir.join("history.log");
+        let line = serde_json::to_string(sticker).map_err(|source| StickerError::Corrupt {
+            path: history.clone(),
+            source,
+        })?;
+        let append = || -> std::io::Result<()> {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&history)?;
+            f.write_all(format!("{line}\n").as_bytes())?;
+            f.sync_all()
+        };
+        append().map_err(Self::io(&history))?;
+        Ok(path)
+    }
+
+    /// `None` when there is no sticker of that name.
+    pub fn read(&self, name: &str) -> Result<Option<Sticker>, StickerError> {
+        let path = self.path(name)?;
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|source| StickerError::Corrupt { path, source }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StickerError::Io { path, source: e }),
+        }
+    }
+
+    /// Every sticker, by name.
+    pub fn list(&self) -> Result<Vec<Sticker>, StickerError> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+            Err(e) => return Err(Self::io(&self.dir)(e)),
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".json"))
+                    .filter(|n| !n.starts_with('.'))
+                    .map(str::to_string)
+            })
+            .collect();
+        names.sort();
+        let mut out = Vec::new();
+        for name in names {
+            if let Some(s) = self.read(&name)? {
+                out.push(s);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sticker(name: &str, digest: &str) -> Sticker {
+        Sticker {
+            name: name.into(),
+            release_id: Some("r1".into()),
+            release_name: None,
+            image: None,
+            digest: Some(digest.into()),
+            task_id: "t".into(),
+            written_at: time::OffsetDateTime::UNIX_EPOCH,
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn writes_reads_lists_and_keeps_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StickerStore::new(dir.path().join("stickers"));
+        assert_eq!(store.read("web").unwrap(), None);
+        store.write(&sticker("web", "sha256:a")).unwrap();
+        store.write(&sticker("web", "sha256:b")).unwrap();
+        assert_eq!(
+            store.read("web").unwrap().unwrap().digest.as_deref(),
+            Some("sha256:b")
+        );
+        assert_eq!(store.list().unwrap().len(), 1);
+        let history = std::fs::read_to_string(dir.path().join("stickers/history.log")).unwrap();
+        assert_eq!(history.lines().count(), 2);
+    }
+
+    #[test]
+    fn refuses_names_that_escape_the_directory() {
+        let store = StickerStore::new("/tmp/none");
+        for bad in ["../x", "a/b", "", ".hidden", "x\0y", &"a".repeat(129)] {
+            assert!(
+                matches!(
+                    store.write(&sticker(bad, "d")),
+                    Err(StickerError::InvalidName(_))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+}

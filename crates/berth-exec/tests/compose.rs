@@ -1,0 +1,264 @@
+//! `compose.up` on the real engine with the host's compose (v2 when present, else v1), images
+//! from the local registry of `scripts/registry.sh`. Projects are named `berth-test-…` and
+//! taken down at the end, even on failure.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use berth_exec::compose::{BACKUP_FILE, LOCK_FILE};
+use berth_exec::sticker::StickerStore;
+use berth_exec::{ComposeExecutor, Executor};
+use common::*;
+use serde_json::json;
+
+fn lock(services: &[(&str, &Image, u16)]) -> String {
+    let mut out = String::from("version: \"3.7\"\nservices:\n");
+    for (name, image, port) in services {
+        out.push_str(&format!(
+            "  {name}:\n    image: {}\n    ports:\n      - \"127.0.0.1:{port}:8080\"\n",
+            image.reference()
+        ));
+    }
+    out
+}
+
+fn payload(
+    project: &str,
+    dir: &std::path::Path,
+    content: &str,
+    services: &[(&str, &Image)],
+) -> serde_json::Value {
+    let expected: BTreeMap<&str, &str> = services
+        .iter()
+        .map(|(s, i)| (*s, i.digest.as_str()))
+        .collect();
+    json!({
+        "artifacts": [{"type": "compose_lock", "name": "compose.yml", "content": content}],
+        "config": {
+            "projectName": project,
+            "deploymentDirectory": dir.display().to_string(),
+            "expectedDigests": expected,
+            "healthCheck": {"type": "docker", "timeout": 40, "interval": 1},
+            "releaseName": "shop-1",
+        },
+    })
+}
+
+#[tokio::test]
+async fn two_services_up_then_an_unhealthy_upgrade_restores_the_backup() {
+    let Some(env) = env("two_services_up_then_an_unhealthy_upgrade_restores_the_backup") else {
+        return;
+    };
+    let prefix = unique();
+    let mut cleanup = Cleanup::new(&prefix);
+    let web1 = make_image(
+        &env.registry,
+        &prefix,
+        "web",
+        Variant::Healthy,
+        "web v1",
+        None,
+    );
+    let api1 = make_image(
+        &env.registry,
+        &prefix,
+        "api",
+        Variant::Healthy,
+        "api v1",
+        None,
+    );
+    let web2 = make_image(
+        &env.registry,
+        &prefix,
+        "web",
+        Variant::Unhealthy,
+        "web v2",
+        None,
+    );
+    let state = tempfile::tempdir().unwrap();
+    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")));
+    let command = exec
+        .compose_command()
+        .await
+        .expect("docker compose or docker-compose");
+    let dir = state.path().join("deploy");
+    let project = prefix.clone();
+    cleanup.compose_project(&command, &project, &dir);
+    let (web_port, api_port) = (free_port(), free_port());
+
+    let v1 = lock(&[("web", &web1, web_port), ("api", &api1, api_port)]);
+    let outcome = exec
+        .execute(&task(
+            "compose.up",
+            payload(&project, &dir, &v1, &[("web", &web1), ("api", &api1)]),
+        ))
+        .await;
+    assert_success(&outcome);
+    assert_eq!(http_body(web_port).await.as_deref(), Some("web v1"));
+    assert_eq!(http_body(api_port).await.as_deref(), Some("api v1"));
+    assert_eq!(std::fs::read_to_string(dir.join(LOCK_FILE)).unwrap(), v1);
+    assert!(
+        outcome.metrics.pull_duration_ms.is_some()
+            && outcome.metrics.health_check_duration_ms.is_some()
+    );
+    assert_eq!(outcome.outputs["services"]["web"], json!(web1.digest));
+    let sticker = StickerStore::new(state.path().join("stickers"))
+        .read(&project)
+        .unwrap()
+        .unwrap();
+    assert_eq!(sticker.release_name.as_deref(), Some("shop-1"));
+    assert_eq!(sticker.extra["services"]["api"], json!(api1.digest));
+
+    // web v2's HEALTHCHECK fails: the v1 lock comes back and serves again.
+    let v2 = lock(&[("web", &web2, web_port), ("api", &api1, api_port)]);
+    let outcome = exec
+        .execute(&task(
+            "compose.up",
+            payload(&project, &dir, &v2, &[("web", &web2), ("api", &api1)]),
+        ))
+        .await;
+    assert_failed(&outcome, "HEALTH_CHECK_FAILED");
+    assert!(
+        outcome.message.contains("service web"),
+        "{}",
+        outcome.message
+    );
+    assert_eq!(
+        outcome.outputs["rolledBack"],
+        json!(true),
+        "{}",
+        outcome.logs
+    );
+    assert_eq!(
+        outcome.outputs["previousDigests"]["web"],
+        json!(web1.digest)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join(LOCK_FILE)).unwrap(),
+        v1,
+        "the backup is restored"
+    );
+    assert!(dir.join(BACKUP_FILE).exists());
+    wait_for(
+        Duration::from_secs(20),
+        "the old stack to serve again",
+        || async {
+            http_body(web_port).await.as_deref() == Some("web v1")
+                && http_body(api_port).await.as_deref() == Some("api v1")
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_lock_that_does_not_match_is_refused_before_anything_is_written() {
+    // No engine needed: the lock is checked before compose is even looked for.
+    let state = tempfile::tempdir().unwrap();
+    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")));
+    let dir = state.path().join("deploy");
+    let d = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+    let web = Image {
+        repository: "127.0.0.1:55000/berth-test-never/web".into(),
+        digest: d('a'),
+    };
+    let content = lock(&[("web", &web, 1)]);
+
+    let mut p = payload("berth-test-never", &dir, &content, &[("web", &web)]);
+    p["config"]["expectedDigests"]["web"] = json!(d('b'));
+    assert_failed(
+        &exec.execute(&task("compose.up", p)).await,
+        "DIGEST_MISMATCH",
+    );
+
+    let mut p = payload("berth-test-never", &dir, &content, &[("web", &web)]);
+    p["config"]["expectedDigests"]["db"] = json!(d('c'));
+    assert_failed(
+        &exec.execute(&task("compose.up", p)).await,
+        "SERVICE_NOT_FOUND",
+    );
+
+    let tagged = "services:\n  web:\n    image: 127.0.0.1:55000/web:latest\n";
+    let p = payload("berth-test-never", &dir, tagged, &[("web", &web)]);
+    assert_failed(
+        &exec.execute(&task("compose.up", p)).await,
+        "DIGEST_REQUIRED",
+    );
+
+    let mut p = payload("berth-test-never", &dir, &content, &[("web", &web)]);
+    p["artifacts"] = json!([]);
+    assert_failed(
+        &exec.execute(&task("compose.up", p)).await,
+        "COMPOSE_LOCK_MISSING",
+    );
+
+    for bad_project in ["Bad Name", "../x", "-x"] {
+        let p = payload(bad_project, &dir, &content, &[("web", &web)]);
+        assert_failed(
+            &exec.execute(&task("compose.up", p)).await,
+            "INVALID_PAYLOAD",
+        );
+    }
+    let p = payload(
+        "berth-test-never",
+        std::path::Path::new("/tmp/../etc"),
+        &content,
+        &[("web", &web)],
+    );
+    assert_failed(
+        &exec.execute(&task("compose.up", p)).await,
+        "INVALID_PAYLOAD",
+    );
+
+    assert!(!dir.exists(), "nothing was written");
+}
+
+#[tokio::test]
+async fn pulls_with_registry_credentials_and_refuses_a_wrong_password() {
+    let Some(env) = env("pulls_with_registry_credentials_and_refuses_a_wrong_password") else {
+        return;
+    };
+    let prefix = unique();
+    let mut cleanup = Cleanup::new(&prefix);
+    let login = Some((env.user.as_str(), env.password.as_str()));
+    let web = make_image(
+        &env.auth_registry,
+        &prefix,
+        "web",
+        Variant::Healthy,
+        "private",
+        login,
+    );
+    let state = tempfile::tempdir().unwrap();
+    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")));
+    let command = exec
+        .compose_command()
+        .await
+        .expect("docker compose or docker-compose");
+    let dir = state.path().join("deploy");
+    cleanup.compose_project(&command, &prefix, &dir);
+    let port = free_port();
+    let content = lock(&[("web", &web, port)]);
+    let p = payload(&prefix, &dir, &content, &[("web", &web)]);
+
+    let wrong = "not-the-password-77c1";
+    let outcome = exec
+        .execute(&with_login(task("compose.up", p.clone()), &env.user, wrong))
+        .await;
+    assert_failed(&outcome, "REGISTRY_AUTH_FAILED");
+    eprintln!("wrong password: {}", outcome.message);
+    assert!(!outcome.retriable);
+    assert!(!serde_json::to_string(&outcome).unwrap().contains(wrong));
+    assert!(!dir.join(LOCK_FILE).exists(), "the new lock is taken back");
+    assert!(container_names(&prefix).is_empty(), "nothing was started");
+
+    let outcome = exec
+        .execute(&with_login(task("compose.up", p), &env.user, &env.password))
+        .await;
+    assert_success(&outcome);
+    assert!(!serde_json::to_string(&outcome)
+        .unwrap()
+        .contains(&env.password));
+    assert_eq!(http_body(port).await.as_deref(), Some("private"));
+}

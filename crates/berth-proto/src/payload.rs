@@ -1,0 +1,226 @@
+//! Deployment task payloads: the JSON inside `assignment.payload` for `docker.run`, `rollback` and
+//! `compose.up`, with seed 000's `DeployTaskPayload` names (camelCase), plus what the agent's
+//! `inspect` task reports about containers.
+//!
+//! Shapes only: validation (digest pinning, port syntax, path safety) belongs to the executors.
+//! Unknown fields are ignored so the control plane can add fields before every agent knows them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `docker.run` and `compose.up`: seed 000's `DeployTaskPayload`.
+///
+/// `image` and `digest` are required by `docker.run` and unused by `compose.up`, whose images are
+/// in the compose lock artifact.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeployTaskPayload {
+    /// Repository, without tag or digest: `127.0.0.1:5000/web`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// `sha256:<64 hex>`; the only reference a deployment runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default)]
+    pub config: DeployConfig,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifacts: Vec<ArtifactReference>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_digest: Option<String>,
+    #[serde(default)]
+    pub hooks: DeployHooks,
+}
+
+/// `rollback`: back to `targetDigest` (a redeploy of that digest with the rest of the payload),
+/// or, without it, back to the newest `<containerName>-previous-<ts>` container.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RollbackTaskPayload {
+    /// The container to roll back; `config.containerName` is used when this is absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_digest: Option<String>,
+    #[serde(flatten)]
+    pub deploy: DeployTaskPayload,
+}
+
+/// Seed 000's `DeployConfig`; the docker fields and the compose fields share one object.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeployConfig {
+    // --- docker.run ---
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_name: Option<String>,
+    /// Container environment variables.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub environment: BTreeMap<String, String>,
+    /// Docker CLI syntax: `127.0.0.1:18080:8080/tcp`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<String>,
+    /// Docker CLI syntax: `data:/data:ro` (named volume) or `/srv/x:/x` (bind mount).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<String>,
+    /// `no`, `always`, `unless-stopped` (default), `on-failure` or `on-failure:N`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<String>,
+    /// Bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit: Option<i64>,
+    /// CPU quota in microseconds per 100 ms period (50000 = half a core).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_limit: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<HealthCheckConfig>,
+    /// Remove the previous container after a successful deployment (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleanup_previous: Option<bool>,
+
+    // --- compose.up ---
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployment_directory: Option<String>,
+    /// `{service: "sha256:…"}`: every service of the lock, and nothing else.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub expected_digests: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_name: Option<String>,
+}
+
+/// How a deployment proves it is healthy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthCheckConfig {
+    #[serde(rename = "type")]
+    pub kind: HealthCheckKind,
+    /// `http`: the URL to GET; a 2xx answer is healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// `tcp`: where to connect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Seconds to wait for health in total.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+    /// Seconds between checks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HealthCheckKind {
+    Http,
+    Tcp,
+    /// The image's own HEALTHCHECK, as the engine reports it.
+    Docker,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeployHooks {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pre_deploy: Option<HookConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub post_deploy: Option<HookConfig>,
+}
+
+/// A command run on the agent's host around a deployment: an argument vector, never a shell line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HookConfig {
+    pub command: Vec<String>,
+    /// Seconds; the hook is killed when it runs longer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+}
+
+/// An artifact shipped inside the payload: `{"type": "compose_lock", "name": "compose.yml",
+/// "content": "…"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ArtifactReference {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// The artifact type of a compose lock file.
+pub const ARTIFACT_COMPOSE_LOCK: &str = "compose_lock";
+
+/// One container carrying berth labels, as the agent's `inspect` task reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InspectedContainer {
+    pub id: String,
+    pub name: String,
+    /// The image reference the container was created from (`repo@sha256:…`).
+    pub image: String,
+    /// `running`, `exited`, `restarting`, …
+    pub state: String,
+    /// `healthy`, `unhealthy`, `starting`, or absent when the image has no HEALTHCHECK.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<String>,
+    #[serde(default)]
+    pub restart_count: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployed_at: Option<String>,
+    /// Every `berth.*` label, and nothing else.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_design_example() {
+        let json = r#"{"image": "127.0.0.1:5000/web", "digest": "sha256:abc", "previousDigest": null,
+ "config": {"containerName": "web", "releaseId": "r", "releaseName": "web-1.4",
+            "environment": {"K": "V"}, "ports": ["127.0.0.1:18080:8080/tcp"], "volumes": ["data:/data:ro"],
+            "restartPolicy": "unless-stopped", "memoryLimit": 268435456, "cpuLimit": 50000,
+            "healthCheck": {"type": "http", "url": "http://127.0.0.1:18080/", "timeout": 30, "interval": 1},
+            "cleanupPrevious": true},
+ "hooks": {"preDeploy": {"command": ["/usr/bin/true"], "timeout": 30}}}"#;
+        let p: DeployTaskPayload = serde_json::from_str(json).unwrap();
+        assert_eq!(p.config.container_name.as_deref(), Some("web"));
+        assert_eq!(
+            p.config.health_check.as_ref().unwrap().kind,
+            HealthCheckKind::Http
+        );
+        assert_eq!(p.hooks.pre_deploy.unwrap().command, vec!["/usr/bin/true"]);
+        assert_eq!(p.config.memory_limit, Some(268435456));
+    }
+
+    #[test]
+    fn parses_compose_and_rollback_payloads() {
+        let json = r#"{"artifacts": [{"type": "compose_lock", "name": "compose.yml", "content": "services: {}"}],
+            "config": {"deploymentDirectory": "/srv/app", "expectedDigests": {"web": "sha256:1"},
+                       "projectName": "app", "healthCheck": {"type": "docker", "timeout": 5}}}"#;
+        let p: DeployTaskPayload = serde_json::from_str(json).unwrap();
+        assert_eq!(p.artifacts[0].kind, ARTIFACT_COMPOSE_LOCK);
+        assert_eq!(p.config.expected_digests["web"], "sha256:1");
+
+        let r: RollbackTaskPayload = serde_json::from_str(
+            r#"{"containerName": "web", "targetDigest": "sha256:2", "image": "x/web"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.container_name.as_deref(), Some("web"));
+        assert_eq!(r.deploy.image.as_deref(), Some("x/web"));
+    }
+}

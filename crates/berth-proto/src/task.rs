@@ -1,0 +1,232 @@
+//! The admin task API: create, list, show, cancel and retry tasks. Credentials go in and never
+//! come back out.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::agent::encode_query_value;
+use crate::{AgentId, AssignmentId, Method, Request, TaskId};
+
+/// `POST /api/v1/tasks`, optional header `Idempotency-Key`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateTask {
+    /// `health-check`, `inspect`, `read-sticker`, `write-sticker`, `execute-command`,
+    /// `docker.run`, `compose.up`, `rollback`, …
+    #[serde(rename = "type")]
+    pub task_type: String,
+    /// The agent to run it. Exactly one of `agentId` and `selector`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<AgentId>,
+    /// Labels: the task goes to the matching online agent with the fewest open tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub payload: serde_json::Value,
+    /// Secrets for the task; sealed at rest, delivered only to the agent, never shown again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub variables: Option<BTreeMap<String, String>>,
+    /// Default 300, at most 86400.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u32>,
+    /// Higher first among one agent's queued tasks; default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+}
+
+impl Request for CreateTask {
+    type Response = TaskView;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        "/api/v1/tasks".into()
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptView {
+    pub assignment_id: AssignmentId,
+    pub agent_id: AgentId,
+    /// `leased`, `succeeded`, `failed`, `cancelled`, `expired`.
+    pub state: String,
+    pub generation: i64,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub assigned_at: OffsetDateTime,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub lease_expires_at: OffsetDateTime,
+    #[serde(
+        default,
+        with = "crate::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub finished_at: Option<OffsetDateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    /// The verified, signed result envelope exactly as the agent sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub result: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TaskView {
+    pub id: TaskId,
+    #[serde(rename = "type")]
+    pub task_type: String,
+    /// `pending`, `leased`, `succeeded`, `failed`, `retry_wait`, `dead_letter`, `unknown`,
+    /// `cancelled`, `expired`.
+    pub state: String,
+    pub agent_id: AgentId,
+    /// True when the task succeeded by read-back of the target, not by a result.
+    pub read_back: bool,
+    pub side_effects: bool,
+    pub priority: i32,
+    pub timeout_seconds: u32,
+    pub attempt_count: u32,
+    /// Deliveries, oldest first (only in `GET /api/v1/tasks/{id}`).
+    #[serde(default)]
+    pub attempts: Vec<AttemptView>,
+    /// The verified result data of the deciding delivery, or the read-back evidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub result: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    pub cancel_requested: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_back_of: Option<TaskId>,
+    #[serde(
+        default,
+        with = "crate::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub next_attempt_at: Option<OffsetDateTime>,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub updated_at: OffsetDateTime,
+    #[serde(
+        default,
+        with = "crate::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+/// `GET /api/v1/tasks/{id}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GetTask {
+    #[serde(skip)]
+    pub id: TaskId,
+}
+
+impl Request for GetTask {
+    type Response = TaskView;
+    const METHOD: Method = Method::Get;
+    fn path(&self) -> String {
+        format!("/api/v1/tasks/{}", self.id)
+    }
+}
+
+/// `GET /api/v1/tasks?state=&agentId=&type=&cursor=&limit=`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ListTasks {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<AgentId>,
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub task_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TaskList {
+    pub items: Vec<TaskView>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+impl Request for ListTasks {
+    type Response = TaskList;
+    const METHOD: Method = Method::Get;
+    fn path(&self) -> String {
+        let mut query = Vec::new();
+        let mut push = |k: &str, v: &str| query.push(format!("{k}={}", encode_query_value(v)));
+        if let Some(s) = &self.state {
+            push("state", s);
+        }
+        if let Some(a) = self.agent_id {
+            push("agentId", &a.to_string());
+        }
+        if let Some(t) = &self.task_type {
+            push("type", t);
+        }
+        if let Some(c) = &self.cursor {
+            push("cursor", c);
+        }
+        if let Some(l) = self.limit {
+            push("limit", &l.to_string());
+        }
+        if query.is_empty() {
+            "/api/v1/tasks".into()
+        } else {
+            format!("/api/v1/tasks?{}", query.join("&"))
+        }
+    }
+}
+
+/// `POST /api/v1/tasks/{id}/cancel`: pending → cancelled at once; leased → the agent is told.
+#[derive(Debug, Clone, Serialize)]
+pub struct CancelTask {
+    #[serde(skip)]
+    pub id: TaskId,
+}
+
+impl Request for CancelTask {
+    type Response = TaskView;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("/api/v1/tasks/{}/cancel", self.id)
+    }
+}
+
+/// `POST /api/v1/tasks/{id}/retry`: for `unknown` and `dead_letter` tasks.
+#[derive(Debug, Clone, Serialize)]
+pub struct RetryTask {
+    #[serde(skip)]
+    pub id: TaskId,
+}
+
+impl Request for RetryTask {
+    type Response = TaskView;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("/api/v1/tasks/{}/retry", self.id)
+    }
+}

@@ -1,0 +1,317 @@
+//! `agent-task-transport/v1`, field for field as seed 000 specifies, plus the session lease.
+//!
+//! Additions the seed allows ("more fields may be added"): `assignmentId` in the result envelope
+//! (inside the signed bytes, so a result is bound to one delivery), `idempotencyKey`,
+//! `expiresAt` and `sideEffects` in the assignment, and `cancellations` in the poll answer.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::{AgentId, AssignmentId, Method, Request, TaskId};
+
+pub const CONTRACT_VERSION: &str = "agent-task-transport/v1";
+/// Header carrying the agent's session generation on every mutating agent call.
+pub const GENERATION_HEADER: &str = "x-berth-generation";
+pub const ALG_ECDSA_SHA256: &str = "ecdsa-sha256";
+pub const ALG_RSA_SHA256: &str = "rsa-sha256";
+
+/// `POST /api/v1/agents/{id}/session` (mTLS): acquire the session lease.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AcquireSession {
+    #[serde(skip)]
+    pub agent_id: AgentId,
+    /// Random per agent process: a restarted or cloned process has another one.
+    pub instance_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Session {
+    pub generation: i64,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub lease_expires_at: OffsetDateTime,
+    pub heartbeat_interval_seconds: u64,
+}
+
+impl Request for AcquireSession {
+    type Response = Session;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}/session", self.agent_id)
+    }
+}
+
+/// `DELETE /api/v1/agents/{id}/session` (mTLS, with the generation): a graceful stop ends the
+/// lease at once, so a restarted process need not wait for it to expire.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReleaseSession {
+    #[serde(skip)]
+    pub agent_id: AgentId,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Released {
+    pub released: bool,
+}
+
+impl Request for ReleaseSession {
+    type Response = Released;
+    const METHOD: Method = Method::Delete;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}/session", self.agent_id)
+    }
+}
+
+fn agent_runtime(agent: AgentId) -> String {
+    format!("/api/v1/release-orchestrator/agent-runtime/agents/{agent}")
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTaskPollRequest {
+    pub contract_version: String,
+    pub agent_id: AgentId,
+    #[serde(default)]
+    pub capabilities: Vec<String>,
+}
+
+impl Request for AgentTaskPollRequest {
+    type Response = AgentTaskPollResponse;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("{}/tasks:poll", agent_runtime(self.agent_id))
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTaskPollResponse {
+    pub contract_version: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assignment: Option<AgentTaskAssignment>,
+    /// Running assignments the operator cancelled: stop them and report `cancelled`.
+    #[serde(default)]
+    pub cancellations: Vec<AgentTaskCancellation>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTaskCancellation {
+    pub task_id: TaskId,
+    pub assignment_id: AssignmentId,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTaskAssignment {
+    pub contract_version: String,
+    /// Fresh for every delivery of the task.
+    pub assignment_id: AssignmentId,
+    pub task_id: TaskId,
+    pub agent_id: AgentId,
+    /// `docker`, `compose`, or `agent` for the built-in task types.
+    pub required_capability: String,
+    pub task_type: String,
+    /// JSON text of the task payload.
+    pub payload: String,
+    pub credentials: BTreeMap<String, String>,
+    pub variables: BTreeMap<String, String>,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub assigned_at: OffsetDateTime,
+    /// TimeSpan (`hh:mm:ss`): the agent kills the work after this long.
+    pub timeout: String,
+    /// Stable across deliveries of one task: the agent's journal key.
+    pub idempotency_key: String,
+    /// When the server stops waiting for this delivery's result.
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub expires_at: OffsetDateTime,
+    pub side_effects: bool,
+}
+
+/// The signed result. The signed bytes are the RFC 8785 (JCS) canonical JSON of this object
+/// without `signature`, exactly as sent (see [`signing_input`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTaskResultEnvelope {
+    pub contract_version: String,
+    pub agent_id: AgentId,
+    pub task_id: TaskId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assignment_id: Option<AssignmentId>,
+    pub success: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// JSON text of the task result (outputs, logs, metrics, errorType, retriable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_data: Option<String>,
+    /// TimeSpan.
+    pub duration: String,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub completed_at: OffsetDateTime,
+    pub signature_algorithm: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+/// `POST …/agents/{agentId}/tasks/{taskId}/result`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct SubmitResult(pub serde_json::Value);
+
+impl SubmitResult {
+    fn field(&self, name: &str) -> String {
+        self.0
+            .get(name)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+impl Request for SubmitResult {
+    type Response = ResultAck;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!(
+            "/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
+            self.field("agentId"),
+            self.field("taskId")
+        )
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ResultAck {
+    pub accepted: bool,
+    /// The same result was already recorded for this assignment.
+    pub duplicate: bool,
+    /// The task's state after the result.
+    pub state: String,
+}
+
+/// The bytes a result signature covers: JCS of the envelope without its `signature` member.
+pub fn signing_input(envelope: &serde_json::Value) -> Result<Vec<u8>, serde_json::Error> {
+    let mut unsigned = envelope.clone();
+    if let Some(object) = unsigned.as_object_mut() {
+        object.remove("signature");
+    }
+    serde_jcs::to_vec(&unsigned)
+}
+
+/// .NET TimeSpan text: `hh:mm:ss`, with `d.` for days and `.fffffff` for fractions.
+pub fn format_timespan(d: Duration) -> String {
+    let secs = d.as_secs();
+    let (days, h, m, s) = (
+        secs / 86400,
+        (secs / 3600) % 24,
+        (secs / 60) % 60,
+        secs % 60,
+    );
+    let ticks = d.subsec_nanos() / 100;
+    let mut out = String::new();
+    if days > 0 {
+        out.push_str(&format!("{days}."));
+    }
+    out.push_str(&format!("{h:02}:{m:02}:{s:02}"));
+    if ticks > 0 {
+        out.push_str(&format!(".{ticks:07}"));
+    }
+    out
+}
+
+/// Parses [`format_timespan`]'s output (and .NET's `c` format generally).
+pub fn parse_timespan(s: &str) -> Option<Duration> {
+    let (days, rest) = match s.split_once('.') {
+        Some((d, rest)) if !d.contains(':') => (d.parse::<u64>().ok()?, rest),
+        _ => (0, s),
+    };
+    let (hms, fraction) = match rest.split_once('.') {
+        Some((hms, f)) => (hms, Some(f)),
+        None => (rest, None),
+    };
+    let parts: Vec<&str> = hms.split(':').collect();
+    if parts.len() != 3 {
+        return None;
+    }
+    let num = |p: &str, max: u64| p.parse::<u64>().ok().filter(|v| *v < max);
+    let (h, m, sec) = (num(parts[0], 24)?, num(parts[1], 60)?, num(parts[2], 60)?);
+    let nanos = match fraction {
+        None => 0,
+        Some(f) if !f.is_empty() && f.len() <= 7 && f.bytes().all(|b| b.is_ascii_digit()) => {
+            format!("{f:0<7}").parse::<u32>().ok()? * 100
+        }
+        Some(_) => return None,
+    };
+    Some(Duration::new(days * 86400 + h * 3600 + m * 60 + sec, nanos))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timespans_round_trip() {
+        for d in [
+            Duration::ZERO,
+            Duration::from_secs(59),
+            Duration::from_secs(3600 * 5 + 61),
+            Duration::from_secs(86400 * 2 + 1),
+            Duration::from_millis(1500),
+            Duration::new(3, 123_456_700),
+        ] {
+            assert_eq!(
+                parse_timespan(&format_timespan(d)),
+                Some(d),
+                "{}",
+                format_timespan(d)
+            );
+        }
+        assert_eq!(format_timespan(Duration::from_secs(300)), "00:05:00");
+        assert_eq!(
+            parse_timespan("1.02:03:04.5"),
+            Some(Duration::new(93784, 500_000_000))
+        );
+        for bad in [
+            "",
+            "5",
+            "00:60:00",
+            "24:00:00",
+            "a:b:c",
+            "00:00:00.12345678",
+            "00:00:00.",
+        ] {
+            assert_eq!(parse_timespan(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn signing_input_is_jcs_without_the_signature() {
+        let envelope = serde_json::json!({
+            "taskId": "t", "success": true, "signature": "abc", "agentId": "a",
+            "message": "é\u{1f600}", "contractVersion": CONTRACT_VERSION,
+        });
+        let bytes = signing_input(&envelope).unwrap();
+        assert_eq!(
+            String::from_utf8(bytes).unwrap(),
+            "{\"agentId\":\"a\",\"contractVersion\":\"agent-task-transport/v1\",\"message\":\"é\u{1f600}\",\"success\":true,\"taskId\":\"t\"}"
+        );
+    }
+}

@@ -1,0 +1,112 @@
+//! Read-back: when a task with side effects loses its lease, nobody knows whether it ran. Instead
+//! of running it again, the control plane asks the target what is there — a `read-sticker` task —
+//! and marks the task `succeeded` (read-back) only if the sticker proves the intended state.
+
+use berth_proto::TaskId;
+use berth_store::{CreateTaskOutcome, NewTask, Task, TaskState};
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+
+use crate::SharedState;
+
+/// The sticker a task of this type writes when it completes, by name.
+pub fn intended_sticker(task: &Task) -> Option<String> {
+    let p = &task.payload;
+    let name = match task.task_type.as_str() {
+        "write-sticker" => p.get("name"),
+        "docker.run" => p.pointer("/config/containerName"),
+        "compose.up" => p.pointer("/config/projectName"),
+        "rollback" => p.get("containerName"),
+        _ => None,
+    };
+    name.and_then(Value::as_str).map(str::to_string)
+}
+
+/// Queues a read-back for an `unknown` task, ahead of the agent's other work.
+pub async fn schedule(state: &SharedState, task: &Task) {
+    let Some(name) = intended_sticker(task) else {
+        tracing::warn!(task_id = %task.id, task_type = %task.task_type, "task is unknown and has no sticker to read back; an operator must retry or cancel it");
+        return;
+    };
+    let now = OffsetDateTime::now_utc();
+    let read_back = NewTask {
+        id: TaskId::new(),
+        tenant_id: task.tenant_id,
+        task_type: "read-sticker".into(),
+        agent_id: task.agent_id,
+        payload: json!({ "name": name }),
+        credentials_sealed: None,
+        variables: Default::default(),
+        timeout_seconds: 30,
+        priority: i32::MAX,
+        side_effects: false,
+        idempotency_key: Some(format!("read-back:{}:{}", task.id, task.attempts)),
+        request_hash: None,
+        read_back_of: Some(task.id),
+        created_at: now,
+    };
+    match state.store.create_task(read_back).await {
+        Ok(CreateTaskOutcome::Created(rb)) => {
+            tracing::info!(task_id = %task.id, read_back = %rb.id, sticker = %name, "task is unknown; reading back the target");
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::error!(task_id = %task.id, error = %e, "could not schedule the read-back")
+        }
+    }
+}
+
+/// Decides an `unknown` task from its finished read-back.
+pub async fn resolve(state: &SharedState, parent_id: TaskId, read_back: &Task) {
+    if read_back.state != TaskState::Succeeded {
+        return;
+    }
+    let parent = match state.store.get_task(read_back.tenant_id, parent_id).await {
+        Ok(Some((parent, _))) => parent,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::error!(task_id = %parent_id, error = %e, "read-back: loading the task failed");
+            return;
+        }
+    };
+    let sticker = read_back
+        .result
+        .as_ref()
+        .and_then(|r| r.pointer("/outputs/sticker"))
+        .cloned()
+        .unwrap_or(Value::Null);
+    let found = proves(&parent, &sticker);
+    let evidence = json!({ "readBackTaskId": read_back.id, "sticker": sticker, "found": found });
+    match state
+        .store
+        .resolve_read_back(parent_id, found, evidence, OffsetDateTime::now_utc())
+        .await
+    {
+        Ok(Some(t)) => {
+            tracing::info!(task_id = %t.id, state = t.state.as_str(), found, "read-back resolved")
+        }
+        Ok(None) => {}
+        Err(e) => tracing::error!(task_id = %parent_id, error = %e, "read-back: recording failed"),
+    }
+}
+
+/// The sticker proves the task's intended state when the task itself wrote it, or when it names
+/// the digest (and release, if any) the task was deploying.
+fn proves(task: &Task, sticker: &Value) -> bool {
+    if sticker.get("taskId").and_then(Value::as_str) == Some(&task.id.to_string()) {
+        return true;
+    }
+    let intended_digest = task.payload.get("digest").and_then(Value::as_str);
+    let intended_release = task
+        .payload
+        .pointer("/config/releaseId")
+        .and_then(Value::as_str);
+    match intended_digest {
+        Some(digest) => {
+            sticker.get("digest").and_then(Value::as_str) == Some(digest)
+                && intended_release
+                    .is_none_or(|r| sticker.get("releaseId").and_then(Value::as_str) == Some(r))
+        }
+        None => false,
+    }
+}

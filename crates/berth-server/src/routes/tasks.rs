@@ -1,0 +1,337 @@
+//! The admin task API: create (with `Idempotency-Key`), list, show with attempts and verified
+//! results, cancel, retry. Credentials are sealed with the master key before they reach a row.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use berth_proto::error::codes;
+use berth_proto::task::{AttemptView, CreateTask, ListTasks, TaskList, TaskView};
+use berth_proto::{AgentId, ErrorBody, TaskId, TenantId};
+use berth_store::{
+    AgentFilter, Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task,
+    TaskFilter, TaskState,
+};
+use time::OffsetDateTime;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::routes::admin::validate_labels;
+use crate::SharedState;
+
+const DEFAULT_TIMEOUT_SECS: u32 = 300;
+const MAX_TIMEOUT_SECS: u32 = 86_400;
+
+/// Task types that only read: a lost lease requeues them. Everything else changes the target
+/// and is never re-run automatically.
+pub fn has_side_effects(task_type: &str) -> bool {
+    !matches!(task_type, "health-check" | "inspect" | "read-sticker")
+}
+
+fn unprocessable(detail: impl Into<String>) -> ApiError {
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        codes::INVALID_REQUEST,
+        detail,
+    )
+}
+
+pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
+    TaskView {
+        id: task.id,
+        task_type: task.task_type,
+        state: task.state.as_str().into(),
+        agent_id: task.agent_id,
+        read_back: task.read_back,
+        side_effects: task.side_effects,
+        priority: task.priority,
+        timeout_seconds: task.timeout_seconds,
+        attempt_count: task.attempts,
+        attempts: attempts
+            .into_iter()
+            .map(|a| AttemptView {
+                assignment_id: a.assignment_id,
+                agent_id: a.agent_id,
+                state: a.state.as_str().into(),
+                generation: a.generation,
+                assigned_at: a.assigned_at,
+                lease_expires_at: a.lease_expires_at,
+                finished_at: a.finished_at,
+                error_code: a.error_code,
+                result: a.envelope,
+            })
+            .collect(),
+        result: task.result,
+        error_code: task.error_code,
+        cancel_requested: task.cancel_requested,
+        idempotency_key: task.idempotency_key,
+        read_back_of: task.read_back_of,
+        next_attempt_at: task.next_attempt_at,
+        created_at: task.created_at,
+        updated_at: task.updated_at,
+        finished_at: task.finished_at,
+    }
+}
+
+/// The first online agent of the tenant carrying every selector label.
+async fn select_agent(
+    state: &SharedState,
+    tenant: TenantId,
+    selector: &BTreeMap<String, String>,
+) -> ApiResult<AgentId> {
+    let first = selector.iter().next().map(|(k, v)| (k.clone(), v.clone()));
+    let filter = AgentFilter {
+        status: Some(berth_proto::agent::AgentStatus::Online),
+        capability: None,
+        label: first,
+    };
+    let mut after = None;
+    loop {
+        let page = state.store.list_agents(tenant, &filter, after, 500).await?;
+        if let Some(agent) = page
+            .items
+            .iter()
+            .find(|a| selector.iter().all(|(k, v)| a.labels.get(k) == Some(v)))
+        {
+            return Ok(agent.id);
+        }
+        match page.next {
+            Some(next) => after = Some(AgentId(next)),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    codes::NO_MATCHING_AGENT,
+                    "no online agent matches the selector",
+                ))
+            }
+        }
+    }
+}
+
+/// Create a task. The same `Idempotency-Key` with the same body returns the same task; with a
+/// different body it is `409 CONFLICT`.
+#[utoipa::path(post, path = "/api/v1/tasks", tag = "tasks", request_body = CreateTask, security(("bearer" = [])),
+    params(("Idempotency-Key" = Option<String>, Header)),
+    responses(
+        (status = 201, body = TaskView, description = "created"),
+        (status = 200, body = TaskView, description = "the task this Idempotency-Key created before"),
+        (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST or NO_MATCHING_AGENT"),
+    ))]
+pub async fn create(
+    State(state): State<SharedState>,
+    caller: Caller,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> ApiResult<(StatusCode, Json<TaskView>)> {
+    caller.require_deployer()?;
+    let request_hash =
+        berth_crypto::sha256_hex(&serde_jcs::to_vec(&body).map_err(|e| ApiError::internal(&e))?);
+    let req: CreateTask = serde_json::from_value(body).map_err(|e| unprocessable(e.to_string()))?;
+    let idempotency_key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => {
+            let key = v.to_str().ok().filter(|k| !k.is_empty() && k.len() <= 255);
+            Some(
+                key.ok_or_else(|| {
+                    unprocessable("Idempotency-Key must be 1-255 visible ASCII characters")
+                })?
+                .to_string(),
+            )
+        }
+    };
+    let type_ok = !req.task_type.is_empty()
+        && req.task_type.len() <= 64
+        && req.task_type.starts_with(|c: char| c.is_ascii_lowercase())
+        && req
+            .task_type
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '-'));
+    if !type_ok {
+        return Err(unprocessable(
+            "type must be 1-64 of a-z 0-9 . - starting with a letter",
+        ));
+    }
+    let timeout_seconds = req.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT_SECS);
+    if timeout_seconds == 0 || timeout_seconds > MAX_TIMEOUT_SECS {
+        return Err(unprocessable(format!(
+            "timeoutSeconds must be 1-{MAX_TIMEOUT_SECS}"
+        )));
+    }
+    if let Some(vars) = &req.variables {
+        validate_labels(vars)?;
+    }
+    let tenant = caller.tenant();
+    let agent_id = match (req.agent_id, &req.selector) {
+        (Some(id), None) => {
+            if state.store.get_agent(tenant, id).await?.is_none() {
+                return Err(ApiError::not_found("agent"));
+            }
+            id
+        }
+        (None, Some(selector)) if !selector.is_empty() => {
+            validate_labels(selector)?;
+            select_agent(&state, tenant, selector).await?
+        }
+        _ => {
+            return Err(unprocessable(
+                "give exactly one of agentId and a non-empty selector",
+            ))
+        }
+    };
+    let id = TaskId::new();
+    let credentials_sealed = match &req.credentials {
+        Some(creds) if !creds.is_empty() => {
+            let clear = serde_json::to_vec(creds).map_err(|e| ApiError::internal(&e))?;
+            Some(
+                state
+                    .master_key
+                    .seal(&clear, id.0.as_bytes())
+                    .map_err(|e| ApiError::internal(&e))?,
+            )
+        }
+        _ => None,
+    };
+    let outcome = state
+        .store
+        .create_task(NewTask {
+            id,
+            tenant_id: tenant,
+            side_effects: has_side_effects(&req.task_type),
+            task_type: req.task_type,
+            agent_id,
+            payload: req.payload,
+            credentials_sealed,
+            variables: req.variables.unwrap_or_default(),
+            timeout_seconds,
+            priority: req.priority.unwrap_or(0),
+            idempotency_key,
+            request_hash: Some(request_hash),
+            read_back_of: None,
+            created_at: OffsetDateTime::now_utc(),
+        })
+        .await?;
+    match outcome {
+        CreateTaskOutcome::Created(task) => {
+            state.metrics.task_created();
+            Ok((StatusCode::CREATED, Json(to_view(task, vec![]))))
+        }
+        CreateTaskOutcome::Existing(task) => Ok((StatusCode::OK, Json(to_view(task, vec![])))),
+        CreateTaskOutcome::KeyConflict => Err(ApiError::conflict(
+            codes::CONFLICT,
+            "this Idempotency-Key was used with a different request",
+        )),
+    }
+}
+
+/// List tasks, filtered by state (e.g. `dead_letter`), agent or type.
+#[utoipa::path(get, path = "/api/v1/tasks", tag = "tasks", params(ListTasks), security(("bearer" = [])),
+    responses((status = 200, body = TaskList)))]
+pub async fn list(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiQuery(query): ApiQuery<ListTasks>,
+) -> ApiResult<Json<TaskList>> {
+    caller.can_read()?;
+    let state_filter = match &query.state {
+        None => None,
+        Some(s) => Some(TaskState::parse(s).ok_or_else(|| {
+            ApiError::bad_request(codes::INVALID_REQUEST, format!("unknown state {s:?}"))
+        })?),
+    };
+    let after = match &query.cursor {
+        None => None,
+        Some(c) => Some(
+            c.parse::<TaskId>()
+                .map_err(|_| ApiError::bad_request(codes::INVALID_REQUEST, "invalid cursor"))?,
+        ),
+    };
+    let filter = TaskFilter {
+        state: state_filter,
+        agent_id: query.agent_id,
+        task_type: query.task_type.clone(),
+    };
+    let page = state
+        .store
+        .list_tasks(
+            caller.tenant(),
+            &filter,
+            after,
+            query.limit.unwrap_or(100).clamp(1, 1000),
+        )
+        .await?;
+    Ok(Json(TaskList {
+        items: page.items.into_iter().map(|t| to_view(t, vec![])).collect(),
+        next_cursor: page.next.map(|id| id.to_string()),
+    }))
+}
+
+/// One task with its attempts and the verified, signed results.
+#[utoipa::path(get, path = "/api/v1/tasks/{id}", tag = "tasks", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = TaskView), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<TaskId>,
+) -> ApiResult<Json<TaskView>> {
+    caller.can_read()?;
+    match state.store.get_task(caller.tenant(), id).await? {
+        Some((task, attempts)) => Ok(Json(to_view(task, attempts))),
+        None => Err(ApiError::not_found("task")),
+    }
+}
+
+/// Cancel: a queued task at once; a running one is signalled to its agent, which reports
+/// `cancelled`; an `unknown` one is abandoned.
+#[utoipa::path(post, path = "/api/v1/tasks/{id}/cancel", tag = "tasks", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = TaskView), (status = 404, body = ErrorBody)))]
+pub async fn cancel(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<TaskId>,
+) -> ApiResult<Json<TaskView>> {
+    caller.require_deployer()?;
+    match state
+        .store
+        .cancel_task(caller.tenant(), id, OffsetDateTime::now_utc())
+        .await?
+    {
+        Some(
+            CancelOutcome::Cancelled(t)
+            | CancelOutcome::Requested(t)
+            | CancelOutcome::AlreadyFinished(t),
+        ) => Ok(Json(to_view(t, vec![]))),
+        None => Err(ApiError::not_found("task")),
+    }
+}
+
+/// Retry an `unknown` or `dead_letter` task.
+#[utoipa::path(post, path = "/api/v1/tasks/{id}/retry", tag = "tasks", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = TaskView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody, description = "TASK_NOT_RETRIABLE")))]
+pub async fn retry(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<TaskId>,
+) -> ApiResult<Json<TaskView>> {
+    caller.require_deployer()?;
+    match state
+        .store
+        .retry_task(caller.tenant(), id, OffsetDateTime::now_utc())
+        .await?
+    {
+        Some(RetryOutcome::Requeued(t)) => Ok(Json(to_view(t, vec![]))),
+        Some(RetryOutcome::NotRetriable(t)) => Err(ApiError::conflict(
+            codes::TASK_NOT_RETRIABLE,
+            format!(
+                "a {} task cannot be retried; only unknown and dead_letter ones",
+                t.state.as_str()
+            ),
+        )),
+        None => Err(ApiError::not_found("task")),
+    }
+}

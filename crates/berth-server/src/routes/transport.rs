@@ -1,0 +1,531 @@
+//! `agent-task-transport/v1`: the session lease, the long-poll and the signed result.
+//!
+//! Fails closed everywhere: a result counts only when the connection's certificate is the agent's
+//! binding, the signature verifies with that certificate's key over the JCS of the envelope, the
+//! contract version, task id and agent id match, and — in the same transaction that records it —
+//! the agent's generation is current and the assignment is the task's live lease.
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::{Extension, Json};
+use base64::Engine;
+use berth_proto::error::codes;
+use berth_proto::transport::{
+    self, AcquireSession, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest,
+    AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, Session, CONTRACT_VERSION,
+    GENERATION_HEADER,
+};
+use berth_proto::{AgentId, ErrorBody, TaskId};
+use berth_store::{AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, Task};
+use time::OffsetDateTime;
+
+use crate::auth::peer_certificate;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{ApiJson, ApiPath};
+use crate::tls::{Peer, PeerCertificate};
+use crate::SharedState;
+
+/// The certificate must name the agent in the path; the binding itself is checked by the store
+/// inside each write's transaction.
+fn agent_peer(
+    state: &SharedState,
+    peer: Option<&Extension<Peer>>,
+    id: AgentId,
+) -> ApiResult<PeerCertificate> {
+    let peer = peer_certificate(peer.map(|p| &p.0))
+        .inspect_err(|_| state.metrics.result_rejected("binding_mismatch"))?;
+    if peer.agent_id != Some(id) {
+        state.metrics.agent_auth_refused("binding_mismatch");
+        return Err(ApiError::forbidden(
+            codes::CERT_BINDING_MISMATCH,
+            "the client certificate does not belong to this agent",
+        ));
+    }
+    Ok(peer)
+}
+
+fn revoked() -> ApiError {
+    ApiError::unauthenticated(
+        codes::AGENT_REVOKED,
+        "this certificate is no longer bound to an agent; register again",
+    )
+}
+
+fn fenced(detail: &str) -> ApiError {
+    ApiError::conflict(codes::FENCED, detail)
+}
+
+/// `X-Berth-Generation`: missing or malformed is fenced, like a stale one.
+fn generation(headers: &HeaderMap) -> ApiResult<i64> {
+    headers
+        .get(GENERATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .ok_or_else(|| fenced("missing or malformed X-Berth-Generation"))
+}
+
+fn transport_enabled(state: &SharedState) -> ApiResult<()> {
+    if state.config.agent_transport_enabled {
+        Ok(())
+    } else {
+        state.metrics.result_rejected("transport_disabled");
+        Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::TRANSPORT_DISABLED,
+            "the agent task transport is disabled on this server",
+        ))
+    }
+}
+
+/// Acquire the session lease (mTLS). A second live process with the same identity is refused.
+#[utoipa::path(post, path = "/api/v1/agents/{id}/session", tag = "agent-runtime", request_body = AcquireSession,
+    params(("id" = String, Path, format = Uuid)),
+    responses(
+        (status = 200, body = Session),
+        (status = 409, body = ErrorBody, description = "SESSION_HELD: another live process holds this identity"),
+        (status = 401, body = ErrorBody, description = "AGENT_REVOKED"),
+    ))]
+pub async fn acquire_session(
+    State(state): State<SharedState>,
+    peer: Option<Extension<Peer>>,
+    ApiPath(id): ApiPath<AgentId>,
+    ApiJson(req): ApiJson<AcquireSession>,
+) -> ApiResult<Json<Session>> {
+    let peer = agent_peer(&state, peer.as_ref(), id)?;
+    if req.instance_id.is_empty() || req.instance_id.len() > 128 {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            "instanceId must be 1-128 characters",
+        ));
+    }
+    let now = OffsetDateTime::now_utc();
+    let lease_expires_at = now + state.config.heartbeat_interval * 3;
+    match state
+        .store
+        .acquire_session(
+            id,
+            &peer.fingerprint,
+            &req.instance_id,
+            now,
+            lease_expires_at,
+        )
+        .await?
+    {
+        SessionOutcome::Acquired {
+            generation,
+            lease_expires_at,
+        } => {
+            tracing::info!(agent_id = %id, generation, instance = %req.instance_id, "session acquired");
+            Ok(Json(Session {
+                generation,
+                lease_expires_at,
+                heartbeat_interval_seconds: state.config.heartbeat_interval.as_secs().max(1),
+            }))
+        }
+        SessionOutcome::Held {
+            holder_instance,
+            lease_expires_at,
+        } => {
+            // Two live processes with one identity: a cloned VM or a copied state dir.
+            tracing::error!(
+                agent_id = %id, holder = %holder_instance, contender = %req.instance_id,
+                "ALERT: a second live process presents this agent's identity; session refused"
+            );
+            state.metrics.session_held();
+            state.store.mark_agent_degraded(id, now).await?;
+            let mut error = ApiError::conflict(
+                codes::SESSION_HELD,
+                format!("another live process holds this agent's session until {lease_expires_at}"),
+            );
+            error.retry_after = Some((lease_expires_at - now).whole_seconds().max(1) as u64);
+            Err(error)
+        }
+        SessionOutcome::Revoked => Err(revoked()),
+    }
+}
+
+/// Release the session lease on a graceful stop (mTLS, with the generation).
+#[utoipa::path(delete, path = "/api/v1/agents/{id}/session", tag = "agent-runtime",
+    params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
+    responses((status = 200, body = Released), (status = 409, body = ErrorBody, description = "FENCED")))]
+pub async fn release_session(
+    State(state): State<SharedState>,
+    peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<AgentId>,
+) -> ApiResult<Json<Released>> {
+    agent_peer(&state, peer.as_ref(), id)?;
+    let generation = generation(&headers)?;
+    let released = state
+        .store
+        .release_session(id, generation, OffsetDateTime::now_utc())
+        .await?;
+    if released {
+        Ok(Json(Released { released }))
+    } else {
+        Err(fenced("the session is held by a newer generation"))
+    }
+}
+
+/// Long-poll for the next assignment (mTLS, with the generation). Answers as soon as one exists,
+/// or with cancellations of running assignments, or empty after at most 25 s.
+#[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks:poll", tag = "agent-runtime",
+    request_body = AgentTaskPollRequest,
+    params(("agentId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
+    responses(
+        (status = 200, body = AgentTaskPollResponse),
+        (status = 409, body = ErrorBody, description = "FENCED"),
+        (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
+    ))]
+pub async fn poll(
+    State(state): State<SharedState>,
+    peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<AgentId>,
+    ApiJson(req): ApiJson<AgentTaskPollRequest>,
+) -> ApiResult<Json<AgentTaskPollResponse>> {
+    transport_enabled(&state)?;
+    let peer = agent_peer(&state, peer.as_ref(), id)?;
+    let generation = generation(&headers)?;
+    if req.contract_version != CONTRACT_VERSION {
+        return Err(unsupported_contract(&state, &req.contract_version));
+    }
+    if req.agent_id != id {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::AGENT_ID_MISMATCH,
+            "agentId differs from the path",
+        ));
+    }
+    let known = known_cancellations(&headers);
+    let deadline =
+        tokio::time::Instant::now() + state.config.long_poll.min(Duration::from_secs(25));
+    let notify = state.wakeups.notifier(id);
+    loop {
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+
+        let now = OffsetDateTime::now_utc();
+        let claim = state
+            .store
+            .claim_task(
+                id,
+                generation,
+                &peer.fingerprint,
+                now,
+                state.config.lease_grace,
+            )
+            .await?;
+        let cancellations: Vec<AgentTaskCancellation> = state
+            .store
+            .pending_cancellations(id)
+            .await?
+            .into_iter()
+            .filter(|(_, assignment)| !known.contains(&assignment.to_string()))
+            .map(|(task_id, assignment_id)| AgentTaskCancellation {
+                task_id,
+                assignment_id,
+            })
+            .collect();
+        match claim {
+            ClaimOutcome::Fenced => {
+                return Err(fenced("this process's generation is no longer current"))
+            }
+            ClaimOutcome::Revoked => return Err(revoked()),
+            ClaimOutcome::Claimed(task, attempt) => {
+                state.metrics.task_assigned();
+                let assignment = assignment(&state, &task, attempt)?;
+                return Ok(Json(AgentTaskPollResponse {
+                    contract_version: CONTRACT_VERSION.into(),
+                    assignment: Some(assignment),
+                    cancellations,
+                }));
+            }
+            ClaimOutcome::Empty if !cancellations.is_empty() => {
+                return Ok(Json(AgentTaskPollResponse {
+                    contract_version: CONTRACT_VERSION.into(),
+                    assignment: None,
+                    cancellations,
+                }))
+            }
+            ClaimOutcome::Empty => {}
+        }
+        tokio::select! {
+            _ = &mut notified => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                return Ok(Json(AgentTaskPollResponse {
+                    contract_version: CONTRACT_VERSION.into(),
+                    assignment: None,
+                    cancellations: vec![],
+                }));
+            }
+        }
+    }
+}
+
+/// `X-Berth-Known-Cancellations`: assignment ids whose cancellation the agent already has, so a
+/// poll does not return at once for them again.
+fn known_cancellations(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get("x-berth-known-cancellations")
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn required_capability(task_type: &str) -> &'static str {
+    match task_type {
+        "docker.run" | "rollback" => "docker",
+        "compose.up" => "compose",
+        _ => "agent",
+    }
+}
+
+fn assignment(
+    state: &SharedState,
+    task: &Task,
+    attempt: berth_store::Attempt,
+) -> ApiResult<AgentTaskAssignment> {
+    let credentials = match &task.credentials_sealed {
+        None => Default::default(),
+        Some(sealed) => {
+            let clear = state
+                .master_key
+                .open(sealed, task.id.0.as_bytes())
+                .map_err(|e| ApiError::internal(&e))?;
+            serde_json::from_slice(&clear).map_err(|e| ApiError::internal(&e))?
+        }
+    };
+    Ok(AgentTaskAssignment {
+        contract_version: CONTRACT_VERSION.into(),
+        assignment_id: attempt.assignment_id,
+        task_id: task.id,
+        agent_id: task.agent_id,
+        required_capability: required_capability(&task.task_type).into(),
+        task_type: task.task_type.clone(),
+        payload: task.payload.to_string(),
+        credentials,
+        variables: task.variables.clone(),
+        assigned_at: attempt.assigned_at,
+        timeout: transport::format_timespan(Duration::from_secs(task.timeout_seconds.into())),
+        idempotency_key: task
+            .idempotency_key
+            .clone()
+            .unwrap_or_else(|| task.id.to_string()),
+        expires_at: attempt.lease_expires_at,
+        side_effects: task.side_effects,
+    })
+}
+
+fn unsupported_contract(state: &SharedState, version: &str) -> ApiError {
+    state
+        .metrics
+        .result_rejected("unsupported_contract_version");
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        codes::UNSUPPORTED_CONTRACT_VERSION,
+        format!("contract version {version:?} is not {CONTRACT_VERSION}"),
+    )
+}
+
+fn rejected(
+    state: &SharedState,
+    reason: &'static str,
+    code: &'static str,
+    detail: impl Into<String>,
+) -> ApiError {
+    state.metrics.result_rejected(reason);
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, detail)
+}
+
+/// Submit the signed result of an assignment (mTLS, with the generation).
+#[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks/{taskId}/result", tag = "agent-runtime",
+    request_body = AgentTaskResultEnvelope,
+    params(("agentId" = String, Path, format = Uuid), ("taskId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
+    responses(
+        (status = 200, body = ResultAck),
+        (status = 409, body = ErrorBody, description = "FENCED: stale generation or an assignment that is no longer current"),
+        (status = 422, body = ErrorBody, description = "SIGNATURE_MISSING, SIGNATURE_INVALID, UNSUPPORTED_SIGNATURE_ALGORITHM, UNSUPPORTED_CONTRACT_VERSION, TASK_ID_MISMATCH, AGENT_ID_MISMATCH"),
+        (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
+    ))]
+pub async fn submit_result(
+    State(state): State<SharedState>,
+    peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
+    ApiPath((agent_id, task_id)): ApiPath<(AgentId, TaskId)>,
+    ApiJson(raw): ApiJson<serde_json::Value>,
+) -> ApiResult<Json<ResultAck>> {
+    transport_enabled(&state)?;
+    let peer = agent_peer(&state, peer.as_ref(), agent_id)?;
+    let generation =
+        generation(&headers).inspect_err(|_| state.metrics.result_rejected("fenced"))?;
+
+    let version = raw
+        .get("contractVersion")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default();
+    if version != CONTRACT_VERSION {
+        return Err(unsupported_contract(&state, version));
+    }
+    let signature = match raw.get("signature").and_then(|v| v.as_str()) {
+        Some(s) if !s.is_empty() => s,
+        _ => {
+            return Err(rejected(
+                &state,
+                "no_signature",
+                codes::SIGNATURE_MISSING,
+                "the result is not signed",
+            ))
+        }
+    };
+    let algorithm = raw
+        .get("signatureAlgorithm")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default();
+    if algorithm != transport::ALG_ECDSA_SHA256 && algorithm != transport::ALG_RSA_SHA256 {
+        return Err(rejected(
+            &state,
+            "bad_signature",
+            codes::UNSUPPORTED_SIGNATURE_ALGORITHM,
+            format!("signatureAlgorithm {algorithm:?} is not ecdsa-sha256 or rsa-sha256"),
+        ));
+    }
+    let signature = base64::engine::general_purpose::STANDARD
+        .decode(signature)
+        .map_err(|_| {
+            rejected(
+                &state,
+                "bad_signature",
+                codes::SIGNATURE_INVALID,
+                "the signature is not standard base64",
+            )
+        })?;
+    let signed = transport::signing_input(&raw).map_err(|e| ApiError::internal(&e))?;
+    berth_crypto::verify_with_cert(&peer.der, algorithm, &signed, &signature).map_err(|_| {
+        rejected(
+            &state,
+            "bad_signature",
+            codes::SIGNATURE_INVALID,
+            "the signature does not verify with the agent's certificate",
+        )
+    })?;
+
+    let envelope: AgentTaskResultEnvelope = serde_json::from_value(raw.clone()).map_err(|e| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            e.to_string(),
+        )
+    })?;
+    if envelope.task_id != task_id {
+        return Err(rejected(
+            &state,
+            "task_id_mismatch",
+            codes::TASK_ID_MISMATCH,
+            "taskId differs from the path",
+        ));
+    }
+    if envelope.agent_id != agent_id {
+        return Err(rejected(
+            &state,
+            "agent_id_mismatch",
+            codes::AGENT_ID_MISMATCH,
+            "agentId differs from the path",
+        ));
+    }
+    let result_data: Option<serde_json::Value> = match &envelope.result_data {
+        None => None,
+        Some(text) => Some(serde_json::from_str(text).map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                codes::INVALID_REQUEST,
+                format!("resultData is not JSON: {e}"),
+            )
+        })?),
+    };
+    let error_type = result_data
+        .as_ref()
+        .and_then(|d| d.get("errorType"))
+        .and_then(|v| v.as_str())
+        .map(str::to_string);
+    let result = if envelope.success {
+        AttemptResult::Succeeded
+    } else if error_type.as_deref() == Some("CANCELLED") {
+        AttemptResult::Cancelled
+    } else {
+        AttemptResult::Failed {
+            error_code: error_type.unwrap_or_else(|| "FAILED".into()),
+            retriable: result_data
+                .as_ref()
+                .and_then(|d| d.get("retriable"))
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+        }
+    };
+    let outcome = state
+        .store
+        .complete_attempt(
+            Completion {
+                agent_id,
+                generation,
+                certificate_fingerprint: peer.fingerprint.to_string(),
+                task_id,
+                assignment_id: envelope.assignment_id,
+                result,
+                result_data,
+                envelope: raw,
+                now: OffsetDateTime::now_utc(),
+            },
+            &state.config.retry_policy,
+        )
+        .await?;
+    match outcome {
+        CompleteOutcome::Recorded(task) => {
+            state.metrics.result_accepted(task.state.as_str());
+            after_result(&state, &task).await;
+            Ok(Json(ResultAck {
+                accepted: true,
+                duplicate: false,
+                state: task.state.as_str().into(),
+            }))
+        }
+        CompleteOutcome::Duplicate(task) => Ok(Json(ResultAck {
+            accepted: true,
+            duplicate: true,
+            state: task.state.as_str().into(),
+        })),
+        CompleteOutcome::Fenced => {
+            state.metrics.result_rejected("fenced");
+            Err(fenced(
+                "the generation or the assignment is no longer current",
+            ))
+        }
+        CompleteOutcome::Revoked => {
+            state.metrics.result_rejected("binding_mismatch");
+            Err(revoked())
+        }
+        CompleteOutcome::NotFound => Err(ApiError::not_found("task")),
+    }
+}
+
+/// Follow-ups of a recorded result: wake the agent for a retry, and resolve read-backs.
+async fn after_result(state: &SharedState, task: &Task) {
+    if let Some(at) = task.next_attempt_at {
+        let delay = (at - OffsetDateTime::now_utc())
+            .try_into()
+            .unwrap_or_default();
+        state.wakeups.wake_after(task.agent_id, delay);
+    }
+    if let Some(parent) = task.read_back_of {
+        crate::readback::resolve(state, parent, task).await;
+    }
+}

@@ -1,0 +1,792 @@
+//! `agent-task-transport/v1` against an in-process server over real mTLS with real agent keys:
+//! sessions and fencing, long-poll wake-ups, signed results and every way to get a result
+//! refused, retries and dead letters, lost leases and read-back, cancellation, idempotency.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use berth_client::ClientError;
+use berth_crypto::AgentKey;
+use berth_proto::agent::{AgentStatus, GetAgent, Heartbeat, ResourceUsage};
+use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskView};
+use berth_proto::transport::{AcquireSession, AgentTaskAssignment, GENERATION_HEADER};
+use berth_proto::AgentId;
+use common::{sign_with, start, start_with, wait_for, TestAgent, TestServer};
+use serde_json::json;
+
+fn code(e: &ClientError) -> (u16, String) {
+    match e {
+        ClientError::Api { status, body, .. } => (*status, body.code.clone()),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn task(agent: AgentId, task_type: &str, payload: serde_json::Value) -> CreateTask {
+    CreateTask {
+        task_type: task_type.into(),
+        agent_id: Some(agent),
+        payload,
+        ..Default::default()
+    }
+}
+
+async fn create(server: &TestServer, request: CreateTask) -> TaskView {
+    server.admin().send(&request).await.expect("create task")
+}
+
+async fn show(server: &TestServer, task: &TaskView) -> TaskView {
+    server
+        .admin()
+        .send(&GetTask { id: task.id })
+        .await
+        .expect("show task")
+}
+
+async fn assignment(agent: &TestAgent, generation: i64) -> AgentTaskAssignment {
+    agent
+        .poll(generation)
+        .await
+        .expect("poll")
+        .assignment
+        .expect("an assignment")
+}
+
+fn ok_data() -> serde_json::Value {
+    json!({"success": true, "message": "ok", "outputs": {}, "logs": "", "metrics": {}})
+}
+
+fn failure_data(error_type: &str, retriable: bool) -> serde_json::Value {
+    json!({"success": false, "message": "nope", "errorType": error_type, "retriable": retriable, "outputs": {}, "logs": "", "metrics": {}})
+}
+
+#[tokio::test]
+async fn sessions_fence_stale_and_missing_generations() {
+    let server = start().await;
+    let agent = server.agent("fenced").await;
+    let first = agent.session().await;
+    // A second live process with the same identity is refused, and the agent is flagged.
+    let err = agent
+        .client
+        .send(&AcquireSession {
+            agent_id: agent.id,
+            instance_id: "clone".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "SESSION_HELD".into()));
+    let shown = server
+        .admin()
+        .send(&GetAgent { id: agent.id })
+        .await
+        .unwrap();
+    assert_eq!(shown.status, AgentStatus::Degraded);
+    let metrics = server
+        .client(None, None)
+        .get_text("/metrics")
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("berth_session_conflicts_total 1"),
+        "{metrics}"
+    );
+
+    // Every mutating call needs the current generation.
+    let hb = Heartbeat {
+        agent_id: agent.id,
+        status: AgentStatus::Online,
+        resource_usage: ResourceUsage::default(),
+        capabilities: vec![],
+    };
+    let err = agent.client.send(&hb).await.unwrap_err();
+    assert_eq!(code(&err), (409, "FENCED".into()), "missing generation");
+    let stale = (first - 1).to_string();
+    let err = agent
+        .client
+        .send_with(&hb, &[(GENERATION_HEADER, &stale)], None)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "FENCED".into()), "stale generation");
+    let err = agent.poll(first - 1).await.unwrap_err();
+    assert_eq!(code(&err), (409, "FENCED".into()));
+    let current = first.to_string();
+    agent
+        .client
+        .send_with(&hb, &[(GENERATION_HEADER, &current)], None)
+        .await
+        .expect("current generation");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_long_poll_answers_within_milliseconds_of_a_new_task() {
+    let server = start().await;
+    let agent = server.agent("waiter").await;
+    let generation = agent.session().await;
+    let admin = server.admin();
+    let agent_id = agent.id;
+    let poller = tokio::spawn(async move {
+        let started = Instant::now();
+        let response = agent.poll(generation).await.expect("poll");
+        (response, started.elapsed())
+    });
+    // Let the poll park first, then create the task.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let created_at = Instant::now();
+    let task = admin
+        .send(&task(agent_id, "inspect", json!({})))
+        .await
+        .unwrap();
+    let (response, _) = poller.await.unwrap();
+    let woke_after = created_at.elapsed();
+    let a = response.assignment.expect("the new task");
+    assert_eq!(a.task_id, task.id);
+    assert_eq!(a.contract_version, "agent-task-transport/v1");
+    assert_eq!(a.task_type, "inspect");
+    assert_eq!(a.required_capability, "agent");
+    assert!(!a.side_effects);
+    assert_eq!(a.timeout, "00:05:00");
+    // Generous bound for a loaded 2-core machine; the benchmark measures the real figure.
+    assert!(
+        woke_after < Duration::from_secs(2),
+        "woke after {woke_after:?}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_signed_result_completes_the_task_and_is_stored_for_audit() {
+    let server = start().await;
+    let agent = server.agent("signer").await;
+    let generation = agent.session().await;
+    let t = create(
+        &server,
+        task(agent.id, "write-sticker", json!({"name": "web"})),
+    )
+    .await;
+    assert_eq!(t.state, "pending");
+    assert!(t.side_effects);
+    let a = assignment(&agent, generation).await;
+    assert_eq!(show(&server, &t).await.state, "leased");
+    let envelope = agent.sign(agent.envelope(t.id, a.assignment_id, true, ok_data()));
+    let ack = agent
+        .submit(generation, envelope.clone())
+        .await
+        .expect("accepted");
+    assert_eq!(
+        (ack.accepted, ack.duplicate, ack.state.as_str()),
+        (true, false, "succeeded")
+    );
+    // The same result again is answered idempotently.
+    let again = agent
+        .submit(generation, envelope.clone())
+        .await
+        .expect("duplicate accepted");
+    assert!(again.duplicate);
+    let shown = show(&server, &t).await;
+    assert_eq!(shown.state, "succeeded");
+    assert!(!shown.read_back);
+    assert_eq!(shown.attempts.len(), 1);
+    assert_eq!(
+        shown.attempts[0].result.as_ref().unwrap()["signature"],
+        envelope["signature"]
+    );
+    // A different result for the ended assignment is refused.
+    let other = agent.sign(agent.envelope(t.id, a.assignment_id, false, failure_data("X", false)));
+    let err = agent.submit(generation, other).await.unwrap_err();
+    assert_eq!(code(&err), (409, "FENCED".into()));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn forged_and_malformed_results_fail_closed_with_distinct_codes() {
+    let server = start().await;
+    let agent = server.agent("victim").await;
+    let other = server.agent("other").await;
+    let generation = agent.session().await;
+    let other_generation = other.session().await;
+    let t = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let a = assignment(&agent, generation).await;
+    let base = agent.envelope(t.id, a.assignment_id, true, ok_data());
+
+    // Unsigned.
+    let err = agent.submit(generation, base.clone()).await.unwrap_err();
+    assert_eq!(code(&err), (422, "SIGNATURE_MISSING".into()));
+    // One bit flipped in the signed content.
+    let mut flipped = agent.sign(base.clone());
+    flipped["message"] = "donf".into();
+    let err = agent.submit(generation, flipped).await.unwrap_err();
+    assert_eq!(code(&err), (422, "SIGNATURE_INVALID".into()));
+    // One bit flipped in the signature.
+    let mut bad_sig = agent.sign(base.clone());
+    let mut raw = base64_decode(bad_sig["signature"].as_str().unwrap());
+    let last = raw.len() - 1;
+    raw[last] ^= 1;
+    bad_sig["signature"] = base64_encode(&raw).into();
+    let err = agent.submit(generation, bad_sig).await.unwrap_err();
+    assert_eq!(code(&err), (422, "SIGNATURE_INVALID".into()));
+    // Signed by another key (a valid signature, but not by the certificate's key).
+    let mut stranger = base.clone();
+    sign_with(&AgentKey::generate().unwrap(), &mut stranger);
+    let err = agent.submit(generation, stranger).await.unwrap_err();
+    assert_eq!(code(&err), (422, "SIGNATURE_INVALID".into()));
+    // Claims RSA for an ECDSA signature.
+    let mut rsa = base.clone();
+    rsa["signatureAlgorithm"] = "rsa-sha256".into();
+    let err = agent.submit(generation, agent.sign(rsa)).await.unwrap_err();
+    assert_eq!(code(&err), (422, "SIGNATURE_INVALID".into()));
+    let mut unknown_alg = base.clone();
+    unknown_alg["signatureAlgorithm"] = "none".into();
+    let err = agent
+        .submit(generation, agent.sign(unknown_alg))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "UNSUPPORTED_SIGNATURE_ALGORITHM".into()));
+    // Wrong contract version.
+    let mut v2 = base.clone();
+    v2["contractVersion"] = "agent-task-transport/v2".into();
+    let err = agent.submit(generation, agent.sign(v2)).await.unwrap_err();
+    assert_eq!(code(&err), (422, "UNSUPPORTED_CONTRACT_VERSION".into()));
+    // The envelope names another task than the path (signed, sent to this task's path).
+    let decoy = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let mut mismatched = base.clone();
+    mismatched["taskId"] = decoy.id.to_string().into();
+    let signed = agent.sign(mismatched);
+    let g = generation.to_string();
+    let path_override = berth_proto::transport::SubmitResult(signed.clone());
+    let response = server
+        .raw(Some(&agent.identity()))
+        .post(format!(
+            "{}/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
+            server.url, agent.id, t.id
+        ))
+        .header(GENERATION_HEADER, &g)
+        .json(&path_override.0)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    assert_eq!(
+        response.json::<serde_json::Value>().await.unwrap()["code"],
+        "TASK_ID_MISMATCH"
+    );
+    // The envelope names another agent than the path.
+    let mut wrong_agent = base.clone();
+    wrong_agent["agentId"] = other.id.to_string().into();
+    let response = server
+        .raw(Some(&agent.identity()))
+        .post(format!(
+            "{}/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
+            server.url, agent.id, t.id
+        ))
+        .header(GENERATION_HEADER, &g)
+        .json(&agent.sign(wrong_agent))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        response.json::<serde_json::Value>().await.unwrap()["code"],
+        "AGENT_ID_MISMATCH"
+    );
+    // Another agent's valid certificate, correctly signed by that agent, on this agent's path.
+    let mut impersonation = base.clone();
+    sign_with(&other.key, &mut impersonation);
+    let err = other
+        .submit(other_generation, impersonation)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
+    // No client certificate.
+    let err = server
+        .client(None, None)
+        .send_with(
+            &berth_proto::transport::SubmitResult(agent.sign(base.clone())),
+            &[(GENERATION_HEADER, &g)],
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "CLIENT_CERT_REQUIRED".into()));
+    // None of it moved the task; the genuine result still counts.
+    assert_eq!(show(&server, &t).await.state, "leased");
+    agent
+        .submit(generation, agent.sign(base))
+        .await
+        .expect("genuine result");
+    let metrics = server
+        .client(None, None)
+        .get_text("/metrics")
+        .await
+        .unwrap();
+    for reason in [
+        "no_signature",
+        "bad_signature",
+        "unsupported_contract_version",
+        "task_id_mismatch",
+        "agent_id_mismatch",
+        "binding_mismatch",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "berth_result_rejections_total{{reason=\"{reason}\"}}"
+            )),
+            "{reason}: {metrics}"
+        );
+    }
+    server.stop().await;
+}
+
+fn base64_decode(s: &str) -> Vec<u8> {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
+}
+
+fn base64_encode(b: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+#[tokio::test]
+async fn a_disabled_transport_fails_closed() {
+    let server = start_with(|c| c.agent_transport_enabled = false).await;
+    let agent = server.agent("idle").await;
+    let generation = agent.session().await;
+    let err = agent.poll(generation).await.unwrap_err();
+    assert_eq!(code(&err), (503, "TRANSPORT_DISABLED".into()));
+    let t = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let fake = agent.sign(agent.envelope(t.id, berth_proto::AssignmentId::new(), true, ok_data()));
+    let err = agent.submit(generation, fake).await.unwrap_err();
+    assert_eq!(code(&err), (503, "TRANSPORT_DISABLED".into()));
+    let ready = server
+        .raw(None)
+        .get(format!("{}/readyz", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status().as_u16(), 503);
+    assert_eq!(
+        ready.json::<serde_json::Value>().await.unwrap()["checks"]["agentTaskTransport"],
+        "disabled"
+    );
+    assert_eq!(
+        show(&server, &t).await.state,
+        "pending",
+        "nothing succeeds without the transport"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn retriable_failures_back_off_then_dead_letter() {
+    let server = start_with(|c| {
+        c.retry_policy = berth_store::RetryPolicy {
+            backoff: vec![Duration::from_millis(100), Duration::from_millis(200)],
+            max_attempts: 5,
+        }
+    })
+    .await;
+    let agent = server.agent("flaky").await;
+    let generation = agent.session().await;
+    let t = create(
+        &server,
+        task(
+            agent.id,
+            "health-check",
+            json!({"type": "tcp", "host": "127.0.0.1", "port": 1}),
+        ),
+    )
+    .await;
+    for attempt in 1..=5 {
+        let a = assignment(&agent, generation).await;
+        assert_eq!(a.task_id, t.id, "attempt {attempt}");
+        let envelope = agent.sign(agent.envelope(
+            t.id,
+            a.assignment_id,
+            false,
+            failure_data("HEALTH_CHECK_FAILED", true),
+        ));
+        let ack = agent.submit(generation, envelope).await.unwrap();
+        let expected = if attempt < 5 {
+            "retry_wait"
+        } else {
+            "dead_letter"
+        };
+        assert_eq!(ack.state, expected, "attempt {attempt}");
+    }
+    let shown = show(&server, &t).await;
+    assert_eq!(
+        (
+            shown.state.as_str(),
+            shown.attempt_count,
+            shown.attempts.len()
+        ),
+        ("dead_letter", 5, 5)
+    );
+    let dead = server
+        .admin()
+        .send(&ListTasks {
+            state: Some("dead_letter".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        dead.items.iter().map(|t| t.id).collect::<Vec<_>>(),
+        vec![t.id]
+    );
+    // An operator can retry a dead letter; a succeeded task cannot be retried.
+    let retried = server.admin().send(&RetryTask { id: t.id }).await.unwrap();
+    assert_eq!(retried.state, "pending");
+    let a = assignment(&agent, generation).await;
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(t.id, a.assignment_id, true, ok_data())),
+        )
+        .await
+        .unwrap();
+    let err = server
+        .admin()
+        .send(&RetryTask { id: t.id })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "TASK_NOT_RETRIABLE".into()));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_lease_requeues_read_only_work_and_fences_the_late_result() {
+    let server = start_with(|c| c.lease_grace = Duration::ZERO).await;
+    let agent = server.agent("slow").await;
+    let generation = agent.session().await;
+    let mut request = task(agent.id, "inspect", json!({}));
+    request.timeout_seconds = Some(1);
+    let t = create(&server, request).await;
+    let first = assignment(&agent, generation).await;
+    // The lease (1 s timeout, no grace) runs out; the task goes back to the queue.
+    wait_for("the lease to expire", Duration::from_secs(30), || async {
+        matches!(
+            show(&server, &t).await.state.as_str(),
+            "retry_wait" | "pending"
+        )
+    })
+    .await;
+    let late = agent.sign(agent.envelope(t.id, first.assignment_id, true, ok_data()));
+    let err = agent.submit(generation, late).await.unwrap_err();
+    assert_eq!(
+        code(&err),
+        (409, "FENCED".into()),
+        "a result for a lost assignment is refused"
+    );
+    let second = assignment(&agent, generation).await;
+    assert_ne!(
+        second.assignment_id, first.assignment_id,
+        "each delivery has a fresh assignment id"
+    );
+    assert_eq!(
+        second.idempotency_key, first.idempotency_key,
+        "the journal key is stable"
+    );
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(t.id, second.assignment_id, true, ok_data())),
+        )
+        .await
+        .unwrap();
+    assert_eq!(show(&server, &t).await.state, "succeeded");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_lease_with_side_effects_is_unknown_until_read_back_proves_it() {
+    let server = start_with(|c| c.lease_grace = Duration::ZERO).await;
+    let agent = server.agent("deployer").await;
+    let generation = agent.session().await;
+    let mut request = task(
+        agent.id,
+        "write-sticker",
+        json!({"name": "web", "digest": "sha256:abc"}),
+    );
+    request.timeout_seconds = Some(1);
+    let t = create(&server, request).await;
+    let lost = assignment(&agent, generation).await;
+    wait_for(
+        "the task to become unknown",
+        Duration::from_secs(30),
+        || async { show(&server, &t).await.state == "unknown" },
+    )
+    .await;
+    // Never re-run: the next delivery is a read-back of the sticker, not the task.
+    let read_back = assignment(&agent, generation).await;
+    assert_eq!(read_back.task_type, "read-sticker");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&read_back.payload).unwrap()["name"],
+        "web"
+    );
+    // The agent did write the sticker before it lost its lease: read-back finds it.
+    let evidence = json!({"success": true, "message": "found", "outputs": {"sticker": {"name": "web", "taskId": t.id, "digest": "sha256:abc"}}, "logs": "", "metrics": {}});
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(read_back.task_id, read_back.assignment_id, true, evidence)),
+        )
+        .await
+        .unwrap();
+    let shown = show(&server, &t).await;
+    assert_eq!(shown.state, "succeeded");
+    assert!(shown.read_back, "succeeded by read-back, not by a result");
+    let late = agent.sign(agent.envelope(t.id, lost.assignment_id, true, ok_data()));
+    assert_eq!(
+        code(&agent.submit(generation, late).await.unwrap_err()),
+        (409, "FENCED".into())
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn read_back_without_proof_leaves_the_task_unknown_for_an_operator() {
+    let server = start_with(|c| c.lease_grace = Duration::ZERO).await;
+    let agent = server.agent("lost").await;
+    let generation = agent.session().await;
+    let mut request = task(agent.id, "write-sticker", json!({"name": "api"}));
+    request.timeout_seconds = Some(1);
+    let t = create(&server, request).await;
+    assignment(&agent, generation).await;
+    wait_for("unknown", Duration::from_secs(30), || async {
+        show(&server, &t).await.state == "unknown"
+    })
+    .await;
+    let read_back = assignment(&agent, generation).await;
+    let nothing = json!({"success": true, "message": "none", "outputs": {"sticker": null}, "logs": "", "metrics": {}});
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(read_back.task_id, read_back.assignment_id, true, nothing)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(show(&server, &t).await.state, "unknown");
+    // The operator abandons it.
+    let cancelled = server.admin().send(&CancelTask { id: t.id }).await.unwrap();
+    assert_eq!(cancelled.state, "cancelled");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn cancellation_reaches_a_running_task_through_the_poll() {
+    let server = start().await;
+    let agent = server.agent("canceller").await;
+    let generation = agent.session().await;
+    let queued = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let running = create(&server, task(agent.id, "inspect", json!({}))).await;
+    // A queued task is cancelled at once... (the first is taken first, so cancel the second
+    // after the first is leased)
+    let a = assignment(&agent, generation).await;
+    assert_eq!(a.task_id, queued.id, "tasks run in order");
+    let pending_cancel = server
+        .admin()
+        .send(&CancelTask { id: running.id })
+        .await
+        .unwrap();
+    assert_eq!(pending_cancel.state, "cancelled");
+    // ...a leased one is signalled to the agent, which reports cancelled.
+    let requested = server
+        .admin()
+        .send(&CancelTask { id: queued.id })
+        .await
+        .unwrap();
+    assert!(requested.cancel_requested);
+    assert_eq!(requested.state, "leased");
+    let response = agent.poll(generation).await.unwrap();
+    assert_eq!(response.cancellations.len(), 1);
+    assert_eq!(response.cancellations[0].assignment_id, a.assignment_id);
+    let envelope = agent.sign(agent.envelope(
+        queued.id,
+        a.assignment_id,
+        false,
+        failure_data("CANCELLED", false),
+    ));
+    assert_eq!(
+        agent.submit(generation, envelope).await.unwrap().state,
+        "cancelled"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn idempotency_keys_return_the_same_task_or_conflict() {
+    let server = start().await;
+    let agent = server.agent("idem").await;
+    let admin = server.admin();
+    let request = task(agent.id, "inspect", json!({"a": 1}));
+    let first = admin
+        .send_with(&request, &[("idempotency-key", "deploy-42")], None)
+        .await
+        .unwrap();
+    let again = admin
+        .send_with(&request, &[("idempotency-key", "deploy-42")], None)
+        .await
+        .unwrap();
+    assert_eq!(first.id, again.id);
+    let different = task(agent.id, "inspect", json!({"a": 2}));
+    let err = admin
+        .send_with(&different, &[("idempotency-key", "deploy-42")], None)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "CONFLICT".into()));
+    let list = admin.send(&ListTasks::default()).await.unwrap();
+    assert_eq!(list.items.len(), 1);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tasks_for_one_agent_run_in_order_with_one_side_effect_at_a_time() {
+    let server = start_with(|c| c.long_poll = Duration::from_millis(500)).await;
+    let agent = server.agent("ordered").await;
+    let generation = agent.session().await;
+    let deploy_a = create(
+        &server,
+        task(agent.id, "write-sticker", json!({"name": "a"})),
+    )
+    .await;
+    let deploy_b = create(
+        &server,
+        task(agent.id, "write-sticker", json!({"name": "b"})),
+    )
+    .await;
+    let first = assignment(&agent, generation).await;
+    assert_eq!(first.task_id, deploy_a.id);
+    // B has side effects and A is still running: nothing is handed out.
+    let response = tokio::time::timeout(Duration::from_secs(60), agent.poll(generation))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        response.assignment.is_none(),
+        "a second side-effecting task must wait"
+    );
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(deploy_a.id, first.assignment_id, true, ok_data())),
+        )
+        .await
+        .unwrap();
+    assert_eq!(assignment(&agent, generation).await.task_id, deploy_b.id);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_polls_never_receive_the_same_assignment() {
+    let server = start_with(|c| c.long_poll = Duration::from_millis(500)).await;
+    let mut agents = Vec::new();
+    for i in 0..3 {
+        let agent = server.agent(&format!("poller-{i}")).await;
+        let generation = agent.session().await;
+        agents.push((agent, generation));
+    }
+    let mut expected = std::collections::HashSet::new();
+    for (agent, _) in &agents {
+        for _ in 0..10 {
+            expected.insert((
+                agent.id,
+                create(&server, task(agent.id, "inspect", json!({})))
+                    .await
+                    .id,
+            ));
+        }
+    }
+    let mut pollers = tokio::task::JoinSet::new();
+    for (agent, generation) in agents {
+        // Two concurrent pollers per agent: the same agent's polls race each other too.
+        let agent = std::sync::Arc::new(agent);
+        for _ in 0..2 {
+            let agent = agent.clone();
+            pollers.spawn(async move {
+                let mut got = Vec::new();
+                loop {
+                    let response = agent.poll(generation).await.expect("poll");
+                    let Some(a) = response.assignment else { break };
+                    assert_eq!(a.agent_id, agent.id, "a task reached another agent");
+                    got.push((a.agent_id, a.task_id, a.assignment_id));
+                    let envelope =
+                        agent.sign(agent.envelope(a.task_id, a.assignment_id, true, ok_data()));
+                    agent.submit(generation, envelope).await.expect("result");
+                }
+                got
+            });
+        }
+    }
+    let delivered: Vec<_> = pollers.join_all().await.into_iter().flatten().collect();
+    let assignments: std::collections::HashSet<_> = delivered.iter().map(|d| d.2).collect();
+    let tasks: std::collections::HashSet<_> = delivered.iter().map(|d| (d.0, d.1)).collect();
+    assert_eq!(
+        assignments.len(),
+        delivered.len(),
+        "an assignment was delivered twice"
+    );
+    assert_eq!(tasks.len(), delivered.len(), "a task was delivered twice");
+    assert_eq!(tasks, expected);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn viewers_cannot_create_tasks_and_tenants_cannot_see_each_others() {
+    let server = start().await;
+    let agent = server.agent("private").await;
+    let admin = server.admin();
+    let viewer = admin
+        .send(&berth_proto::admin::CreateApiToken {
+            role: berth_proto::admin::Role::Viewer,
+            name: None,
+        })
+        .await
+        .unwrap();
+    let err = server
+        .client(Some(&viewer.token), None)
+        .send(&task(agent.id, "inspect", json!({})))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "FORBIDDEN".into()));
+    let t = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let acme = admin
+        .send(&berth_proto::admin::CreateTenant {
+            name: "acme-tasks".into(),
+        })
+        .await
+        .unwrap();
+    let acme = server.client(Some(&acme.admin_token), None);
+    assert_eq!(
+        code(&acme.send(&GetTask { id: t.id }).await.unwrap_err()),
+        (404, "NOT_FOUND".into())
+    );
+    assert_eq!(
+        code(&acme.send(&CancelTask { id: t.id }).await.unwrap_err()),
+        (404, "NOT_FOUND".into())
+    );
+    assert_eq!(
+        code(
+            &acme
+                .send(&task(agent.id, "inspect", json!({})))
+                .await
+                .unwrap_err()
+        ),
+        (404, "NOT_FOUND".into())
+    );
+    assert!(acme
+        .send(&ListTasks::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+    // Credentials go in and never come back out.
+    let mut with_secret = task(agent.id, "inspect", json!({}));
+    with_secret.credentials =
+        Some([("registryPassword".to_string(), "s3cr3t-value".to_string())].into());
+    let created = admin.send(&with_secret).await.unwrap();
+    let shown =
+        serde_json::to_string(&admin.send(&GetTask { id: created.id }).await.unwrap()).unwrap();
+    assert!(!shown.contains("s3cr3t-value"));
+    server.stop().await;
+}
