@@ -59,16 +59,20 @@ sleep "$(awk -v s="$start" -v n="$(date +%s.%N)" -v w="$WINDOW" 'BEGIN {r = w - 
 end_ticks=$(cpu_ticks "$AGENT_PID")
 end=$(date +%s.%N)
 rss_kib "$AGENT_PID" >>"$OUT/rss.samples"
+breakdown=$(awk '/^(RssAnon|RssFile|RssShmem):/ {printf "%s %s KiB, ", $1, $2}' "/proc/$AGENT_PID/status")
+threads=$(awk '/^Threads:/ {print $2}' "/proc/$AGENT_PID/status")
 heartbeats=$(curl -sS --cacert "$ca" "$SERVER_URL/metrics" | awk '/^berth_heartbeats_total/ {print $2}')
 
 sort -n "$OUT/rss.samples" | awk -v ticks="$((end_ticks - startup_ticks))" -v clk="$CLK_TCK" \
-    -v s="$start" -v e="$end" -v startup="$startup_ticks" -v hb="${heartbeats:-?}" '
+    -v s="$start" -v e="$end" -v startup="$startup_ticks" -v hb="${heartbeats:-?}" \
+    -v breakdown="$breakdown" -v threads="$threads" '
     { v[NR] = $1 }
     END {
         median = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
         window = e - s
         printf "window:        %.0f s, %d RSS samples, %s heartbeats stored by the server (whole run)\n", window, NR, hb
-        printf "agent RSS:     median %.1f MiB, max %.1f MiB, min %.1f MiB\n", median / 1024, v[NR] / 1024, v[1] / 1024
+        printf "agent RSS:     median %d KiB (%.2f MiB), max %d KiB, min %d KiB\n", median, median / 1024, v[NR], v[1]
+        printf "at the end:    %s%s threads\n", breakdown, threads
         printf "agent CPU:     %.2f s in the window = %.4f %% of one core (startup and registration before it: %.2f s)\n",
             ticks / clk, ticks / clk / window * 100, startup / clk
     }' | tee "$OUT/result.txt"

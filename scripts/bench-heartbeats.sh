@@ -133,6 +133,9 @@ for scenario, window in (("open", duration), ("closed", tp_duration)):
         lat = lambda k: g(lambda s, u: s["latency"][k])
         print(f"  throughput {g(lambda s, u: s['throughput_per_sec']):.0f}/s, p50 {lat('p50_ms'):.2f} ms, "
               f"p99 {lat('p99_ms'):.2f} ms, errors {g(lambda s, u: s['errors']):.0f}")
+    print(f"  p99 per run: {', '.join('%.1f ms' % s['latency']['p99_ms'] for s, u in runs)}")
+    print(f"  berth-bench CPU {g(lambda s, u: s['cpu']['bench_pct_of_core']):.1f} % of a core; "
+          f"machine busy {g(lambda s, u: s['cpu']['machine_busy_pct']):.1f} % of {runs[0][0]['cpu']['cores']} cores (all processes)")
     b = lambda k: g(lambda s, u: (s.get("batches") or {}).get(k))
     print(f"  server commits: {b('batches'):.0f} for {b('heartbeats'):.0f} heartbeats, mean batch {b('mean_batch'):.2f}")
     print(f"  server: CPU {g(lambda s, u: u and u['cpu_pct']):.1f} % of a core (last {window} s), "

@@ -30,8 +30,12 @@ die() { say "$*"; exit 1; }
 # they do not know a package yet (fresh machine) or turn out to be stale.
 need_packages=()
 [ -x /usr/bin/docker-registry ] || need_packages+=(docker-registry)
-[ -x /bin/busybox ] && /bin/busybox --list >/dev/null 2>&1 && ldd /bin/busybox 2>&1 | grep -q "not a dynamic" \
-    || need_packages+=(busybox-static)
+# The tests copy /bin/busybox into FROM-scratch images, so it must be the static build.
+busybox_linkage="$(ldd /bin/busybox 2>&1 || true)"
+case "$busybox_linkage" in
+    *"not a dynamic executable"*) ;;
+    *) need_packages+=(busybox-static) ;;
+esac
 command -v htpasswd >/dev/null || need_packages+=(apache2-utils)
 if [ "${#need_packages[@]}" -gt 0 ]; then
     say "installing ${need_packages[*]} from Debian's packages"

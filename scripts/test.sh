@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL
-# from Debian's packages, on a project-owned cluster), checks formatting and lints, then runs
-# every test. Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup) installed.
+# The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
+# and two local image registries with busybox-static for test images, all from Debian's
+# packages, all project-owned), checks formatting and lints, then runs every test. Idempotent;
+# run it as root on Debian 12 with a Rust toolchain (rustup) and a running Docker engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,11 @@ command -v cargo >/dev/null || { say "cargo is missing: install Rust with rustup
 BERTH_TEST_POSTGRES_URL="$(bash scripts/postgres.sh | tail -n 1)"
 export BERTH_TEST_POSTGRES_URL
 say "PostgreSQL for tests: ${BERTH_TEST_POSTGRES_URL%%@*}@…"
+
+# Registries on 127.0.0.1:55000 (open) and :55001 (htpasswd); exports BERTH_TEST_REGISTRY*.
+eval "$(bash scripts/registry.sh | grep '^export ')"
+say "registries for tests: $BERTH_TEST_REGISTRY, $BERTH_TEST_AUTH_REGISTRY (auth)"
+docker version --format 'Docker engine {{.Server.Version}}' >&2 || { say "the Docker engine is not reachable"; exit 1; }
 
 say "cargo fmt --check"
 cargo fmt --all -- --check

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
-use berth_exec::{Executor, Outcome, Task};
+use berth_exec::{ComposeExecutor, DockerExecutor, Executor, Outcome, Task};
 use berth_proto::transport::{
     self, AgentTaskAssignment, AgentTaskPollRequest, SubmitResult, CONTRACT_VERSION,
     GENERATION_HEADER,
@@ -64,12 +64,16 @@ impl Runner {
                 .clone()
                 .unwrap_or_else(|| config.state_dir.join("stickers")),
         );
+        let docker = Arc::new(DockerExecutor::new(stickers.clone()));
         let executors: Vec<Arc<dyn Executor>> = vec![
             Arc::new(HealthCheck),
             Arc::new(Stickers(stickers.clone())),
+            docker.clone(),
+            Arc::new(ComposeExecutor::new(stickers.clone())),
             Arc::new(Inspect {
                 stickers,
                 capabilities,
+                docker: Some(docker),
             }),
             Arc::new(ExecuteCommand {
                 allowed: config.allow_commands.clone(),

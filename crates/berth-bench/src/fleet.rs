@@ -43,6 +43,8 @@ impl Target {
 pub struct SimAgent {
     pub id: AgentId,
     pub client: Client,
+    /// The agent's private key, for signing task results (`berth-bench tasks`).
+    pub key: Arc<AgentKey>,
 }
 
 pub struct Fleet {
@@ -184,6 +186,7 @@ async fn register_one(
         agent: SimAgent {
             id: registered.agent_id,
             client,
+            key: Arc::new(key),
         },
         token_us,
         register_us,

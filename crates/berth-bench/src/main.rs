@@ -7,6 +7,7 @@
 
 mod fleet;
 mod stats;
+mod tasks;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +46,11 @@ enum Command {
     /// Closed loop: K agents each send the next heartbeat as soon as the previous one is
     /// answered, to find the server's maximum heartbeat throughput.
     Throughput(ThroughputArgs),
+    /// Task transport end to end: agents long-poll, sign and submit results while tasks are
+    /// created through the admin API (pickup and end-to-end latency, throughput).
+    Tasks(tasks::TasksArgs),
+    /// Result-signature verification per second on one thread (JCS + ECDSA P-256).
+    Verify(tasks::VerifyArgs),
 }
 
 #[derive(Args, Debug)]
@@ -112,6 +118,8 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Heartbeats(args) => heartbeats(args).await,
             Command::Throughput(args) => throughput(args).await,
+            Command::Tasks(args) => tasks::tasks(args).await,
+            Command::Verify(args) => tasks::verify(&args),
         }
     })
 }

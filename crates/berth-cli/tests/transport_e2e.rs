@@ -378,10 +378,11 @@ fn server_kill_9_loses_no_task_and_runs_none_twice() {
         })
         .collect();
 
-    // kill -9 while tasks run, then restart on the same data dir and port.
-    wait_for(Duration::from_secs(180), "150 tasks to have run", || {
+    // kill -9 while tasks run (and, usually, while others are still being created), then
+    // restart on the same data dir and port.
+    wait_for(Duration::from_secs(180), "tasks to be running", || {
         let n = executed(&agents);
-        if n >= 150 {
+        if n >= 50 {
             Ok(())
         } else {
             Err(format!("{n} executed"))

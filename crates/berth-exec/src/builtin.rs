@@ -163,6 +163,8 @@ pub struct Inspect {
     pub stickers: StickerStore,
     /// Filled in by the agent: its capabilities as it reports them in heartbeats.
     pub capabilities: std::sync::Arc<std::sync::Mutex<serde_json::Value>>,
+    /// Lists berth-managed containers, when the host has Docker.
+    pub docker: Option<std::sync::Arc<crate::DockerExecutor>>,
 }
 
 #[async_trait::async_trait]
@@ -197,7 +199,15 @@ impl Executor for Inspect {
             .lock()
             .map(|c| c.clone())
             .unwrap_or(serde_json::Value::Null);
+        let containers = match &self.docker {
+            None => serde_json::Value::Null,
+            Some(docker) => match docker.inspect_containers().await {
+                Ok(list) => json!(list),
+                Err(e) => json!({ "error": e.code(), "detail": e.to_string() }),
+            },
+        };
         Outcome::ok("inspected")
+            .with_output("containers", containers)
             .with_output(
                 "host",
                 json!({

@@ -518,7 +518,10 @@ impl ComposeExecutor {
             task_id: run.task.task_id.to_string(),
             written_at: time::OffsetDateTime::now_utc(),
             extra: serde_json::Map::from_iter([
-                ("services".to_string(), run.outputs["services"].clone()),
+                (
+                    "services".to_string(),
+                    run.outputs.get("services").cloned().unwrap_or_default(),
+                ),
                 (
                     "deploymentDirectory".to_string(),
                     plan.dir.display().to_string().into(),

@@ -779,21 +779,22 @@ impl DockerExecutor {
 
         let started = Instant::now();
         let mut failed_name = None;
+        // The replaced container (id, was running), to put back if the swap fails.
+        let mut replaced = None;
         if let Some(current) = stop.guard(engine::find_container(docker, &name)).await? {
             let id = current.id.clone().unwrap_or_default();
+            stop.check()?;
             if is_running(&current) {
                 run.log
                     .line(format!("stopping the current container {name}"));
                 let options = StopContainerOptionsBuilder::default()
                     .t(STOP_TIMEOUT_SECS)
                     .build();
-                stop.guard(async {
-                    docker
-                        .stop_container(&id, Some(options))
-                        .await
-                        .map_err(|e| engine_error("stop", &name, e))
-                })
-                .await?;
+                // Not abandoned half-way: see `replace`.
+                docker
+                    .stop_container(&id, Some(options))
+                    .await
+                    .map_err(|e| engine_error("stop", &name, e))?;
             }
             let new_name = format!("{name}-failed-{}", unix_millis());
             run.log.line(format!("renaming it to {new_name}"));
@@ -809,19 +810,36 @@ impl DockerExecutor {
             }
             run.output("failedContainerName", new_name.clone());
             failed_name = Some(new_name);
+            replaced = Some((id, is_running(&current)));
         }
         run.log.line(format!(
             "renaming {previous_name} to {name} and starting it"
         ));
         let options = RenameContainerOptionsBuilder::default().name(&name).build();
-        docker
-            .rename_container(&previous_id, options)
-            .await
-            .map_err(|e| engine_error("rename", &previous_name, e))?;
-        docker
-            .start_container(&previous_id, None)
-            .await
-            .map_err(|e| engine_error("start", &name, e))?;
+        let swapped = match docker.rename_container(&previous_id, options).await {
+            Err(e) => Err(engine_error("rename", &previous_name, e)),
+            Ok(()) => match docker.start_container(&previous_id, None).await {
+                Err(e) => {
+                    let options = RenameContainerOptionsBuilder::default()
+                        .name(&previous_name)
+                        .build();
+                    let _ = docker.rename_container(&previous_id, options).await;
+                    Err(engine_error("start", &name, e))
+                }
+                Ok(()) => Ok(()),
+            },
+        };
+        if let Err(e) = swapped {
+            // Best effort: the replaced container back under its name, as it was.
+            if let Some((id, was_running)) = &replaced {
+                run.log.line(format!("putting {name} back"));
+                let options = RenameContainerOptionsBuilder::default().name(&name).build();
+                if docker.rename_container(id, options).await.is_ok() && *was_running {
+                    let _ = docker.start_container(id, None).await;
+                }
+            }
+            return Err(e);
+        }
         run.metrics.deploy_duration_ms = Some(millis_since(started));
         run.output("containerId", previous_id.clone());
 
