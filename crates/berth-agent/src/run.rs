@@ -109,6 +109,11 @@ pub(crate) fn classify(e: ClientError) -> Failure {
             | (401, codes::CLIENT_CERT_REQUIRED) => {
                 Failure::Stop(AgentError::Revoked(e.to_string()))
             }
+            // Another live process holds this identity's session: wait for its lease to lapse.
+            (409, codes::SESSION_HELD) => Failure::Retry(*retry_after, e.to_string()),
+            // A newer process took over: stop everything. (A result for a stale assignment is
+            // refused with the same code; `tasks::report` only logs that.)
+            (409, codes::FENCED) => Failure::Stop(AgentError::Fenced(e.to_string())),
             (401, codes::REGISTRATION_TOKEN_INVALID) | (409, _) => {
                 Failure::Stop(AgentError::Config(e.to_string()))
             }

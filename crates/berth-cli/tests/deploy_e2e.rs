@@ -1,0 +1,661 @@
+//! End-to-end deployments through real processes: `berth server` (SQLite, temp data dir), a
+//! `berth-agent` that talks to the real Docker engine, the admin CLI (`berth … -o json`), and
+//! images pulled by digest from the local registries of `scripts/registry.sh`.
+//!
+//! The image and cleanup fixtures are the executor tests' own (`berth-exec/tests/common`): images
+//! made `FROM scratch` with busybox via `docker import`, pushed, and removed locally so every
+//! deployment pulls. Every name a test creates starts with its `berth-e2e-<random>` prefix and a
+//! [`Cleanup`] guard removes those containers, images, volumes and networks on every path; the
+//! agent and server are killed (guards) before that.
+//!
+//! Without an engine or the `BERTH_TEST_REGISTRY*` variables a test prints a SKIP line, except
+//! under `CI=true`, where it fails.
+
+#![cfg(unix)]
+
+mod common;
+#[path = "../../berth-exec/tests/common/mod.rs"]
+mod fixtures;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use fixtures::{container_id, container_names, make_image, Cleanup, Env, Image, Variant};
+use serde_json::{json, Value};
+
+/// How long a deployment (pull, create, health check) may take on a loaded 2-core host.
+const DEPLOY: Duration = Duration::from_secs(120);
+
+fn id_of(v: &Value) -> String {
+    str_of(v, "id").to_string()
+}
+
+fn attempts(task: &Value) -> &Vec<Value> {
+    task["attempts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no attempts in {task}"))
+}
+
+/// The registries and the engine, or `None` (SKIP; a failure under `CI=true`).
+fn docker_env(test: &str) -> Option<Env> {
+    fixtures::env(test)
+}
+
+/// `berth-e2e-<10 hex>`.
+fn unique() -> String {
+    format!(
+        "berth-e2e-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    )
+}
+
+/// The body `GET /` answers on `127.0.0.1:port` with 200, if it does.
+fn http_body(port: u16) -> Option<String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(fixtures::http_body(port))
+}
+
+fn wait_serving(port: u16, body: &str) {
+    wait_for(
+        DEPLOY,
+        &format!("port {port} to serve {body:?}"),
+        || match http_body(port) {
+            Some(b) if b == body => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// An agent with the host's Docker engine (the shared harness points agents at no engine)
+// ---------------------------------------------------------------------------------------------
+
+fn docker_agent_command(state_dir: &Path, args: &[&str]) -> std::process::Command {
+    let mut cmd = command(BERTH_AGENT);
+    cmd.arg("--state-dir").arg(state_dir).args(args);
+    cmd
+}
+
+fn wait_agent_up(server: &Server, id: &str) -> Value {
+    server.wait_agent(id, "the agent online with a heartbeat", |a| {
+        matches!(a["status"].as_str(), Some("online" | "degraded"))
+            && a["lastHeartbeat"].is_string()
+    })
+}
+
+/// Registers and runs `name` like [`Agent::register`], but with the host's Docker engine.
+fn register_docker_agent(server: &Server, root: &Path, name: &str, extra: &[&str]) -> Agent {
+    let token = server.registration_token();
+    let state_dir = root.join(name);
+    let sticker_dir = root.join(format!("{name}-stickers"));
+    let sticker_arg = sticker_dir.display().to_string();
+    let mut args = vec![
+        "--register",
+        "--token",
+        &token,
+        "--server",
+        &server.url,
+        "--ca-fingerprint",
+        &server.ca_fingerprint,
+        "--name",
+        name,
+        "--sticker-dir",
+        &sticker_arg,
+    ];
+    args.extend_from_slice(extra);
+    let mut proc = Proc::spawn(
+        &format!("berth-agent {name}"),
+        docker_agent_command(&state_dir, &args),
+    );
+    let id = wait_for(SETTLE, &format!("{name} to register"), || {
+        proc.assert_running();
+        identity_agent_id(&state_dir).ok_or_else(|| "no identity.json yet".to_string())
+    });
+    wait_agent_up(server, &id);
+    Agent {
+        proc,
+        id,
+        state_dir,
+        sticker_dir,
+    }
+}
+
+/// Another process with the agent's identity and sticker dir (no `--register`).
+fn restart_docker_agent(server: &Server, agent: &Agent, name: &str, extra: &[&str]) -> Proc {
+    let sticker_arg = agent.sticker_dir.display().to_string();
+    let mut args = vec!["--server", &server.url, "--sticker-dir", &sticker_arg];
+    args.extend_from_slice(extra);
+    Proc::spawn(name, docker_agent_command(&agent.state_dir, &args))
+}
+
+/// A server and a Docker agent; dropped in field order: agent, server, then the Docker
+/// objects, then the temp dir.
+struct World {
+    agent: Agent,
+    server: Server,
+    cleanup: Cleanup,
+    env: Env,
+    _tmp: tempfile::TempDir,
+}
+
+impl World {
+    fn start(test: &str, server_args: &[&str], agent_args: &[&str]) -> Option<World> {
+        let env = docker_env(test)?;
+        let cleanup = Cleanup::new(&unique());
+        let tmp = tempdir();
+        let server = Server::start(&tmp.path().join("data"), server_args);
+        let agent = register_docker_agent(&server, tmp.path(), "deployer", agent_args);
+        Some(World {
+            agent,
+            server,
+            cleanup,
+            env,
+            _tmp: tmp,
+        })
+    }
+
+    fn prefix(&self) -> &str {
+        &self.cleanup.prefix
+    }
+
+    fn image(&self, variant: Variant, content: &str) -> Image {
+        make_image(
+            &self.env.registry,
+            self.prefix(),
+            "web",
+            variant,
+            content,
+            None,
+        )
+    }
+
+    /// `berth task create --type T --agent ID --payload JSON [--timeout-secs N] [--credential k=v…]`.
+    fn create(&self, task_type: &str, payload: &Value, timeout: u32, creds: &[String]) -> String {
+        let payload = payload.to_string();
+        let timeout = timeout.to_string();
+        let mut args = vec![
+            "task",
+            "create",
+            "--type",
+            task_type,
+            "--agent",
+            &self.agent.id,
+            "--payload",
+            &payload,
+            "--timeout-secs",
+            &timeout,
+        ];
+        for c in creds {
+            args.extend(["--credential", c]);
+        }
+        id_of(&self.server.cli(&args))
+    }
+
+    /// Waits until the task reaches a final (or `retry_wait`/`unknown`) state.
+    fn settle(&self, id: &str) -> Value {
+        self.server.wait_task(id, DEPLOY, "a decided state", |t| {
+            !matches!(t["state"].as_str(), Some("pending" | "leased"))
+        })
+    }
+
+    fn run_ok(&self, payload: &Value) -> Value {
+        let id = self.create("docker.run", payload, 120, &[]);
+        let task = self.settle(&id);
+        assert_eq!(task["state"], "succeeded", "{task:#}");
+        task
+    }
+}
+
+/// A `docker.run` payload for `image` as container `name`, published on loopback `port`.
+fn deploy(image: &Image, name: &str, port: u16, health: Value) -> Value {
+    json!({
+        "image": image.repository,
+        "digest": image.digest,
+        "config": {
+            "containerName": name,
+            "releaseId": format!("{name}-release"),
+            "releaseName": format!("{name}-1"),
+            "ports": [format!("127.0.0.1:{port}:8080/tcp")],
+            "restartPolicy": "no",
+            "healthCheck": health,
+        },
+    })
+}
+
+fn http_check(port: u16, timeout: u64) -> Value {
+    json!({"type": "http", "url": format!("http://127.0.0.1:{port}/"), "timeout": timeout, "interval": 1})
+}
+
+fn docker_check(timeout: u64) -> Value {
+    json!({"type": "docker", "timeout": timeout, "interval": 1})
+}
+
+fn sticker(agent: &Agent, name: &str) -> Option<Value> {
+    let text = std::fs::read_to_string(agent.sticker_dir.join(format!("{name}.json"))).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. the happy path through the server
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn docker_run_by_digest_succeeds_serves_and_is_inspected() {
+    let Some(w) = World::start(
+        "docker_run_by_digest_succeeds_serves_and_is_inspected",
+        &[],
+        &[],
+    ) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+
+    let task = w.run_ok(&deploy(&v1, &name, port, http_check(port, 60)));
+    assert_eq!(task["readBack"], false, "{task:#}");
+    assert_eq!(task["sideEffects"], true, "{task:#}");
+    let tries = attempts(&task);
+    assert_eq!(tries.len(), 1, "{task:#}");
+    assert_eq!(tries[0]["state"], "succeeded", "{task:#}");
+    let envelope = &tries[0]["result"];
+    assert!(
+        envelope["signature"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty()),
+        "the verified, signed envelope: {task:#}"
+    );
+    assert_eq!(envelope["taskId"], task["id"], "{task:#}");
+
+    let result = &task["result"];
+    assert_eq!(result["success"], true, "{task:#}");
+    let id = container_id(&name).expect("the container exists");
+    assert_eq!(result["outputs"]["containerId"], id.as_str(), "{task:#}");
+    for metric in [
+        "pullDurationMs",
+        "deployDurationMs",
+        "healthCheckDurationMs",
+    ] {
+        assert!(
+            result["metrics"][metric].is_u64(),
+            "{metric} in {:#}",
+            result["metrics"]
+        );
+    }
+    assert_eq!(http_body(port).as_deref(), Some("v1"));
+    let written = sticker(&w.agent, &name).expect("the sticker");
+    assert_eq!(written["digest"], v1.digest.as_str());
+    assert_eq!(written["taskId"], task["id"]);
+
+    let inspect = w.create("inspect", &json!({}), 60, &[]);
+    let inspect = w.settle(&inspect);
+    assert_eq!(inspect["state"], "succeeded", "{inspect:#}");
+    let containers = inspect["result"]["outputs"]["containers"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no containers in {inspect:#}"));
+    let mine = containers
+        .iter()
+        .find(|c| c["name"] == name.as_str())
+        .unwrap_or_else(|| panic!("{name} not listed: {inspect:#}"));
+    assert_eq!(mine["id"], id.as_str(), "{mine:#}");
+    assert_eq!(mine["state"], "running", "{mine:#}");
+    assert_eq!(mine["digest"], v1.digest.as_str(), "{mine:#}");
+    assert_eq!(mine["releaseId"], format!("{name}-release").as_str());
+    assert_eq!(
+        mine["labels"]["berth.digest"],
+        v1.digest.as_str(),
+        "{mine:#}"
+    );
+    assert_eq!(
+        mine["labels"]["berth.release.name"],
+        format!("{name}-1").as_str()
+    );
+    assert!(mine["labels"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .all(|k| k.starts_with("berth.")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. upgrade, then an unhealthy upgrade that rolls back
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn upgrade_then_unhealthy_upgrade_rolls_back() {
+    let Some(w) = World::start("upgrade_then_unhealthy_upgrade_rolls_back", &[], &[]) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let v2 = w.image(Variant::Healthy, "v2");
+    let v3 = w.image(Variant::Unhealthy, "v3");
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+
+    w.run_ok(&deploy(&v1, &name, port, docker_check(60)));
+    assert_eq!(http_body(port).as_deref(), Some("v1"));
+
+    let task = w.run_ok(&deploy(&v2, &name, port, docker_check(60)));
+    assert_eq!(
+        task["result"]["outputs"]["previousDigest"],
+        v1.digest.as_str()
+    );
+    wait_serving(port, "v2");
+    let v2_id = container_id(&name).unwrap();
+    assert_eq!(container_names(&name), vec![name.clone()], "v1 is removed");
+
+    let id = w.create(
+        "docker.run",
+        &deploy(&v3, &name, port, docker_check(60)),
+        120,
+        &[],
+    );
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "failed", "{task:#}");
+    assert_eq!(task["errorCode"], "HEALTH_CHECK_FAILED", "{task:#}");
+    assert_eq!(task["result"]["retriable"], false, "{task:#}");
+    assert_eq!(task["result"]["outputs"]["rolledBack"], true, "{task:#}");
+    assert_eq!(attempts(&task).len(), 1, "not retried: {task:#}");
+    assert_eq!(
+        container_id(&name),
+        Some(v2_id),
+        "v2 is back under its name"
+    );
+    wait_serving(port, "v2");
+    assert_eq!(
+        container_names(&name),
+        vec![name.clone()],
+        "nothing of v3 is left"
+    );
+    let written = sticker(&w.agent, &name).expect("the sticker");
+    assert_eq!(
+        written["digest"],
+        v2.digest.as_str(),
+        "the sticker still says v2"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. registry failures: a wrong password is final, a registry that is down is retried
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn wrong_registry_password_fails_and_registry_down_is_retried() {
+    let Some(w) = World::start(
+        "wrong_registry_password_fails_and_registry_down_is_retried",
+        &[],
+        &[],
+    ) else {
+        return;
+    };
+    let v1 = make_image(
+        &w.env.auth_registry,
+        w.prefix(),
+        "web",
+        Variant::Healthy,
+        "v1",
+        Some((&w.env.user, &w.env.password)),
+    );
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+    let wrong = "not-the-password-e2e-7c1d";
+    let id = w.create(
+        "docker.run",
+        &deploy(&v1, &name, port, docker_check(30)),
+        120,
+        &[
+            format!("registryUsername={}", w.env.user),
+            format!("registryPassword={wrong}"),
+        ],
+    );
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "failed", "{task:#}");
+    assert_eq!(task["errorCode"], "REGISTRY_AUTH_FAILED", "{task:#}");
+    assert_eq!(task["result"]["retriable"], false, "{task:#}");
+    assert!(
+        task["result"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("registryPassword")),
+        "says what to fix: {task:#}"
+    );
+    assert!(!task.to_string().contains(wrong), "the password leaked");
+    assert_eq!(attempts(&task).len(), 1, "{task:#}");
+    assert!(container_id(&name).is_none());
+
+    // The right password works through the server too.
+    let id = w.create(
+        "docker.run",
+        &deploy(&v1, &name, port, docker_check(60)),
+        120,
+        &[
+            format!("registryUsername={}", w.env.user),
+            format!("registryPassword={}", w.env.password),
+        ],
+    );
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "succeeded", "{task:#}");
+    assert!(!task.to_string().contains(&w.env.password));
+    wait_serving(port, "v1");
+
+    // Registry down: retriable. docker.run has side effects, yet the server puts a retriable
+    // failure into retry_wait like any other (store complete_attempt → completion_transition).
+    let down = Image {
+        repository: format!("127.0.0.1:{}/{}/web", free_port(), w.prefix()),
+        digest: v1.digest.clone(),
+    };
+    let other = format!("{}-other", w.prefix());
+    let id = w.create(
+        "docker.run",
+        &deploy(&down, &other, free_port(), docker_check(10)),
+        120,
+        &[],
+    );
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "retry_wait", "{task:#}");
+    assert_eq!(task["errorCode"], "REGISTRY_UNAVAILABLE", "{task:#}");
+    assert_eq!(task["result"]["retriable"], true, "{task:#}");
+    assert!(task["nextAttemptAt"].is_string(), "{task:#}");
+    w.server.cli(&["task", "cancel", &id]);
+    let cancelled = w.server.wait_task(&id, DEPLOY, "cancelled", |t| {
+        t["state"] == "cancelled" || t["state"] == "failed"
+    });
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled:#}");
+    assert!(container_id(&other).is_none());
+    // v1 is untouched by all of this.
+    assert_eq!(http_body(port).as_deref(), Some("v1"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. a lost lease mid-deploy: `unknown`, never re-run; read-back decides
+// ---------------------------------------------------------------------------------------------
+
+/// (a) `kill -9` of the agent once the new container exists, while the deploy waits for a
+/// health check that cannot pass before the task's 10 s timeout. The lease (10 s + 1 s grace)
+/// runs out with the agent dead: `unknown`. The restarted agent's read-back finds no sticker
+/// (the deploy never reached step 9), so the task stays `unknown` and nothing deploys again.
+#[test]
+fn agent_killed_mid_deploy_leaves_the_task_unknown_and_never_reruns_it() {
+    let Some(mut w) = World::start(
+        "agent_killed_mid_deploy_leaves_the_task_unknown_and_never_reruns_it",
+        &["--heartbeat-interval-secs", "1", "--lease-grace-secs", "1"],
+        &[],
+    ) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let name = format!("{}-web", w.prefix());
+    let never = free_port();
+    let id = w.create(
+        "docker.run",
+        &deploy(&v1, &name, free_port(), http_check(never, 120)),
+        10,
+        &[],
+    );
+    let created = wait_for(DEPLOY, "the new container", || {
+        container_id(&name).ok_or_else(|| w.server.task(&id).to_string())
+    });
+    w.agent.proc.kill9();
+    let task = w.server.task(&id);
+    assert_eq!(
+        task["state"], "leased",
+        "killed before it finished: {task:#}"
+    );
+
+    let unknown = w.server.wait_task_state(&id, DEPLOY, "unknown");
+    assert_eq!(attempts(&unknown)[0]["state"], "expired", "{unknown:#}");
+    assert!(sticker(&w.agent, &name).is_none(), "no sticker was written");
+
+    w.agent.proc = restart_docker_agent(&w.server, &w.agent, "berth-agent (restarted)", &[]);
+    let resolved = w.server.wait_task(&id, DEPLOY, "read-back evidence", |t| {
+        t["result"]["found"].is_boolean()
+    });
+    assert_eq!(resolved["state"], "unknown", "{resolved:#}");
+    assert_eq!(resolved["readBack"], false, "{resolved:#}");
+    assert_eq!(resolved["result"]["found"], false, "{resolved:#}");
+    assert_eq!(resolved["result"]["sticker"], Value::Null, "{resolved:#}");
+    assert_eq!(attempts(&resolved).len(), 1, "re-run: {resolved:#}");
+    let read_backs = w.server.tasks(&["--type", "read-sticker"]);
+    assert!(
+        read_backs
+            .iter()
+            .any(|t| t["readBackOf"] == id.as_str() && t["state"] == "succeeded"),
+        "{read_backs:?}"
+    );
+    // Nothing deployed again: the one container is the one the killed agent created.
+    assert_eq!(container_names(&name), vec![name.clone()]);
+    assert_eq!(container_id(&name), Some(created));
+    assert!(sticker(&w.agent, &name).is_none());
+    wait_agent_up(&w.server, &w.agent.id);
+    w.agent.proc.assert_running();
+}
+
+/// (b) The late result is fenced, and read-back proves the deployment. Deterministic order:
+/// the agent (one task slot) is SIGSTOPped while its long-poll is held, the `docker.run`
+/// (timeout 15 s) is leased into that poll, and the lease (15 s + 1 s grace) runs out while the
+/// agent is stopped: `unknown`, and a read-back is queued. After SIGCONT the agent runs the
+/// assignment it already holds (its own 15 s timer starts then), writes the sticker, and its
+/// result is refused as FENCED; only then does its single slot take the read-back, which finds
+/// the sticker with the task's id: `succeeded` by read-back.
+#[test]
+fn late_result_is_fenced_and_read_back_proves_the_deploy() {
+    let Some(mut w) = World::start(
+        "late_result_is_fenced_and_read_back_proves_the_deploy",
+        &["--heartbeat-interval-secs", "1", "--lease-grace-secs", "1"],
+        &["--max-concurrent-tasks", "1"],
+    ) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+    let payload = deploy(&v1, &name, port, http_check(port, 14));
+
+    let mut leased = None;
+    for _ in 0..3 {
+        // A round trip first: afterwards the agent's long-poll is fresh.
+        let rt = w.create("inspect", &json!({}), 30, &[]);
+        w.server.wait_task_state(&rt, DEPLOY, "succeeded");
+        w.agent.proc.signal(libc::SIGSTOP);
+        let id = w.create("docker.run", &payload, 15, &[]);
+        let got = try_wait_for(Duration::from_secs(15), || {
+            let t = w.server.try_task(&id)?;
+            if t["state"] == "leased" {
+                Ok(())
+            } else {
+                Err(t.to_string())
+            }
+        });
+        if got.is_ok() {
+            leased = Some(id);
+            break;
+        }
+        eprintln!("note: the agent was stopped between two polls; trying again");
+        w.agent.proc.signal(libc::SIGCONT);
+        w.settle(&id);
+        // Start the next try from nothing.
+        fixtures::docker(&["rm", "-f", &name]);
+    }
+    let id = leased.expect("a docker.run leased into the stopped agent");
+    let unknown = w.server.wait_task_state(&id, DEPLOY, "unknown");
+    assert_eq!(attempts(&unknown)[0]["state"], "expired", "{unknown:#}");
+    assert!(container_id(&name).is_none(), "the stopped agent deployed");
+    wait_for(DEPLOY, "the read-back to be queued", || {
+        let rbs = w
+            .server
+            .try_cli(&["task", "ls", "--type", "read-sticker"])?;
+        rbs.as_array()
+            .into_iter()
+            .flatten()
+            .find(|t| t["readBackOf"] == id.as_str())
+            .cloned()
+            .ok_or_else(|| rbs.to_string())
+    });
+
+    w.agent.proc.signal(libc::SIGCONT);
+    let done = w
+        .server
+        .wait_task(&id, DEPLOY, "decided by read-back", |t| {
+            t["state"] != "unknown"
+        });
+    assert_eq!(done["state"], "succeeded", "{done:#}");
+    assert_eq!(done["readBack"], true, "{done:#}");
+    assert_eq!(done["result"]["found"], true, "{done:#}");
+    assert_eq!(done["result"]["sticker"]["taskId"], id.as_str(), "{done:#}");
+    assert_eq!(
+        done["result"]["sticker"]["digest"],
+        v1.digest.as_str(),
+        "{done:#}"
+    );
+    assert_eq!(attempts(&done).len(), 1, "re-run: {done:#}");
+    // The agent's own result for the expired delivery was refused.
+    wait_for(DEPLOY, "the agent to log FENCED", || {
+        let log = w.agent.proc.stderr();
+        if log.lines().any(|l| l.contains(&id) && l.contains("FENCED")) {
+            Ok(())
+        } else {
+            Err(log)
+        }
+    });
+    assert_eq!(http_body(port).as_deref(), Some("v1"));
+    assert_eq!(container_names(&name), vec![name.clone()], "deployed once");
+    w.agent.proc.assert_running();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. capabilities in the heartbeat
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn heartbeat_reports_docker_and_compose_capabilities() {
+    let Some(w) = World::start(
+        "heartbeat_reports_docker_and_compose_capabilities",
+        &["--heartbeat-interval-secs", "1"],
+        &[],
+    ) else {
+        return;
+    };
+    let (ok, version) = fixtures::docker(&["version", "--format", "{{.Server.Version}}"]);
+    assert!(ok, "{version}");
+    let agent = w
+        .server
+        .wait_agent(&w.agent.id, "docker and compose capabilities", |a| {
+            let caps = a["capabilities"].as_array().cloned().unwrap_or_default();
+            ["docker", "compose"]
+                .iter()
+                .all(|n| caps.iter().any(|c| c["name"] == *n))
+        });
+    let caps = agent["capabilities"].as_array().unwrap();
+    let docker = caps.iter().find(|c| c["name"] == "docker").unwrap();
+    assert_eq!(docker["version"], version.trim(), "{agent:#}");
+    assert_eq!(docker["healthy"], true, "{agent:#}");
+    let compose = caps.iter().find(|c| c["name"] == "compose").unwrap();
+    assert!(
+        compose["version"].as_str().is_some_and(|v| !v.is_empty()),
+        "{agent:#}"
+    );
+    assert_eq!(agent["status"], "online", "{agent:#}");
+}
