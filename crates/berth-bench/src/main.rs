@@ -18,12 +18,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use berth_client::Client;
 use berth_proto::agent::{AgentStatus, Heartbeat, ResourceUsage};
+use berth_proto::AgentId;
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use tokio::task::JoinSet;
 use tokio::time::{sleep_until, Instant as TokioInstant};
 
-use crate::fleet::{Fleet, SimAgent, Target};
+use crate::fleet::{Fleet, Target};
 use crate::stats::{micros, rss_kib, BatchHistogram, CpuTimes, Latencies};
 
 #[derive(Parser, Debug)]
@@ -170,9 +171,9 @@ async fn setup(common: &Common, agents: usize) -> anyhow::Result<(Target, Fleet,
     Ok((target, fleet, rss_before))
 }
 
-fn heartbeat_for(agent: &SimAgent) -> Heartbeat {
+fn heartbeat_for(agent: AgentId) -> Heartbeat {
     Heartbeat {
-        agent_id: agent.id,
+        agent_id: agent,
         status: AgentStatus::Online,
         resource_usage: ResourceUsage {
             cpu_percent: 3.5,
@@ -186,9 +187,11 @@ fn heartbeat_for(agent: &SimAgent) -> Heartbeat {
     }
 }
 
-/// Sends one heartbeat; `Err` carries a short description for the error tally.
-async fn beat(client: &Client, heartbeat: &Heartbeat) -> Result<(), String> {
-    match client.send(heartbeat).await {
+/// Sends one heartbeat under the agent's session generation; `Err` carries a short
+/// description for the error tally.
+async fn beat(client: &Client, heartbeat: &Heartbeat, generation: &str) -> Result<(), String> {
+    let headers = [(berth_proto::transport::GENERATION_HEADER, generation)];
+    match client.send_with(heartbeat, &headers, None).await {
         Ok(r) if r.acknowledged => Ok(()),
         Ok(_) => Err("not acknowledged".into()),
         Err(e) => {
@@ -339,9 +342,12 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
     let ticker = progress(done.clone(), failed.clone());
     let keep_timeline = args.latency_log.is_some();
     let mut tasks = JoinSet::new();
-    for agent in fleet.agents.iter() {
+    // Heartbeats need a session generation, as a real agent's do.
+    let workers = tasks::sessions(&fleet.agents, args.common.concurrency_register).await?;
+    for agent in workers.iter() {
         let phase = interval.mul_f64(random_unit());
-        let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent));
+        let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent.id));
+        let generation = agent.generation.to_string();
         let (done, failed) = (done.clone(), failed.clone());
         tasks.spawn(async move {
             let mut report = AgentReport::default();
@@ -351,7 +357,7 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
                 let sent = TokioInstant::now();
                 let sent_ms = if keep_timeline { unix_millis() } else { 0 };
                 report.max_lag_us = report.max_lag_us.max(micros(sent - scheduled));
-                let result = beat(&client, &heartbeat).await;
+                let result = beat(&client, &heartbeat, &generation).await;
                 let took = micros(sent.elapsed());
                 match result {
                     Ok(()) => {
@@ -466,8 +472,10 @@ async fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let failed = Arc::new(AtomicU64::new(0));
     let ticker = progress(done.clone(), failed.clone());
     let mut tasks = JoinSet::new();
-    for agent in fleet.agents.iter() {
-        let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent));
+    let workers = tasks::sessions(&fleet.agents, args.common.concurrency_register).await?;
+    for agent in workers.iter() {
+        let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent.id));
+        let generation = agent.generation.to_string();
         let (done, failed) = (done.clone(), failed.clone());
         tasks.spawn(async move {
             let mut report = AgentReport::default();
@@ -476,7 +484,7 @@ async fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 if sent >= end {
                     break;
                 }
-                let result = beat(&client, &heartbeat).await;
+                let result = beat(&client, &heartbeat, &generation).await;
                 let took = micros(sent.elapsed());
                 match result {
                     Ok(()) => {

@@ -71,11 +71,11 @@ pub struct TasksArgs {
 
 /// An agent with its session.
 #[derive(Clone)]
-struct Worker {
-    id: AgentId,
-    client: Client,
-    key: Arc<AgentKey>,
-    generation: i64,
+pub(crate) struct Worker {
+    pub id: AgentId,
+    pub client: Client,
+    pub key: Arc<AgentKey>,
+    pub generation: i64,
 }
 
 /// What one task agent saw.
@@ -199,7 +199,10 @@ pub async fn tasks(args: TasksArgs) -> anyhow::Result<()> {
 }
 
 /// Acquires a session for every agent, `concurrency` at a time.
-async fn sessions(agents: &[SimAgent], concurrency: usize) -> anyhow::Result<Vec<Worker>> {
+pub(crate) async fn sessions(
+    agents: &[SimAgent],
+    concurrency: usize,
+) -> anyhow::Result<Vec<Worker>> {
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
     let mut set = JoinSet::new();
     for (i, a) in agents.iter().enumerate() {

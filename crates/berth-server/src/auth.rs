@@ -111,16 +111,16 @@ pub fn peer_certificate(parts_peer: Option<&Peer>) -> ApiResult<PeerCertificate>
     })
 }
 
-/// Proves that the certificate belongs to agent `id` and is its current binding.
-///
-/// A certificate naming another agent is `403 CERT_BINDING_MISMATCH` (checked before any
-/// lookup, so it tells nothing about whether `id` exists). A certificate of a deleted agent,
-/// or one replaced by renewal, is `401 AGENT_REVOKED`: the agent must register again.
-pub async fn authenticate_agent(
+/// The connection's certificate, which must name agent `id`. A certificate naming another agent
+/// is `403 CERT_BINDING_MISMATCH`, decided before any lookup so it tells nothing about whether
+/// `id` exists. Whether the certificate is still the agent's *binding* is checked afterwards:
+/// by [`authenticate_agent`], or by the store inside the write's own transaction.
+pub fn agent_peer(
     state: &SharedState,
-    peer: &PeerCertificate,
+    peer: Option<&Peer>,
     id: AgentId,
-) -> ApiResult<Agent> {
+) -> ApiResult<PeerCertificate> {
+    let peer = peer_certificate(peer)?;
     if peer.agent_id != Some(id) {
         state.metrics.agent_auth_refused("binding_mismatch");
         return Err(ApiError::forbidden(
@@ -128,17 +128,38 @@ pub async fn authenticate_agent(
             "the client certificate does not belong to this agent",
         ));
     }
-    let agent = state.store.get_agent_for_runtime(id).await?;
-    match agent {
+    Ok(peer)
+}
+
+/// `401 AGENT_REVOKED`: the agent was deleted or its certificate replaced; register again.
+pub fn agent_revoked(state: &SharedState) -> ApiError {
+    state.metrics.agent_auth_refused("revoked");
+    ApiError::unauthenticated(
+        codes::AGENT_REVOKED,
+        "this certificate is no longer bound to an agent; register again",
+    )
+}
+
+/// `X-Berth-Generation`: missing or malformed is fenced, like a stale one.
+pub fn generation(headers: &axum::http::HeaderMap) -> ApiResult<i64> {
+    headers
+        .get(berth_proto::transport::GENERATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .ok_or_else(|| ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation"))
+}
+
+/// Proves that the certificate belongs to agent `id` and is its current binding.
+pub async fn authenticate_agent(
+    state: &SharedState,
+    peer: Option<&Peer>,
+    id: AgentId,
+) -> ApiResult<(Agent, PeerCertificate)> {
+    let peer = agent_peer(state, peer, id)?;
+    match state.store.get_agent_for_runtime(id).await? {
         Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => {
-            Ok(agent)
+            Ok((agent, peer))
         }
-        _ => {
-            state.metrics.agent_auth_refused("revoked");
-            Err(ApiError::unauthenticated(
-                codes::AGENT_REVOKED,
-                "this certificate is no longer bound to an agent; register again",
-            ))
-        }
+        _ => Err(agent_revoked(state)),
     }
 }

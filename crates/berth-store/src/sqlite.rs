@@ -37,6 +37,8 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/sqlite");
 /// Within one process the single writer connection already serialises writes.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const READERS: u32 = 4;
+/// How often WAL frames are copied back into the database file, off the writer's path.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 const EVENT_CAPACITY: usize = 1024;
 
 pub struct SqliteStore {
@@ -47,6 +49,32 @@ pub struct SqliteStore {
     read: SqlitePool,
     /// Task events: one process owns the file, so an in-process channel reaches every poller.
     events: broadcast::Sender<AgentId>,
+    /// Stops the checkpointer when the store goes away.
+    _checkpointer: AbortOnDrop,
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Checkpoints the WAL from its own connection. SQLite's automatic checkpoint would run inside
+/// whichever commit crosses the threshold, on the single writer, stalling every queued
+/// heartbeat behind its fsyncs; a PASSIVE checkpoint here runs beside the writer instead.
+async fn checkpoint_loop(pool: SqlitePool) {
+    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+    loop {
+        tick.tick().await;
+        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .execute(&pool)
+            .await
+        {
+            tracing::warn!(error = %e, "sqlite checkpoint failed; will retry");
+        }
+    }
 }
 
 impl SqliteStore {
@@ -61,9 +89,10 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
+        let checkpoint_options = writer_options.clone();
         let write = SqlitePoolOptions::new()
             .max_connections(1)
-            .connect_with(writer_options)
+            .connect_with(writer_options.pragma("wal_autocheckpoint", "0"))
             .await
             .map_err(db_error("open sqlite database"))?;
         MIGRATOR.run(&write).await.map_err(StoreError::Migrate)?;
@@ -79,11 +108,18 @@ impl SqliteStore {
             .connect_with(reader_options)
             .await
             .map_err(db_error("open sqlite readers"))?;
+        let checkpoint = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(checkpoint_options)
+            .await
+            .map_err(db_error("open sqlite checkpointer"))?;
+        let checkpointer = AbortOnDrop(tokio::spawn(checkpoint_loop(checkpoint)).abort_handle());
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
         Ok(SqliteStore {
             write,
             read,
             events,
+            _checkpointer: checkpointer,
         })
     }
 
@@ -874,6 +910,36 @@ impl Store for SqliteStore {
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
         const OP: &str = "claim task";
+        // Most polls find nothing to claim. Answer those from a reader, so that thousands of
+        // idle long-polls never queue on the single writer (and heartbeats behind them). The
+        // same binding check runs again under the write lock before anything is leased.
+        {
+            let mut conn = self.read.acquire().await.map_err(db_error(OP))?;
+            match check_binding(
+                &mut conn,
+                BINDING,
+                agent,
+                certificate_fingerprint,
+                generation,
+            )
+            .await?
+            {
+                Binding::Current => {}
+                Binding::Fenced => return Ok(ClaimOutcome::Fenced),
+                Binding::Revoked => return Ok(ClaimOutcome::Revoked),
+            }
+            let open = sqlx::query(
+                "SELECT 1 AS found FROM tasks WHERE agent_id = $1 \
+                 AND state IN ('pending', 'retry_wait') LIMIT 1",
+            )
+            .bind(id_text(agent.0))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db_error(OP))?;
+            if open.is_none() {
+                return Ok(ClaimOutcome::Empty);
+            }
+        }
         let mut tx = self.begin_write(OP).await?;
         // BEGIN IMMEDIATE serialises this with every other write, so the head read below is
         // still the head when it is leased.

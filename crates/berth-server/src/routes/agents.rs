@@ -19,7 +19,9 @@ use berth_store::{
 use serde_json::json;
 use time::OffsetDateTime;
 
-use crate::auth::{authenticate_agent, peer_certificate, Caller};
+use crate::auth::{
+    agent_peer, agent_revoked, authenticate_agent, generation, peer_certificate, Caller,
+};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
@@ -300,14 +302,7 @@ pub async fn heartbeat(
     ApiPath(id): ApiPath<AgentId>,
     ApiJson(req): ApiJson<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
-    let peer = peer_certificate(peer.as_ref().map(|p| &p.0))?;
-    if peer.agent_id != Some(id) {
-        state.metrics.agent_auth_refused("binding_mismatch");
-        return Err(ApiError::forbidden(
-            codes::CERT_BINDING_MISMATCH,
-            "the client certificate does not belong to this agent",
-        ));
-    }
+    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
     if req.status == AgentStatus::Offline {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -316,13 +311,7 @@ pub async fn heartbeat(
         ));
     }
     validate_capabilities(&req.capabilities)?;
-    let generation = headers
-        .get(berth_proto::transport::GENERATION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<i64>().ok())
-        .ok_or_else(|| {
-            ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation")
-        })?;
+    let generation = generation(&headers)?;
     let now = OffsetDateTime::now_utc();
     // The binding is checked inside the heartbeat transaction, so a heartbeat racing a delete
     // or a renewal cannot resurrect the old certificate.
@@ -348,13 +337,7 @@ pub async fn heartbeat(
                 "this process's generation is no longer current; another process took over",
             ))
         }
-        HeartbeatOutcome::Revoked => {
-            state.metrics.agent_auth_refused("revoked");
-            return Err(ApiError::unauthenticated(
-                codes::AGENT_REVOKED,
-                "this certificate is no longer bound to an agent; register again",
-            ));
-        }
+        HeartbeatOutcome::Revoked => return Err(agent_revoked(&state)),
     }
     Ok(Json(HeartbeatResponse {
         acknowledged: true,
@@ -371,11 +354,11 @@ pub async fn issue_jwt(
     peer: Option<Extension<Peer>>,
     ApiJson(_req): ApiJson<IssueAgentJwt>,
 ) -> ApiResult<Json<AgentJwt>> {
-    let peer = peer_certificate(peer.as_ref().map(|p| &p.0))?;
-    let id = peer.agent_id.ok_or_else(|| {
-        ApiError::unauthenticated(codes::AGENT_REVOKED, "the certificate names no agent")
-    })?;
-    let agent = authenticate_agent(&state, &peer, id).await?;
+    let peer = peer.as_ref().map(|p| &p.0);
+    let id = peer_certificate(peer)?
+        .agent_id
+        .ok_or_else(|| agent_revoked(&state))?;
+    let (agent, _) = authenticate_agent(&state, peer, id).await?;
     let ttl: Duration = state.config.agent_jwt_ttl;
     let now = OffsetDateTime::now_utc();
     let claims = json!({
@@ -412,8 +395,7 @@ pub async fn renew_certificate(
     ApiPath(id): ApiPath<AgentId>,
     ApiJson(req): ApiJson<RenewCertificate>,
 ) -> ApiResult<Json<RenewCertificateResponse>> {
-    let peer = peer_certificate(peer.as_ref().map(|p| &p.0))?;
-    authenticate_agent(&state, &peer, id).await?;
+    let (_, peer) = authenticate_agent(&state, peer.as_ref().map(|p| &p.0), id).await?;
     let now = OffsetDateTime::now_utc();
     let validity = time::Duration::try_from(state.config.agent_cert_validity)
         .map_err(|e| ApiError::internal(&e))?;
@@ -434,10 +416,7 @@ pub async fn renew_certificate(
         )
         .await?;
     if !rebound {
-        return Err(ApiError::unauthenticated(
-            codes::AGENT_REVOKED,
-            "this certificate is no longer bound to an agent; register again",
-        ));
+        return Err(agent_revoked(&state));
     }
     tracing::info!(agent_id = %id, expires_at = %issued.not_after, "agent certificate renewed");
     Ok(Json(RenewCertificateResponse {

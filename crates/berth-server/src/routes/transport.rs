@@ -15,55 +15,19 @@ use berth_proto::error::codes;
 use berth_proto::transport::{
     self, AcquireSession, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest,
     AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, Session, CONTRACT_VERSION,
-    GENERATION_HEADER,
 };
 use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, Task};
 use time::OffsetDateTime;
 
-use crate::auth::peer_certificate;
+use crate::auth::{agent_peer, agent_revoked, generation};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
-use crate::tls::{Peer, PeerCertificate};
+use crate::tls::Peer;
 use crate::SharedState;
-
-/// The certificate must name the agent in the path; the binding itself is checked by the store
-/// inside each write's transaction.
-fn agent_peer(
-    state: &SharedState,
-    peer: Option<&Extension<Peer>>,
-    id: AgentId,
-) -> ApiResult<PeerCertificate> {
-    let peer = peer_certificate(peer.map(|p| &p.0))
-        .inspect_err(|_| state.metrics.result_rejected("binding_mismatch"))?;
-    if peer.agent_id != Some(id) {
-        state.metrics.agent_auth_refused("binding_mismatch");
-        return Err(ApiError::forbidden(
-            codes::CERT_BINDING_MISMATCH,
-            "the client certificate does not belong to this agent",
-        ));
-    }
-    Ok(peer)
-}
-
-fn revoked() -> ApiError {
-    ApiError::unauthenticated(
-        codes::AGENT_REVOKED,
-        "this certificate is no longer bound to an agent; register again",
-    )
-}
 
 fn fenced(detail: &str) -> ApiError {
     ApiError::conflict(codes::FENCED, detail)
-}
-
-/// `X-Berth-Generation`: missing or malformed is fenced, like a stale one.
-fn generation(headers: &HeaderMap) -> ApiResult<i64> {
-    headers
-        .get(GENERATION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<i64>().ok())
-        .ok_or_else(|| fenced("missing or malformed X-Berth-Generation"))
 }
 
 fn transport_enabled(state: &SharedState) -> ApiResult<()> {
@@ -93,7 +57,7 @@ pub async fn acquire_session(
     ApiPath(id): ApiPath<AgentId>,
     ApiJson(req): ApiJson<AcquireSession>,
 ) -> ApiResult<Json<Session>> {
-    let peer = agent_peer(&state, peer.as_ref(), id)?;
+    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
     if req.instance_id.is_empty() || req.instance_id.len() > 128 {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -143,7 +107,7 @@ pub async fn acquire_session(
             error.retry_after = Some((lease_expires_at - now).whole_seconds().max(1) as u64);
             Err(error)
         }
-        SessionOutcome::Revoked => Err(revoked()),
+        SessionOutcome::Revoked => Err(agent_revoked(&state)),
     }
 }
 
@@ -157,7 +121,7 @@ pub async fn release_session(
     headers: HeaderMap,
     ApiPath(id): ApiPath<AgentId>,
 ) -> ApiResult<Json<Released>> {
-    agent_peer(&state, peer.as_ref(), id)?;
+    agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
     let generation = generation(&headers)?;
     let released = state
         .store
@@ -188,7 +152,7 @@ pub async fn poll(
     ApiJson(req): ApiJson<AgentTaskPollRequest>,
 ) -> ApiResult<Json<AgentTaskPollResponse>> {
     transport_enabled(&state)?;
-    let peer = agent_peer(&state, peer.as_ref(), id)?;
+    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
     let generation = generation(&headers)?;
     if req.contract_version != CONTRACT_VERSION {
         return Err(unsupported_contract(&state, &req.contract_version));
@@ -235,7 +199,7 @@ pub async fn poll(
             ClaimOutcome::Fenced => {
                 return Err(fenced("this process's generation is no longer current"))
             }
-            ClaimOutcome::Revoked => return Err(revoked()),
+            ClaimOutcome::Revoked => return Err(agent_revoked(&state)),
             ClaimOutcome::Claimed(task, attempt) => {
                 state.metrics.task_assigned();
                 let assignment = assignment(&state, &task, attempt)?;
@@ -365,7 +329,8 @@ pub async fn submit_result(
     ApiJson(raw): ApiJson<serde_json::Value>,
 ) -> ApiResult<Json<ResultAck>> {
     transport_enabled(&state)?;
-    let peer = agent_peer(&state, peer.as_ref(), agent_id)?;
+    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), agent_id)
+        .inspect_err(|_| state.metrics.result_rejected("binding_mismatch"))?;
     let generation =
         generation(&headers).inspect_err(|_| state.metrics.result_rejected("fenced"))?;
 
@@ -511,7 +476,7 @@ pub async fn submit_result(
         }
         CompleteOutcome::Revoked => {
             state.metrics.result_rejected("binding_mismatch");
-            Err(revoked())
+            Err(agent_revoked(&state))
         }
         CompleteOutcome::NotFound => Err(ApiError::not_found("task")),
     }
