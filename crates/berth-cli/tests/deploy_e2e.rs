@@ -474,7 +474,7 @@ fn wrong_registry_password_fails_and_registry_down_is_retried() {
 // ---------------------------------------------------------------------------------------------
 
 /// (a) `kill -9` of the agent once the new container exists, while the deploy waits for a
-/// health check that cannot pass before the task's 10 s timeout. The lease (10 s + 1 s grace)
+/// health check that cannot pass before the task's 15 s timeout. The lease (15 s + 1 s grace)
 /// runs out with the agent dead: `unknown`. The restarted agent's read-back finds no sticker
 /// (the deploy never reached step 9), so the task stays `unknown` and nothing deploys again.
 #[test]
@@ -492,7 +492,7 @@ fn agent_killed_mid_deploy_leaves_the_task_unknown_and_never_reruns_it() {
     let id = w.create(
         "docker.run",
         &deploy(&v1, &name, free_port(), http_check(never, 120)),
-        10,
+        15,
         &[],
     );
     let created = wait_for(DEPLOY, "the new container", || {
