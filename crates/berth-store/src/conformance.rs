@@ -63,6 +63,7 @@ cases!(
     task_claim_concurrent,
     task_complete_transitions,
     task_stale_assignment,
+    task_result_after_lease_deadline,
     task_cancel,
     task_retry,
     lease_expiry,
@@ -1905,6 +1906,50 @@ pub async fn task_claim_fencing(store: &DynStore) {
     );
     let (_, attempt) = claimed(store, &agent, newer, t).await;
     assert_eq!(attempt.generation, newer);
+}
+
+/// A result that arrives after its lease ran out is refused even though no sweep has moved the
+/// task yet: being on time must not depend on the sweeper's pace.
+pub async fn task_result_after_lease_deadline(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("lease-deadline")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let late = attempt.lease_expires_at + time::Duration::milliseconds(1);
+    let outcome = store
+        .complete_attempt(
+            completion(&agent, generation, &attempt, AttemptResult::Succeeded, late),
+            &RetryPolicy::default(),
+        )
+        .await
+        .expect("complete");
+    assert_eq!(outcome, CompleteOutcome::Fenced);
+    let (still, _) = task_now(store, &task).await;
+    assert_eq!(
+        still.state,
+        TaskState::Leased,
+        "the refused result changed nothing"
+    );
+    // At the deadline itself the result still counts.
+    let on_time = store
+        .complete_attempt(
+            completion(
+                &agent,
+                generation,
+                &attempt,
+                AttemptResult::Succeeded,
+                attempt.lease_expires_at,
+            ),
+            &RetryPolicy::default(),
+        )
+        .await
+        .expect("complete");
+    assert!(
+        matches!(on_time, CompleteOutcome::Recorded(ref t) if t.state == TaskState::Succeeded),
+        "{on_time:?}"
+    );
 }
 
 pub async fn task_claim_concurrent(store: &DynStore) {

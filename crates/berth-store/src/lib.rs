@@ -635,7 +635,8 @@ pub trait Store: Send + Sync + 'static {
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>>;
 
     /// Records a verified result in one transaction that also checks generation, binding and
-    /// that the assignment is the task's current, still-leased one. Transitions: Succeeded →
+    /// that the assignment is the task's current, still-leased one whose lease has not run out at
+    /// `completion.now`. Transitions: Succeeded →
     /// `succeeded`; Cancelled → `cancelled`; Failed and retriable → `retry_wait` (next attempt
     /// after `policy.delay_after(attempts)`) or `dead_letter` once attempts reach
     /// `policy.max_attempts`; Failed and not retriable → `failed`. The attempt row gets the

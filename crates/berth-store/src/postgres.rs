@@ -1080,11 +1080,15 @@ impl Store for PostgresStore {
                 CompleteOutcome::Fenced
             });
         }
-        if task.state != TaskState::Leased || task.current_assignment != Some(attempt.assignment_id)
+        let now = millis(completion.now);
+        // The lease is the proof window: a result after its deadline is refused even before
+        // the sweep has moved the task, so "on time" never depends on the sweeper's pace.
+        if task.state != TaskState::Leased
+            || task.current_assignment != Some(attempt.assignment_id)
+            || attempt.lease_expires_at < now
         {
             return Ok(CompleteOutcome::Fenced);
         }
-        let now = millis(completion.now);
         let next = rows::completion_transition(
             &completion.result,
             task.attempts,
