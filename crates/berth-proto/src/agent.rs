@@ -168,28 +168,31 @@ impl Request for ListAgents {
     type Response = AgentList;
     const METHOD: Method = Method::Get;
     fn path(&self) -> String {
-        let mut query = Vec::new();
-        let mut push = |k: &str, v: &str| query.push(format!("{k}={}", encode_query_value(v)));
-        if let Some(s) = self.status {
-            push("status", s.as_str());
-        }
-        if let Some(c) = &self.capability {
-            push("capability", c);
-        }
-        if let Some(l) = &self.label {
-            push("label", l);
-        }
-        if let Some(c) = &self.cursor {
-            push("cursor", c);
-        }
-        if let Some(l) = self.limit {
-            push("limit", &l.to_string());
-        }
-        if query.is_empty() {
-            "/api/v1/agents".into()
-        } else {
-            format!("/api/v1/agents?{}", query.join("&"))
-        }
+        let status = self.status.map(|s| s.as_str().to_string());
+        let limit = self.limit.map(|l| l.to_string());
+        with_query(
+            "/api/v1/agents",
+            &[
+                ("status", status.as_deref()),
+                ("capability", self.capability.as_deref()),
+                ("label", self.label.as_deref()),
+                ("cursor", self.cursor.as_deref()),
+                ("limit", limit.as_deref()),
+            ],
+        )
+    }
+}
+
+/// `base?k=v&…` with the present parameters, values percent-encoded.
+pub fn with_query(base: &str, params: &[(&str, Option<&str>)]) -> String {
+    let query: Vec<String> = params
+        .iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k}={}", encode_query_value(v))))
+        .collect();
+    if query.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", query.join("&"))
     }
 }
 
@@ -366,4 +369,24 @@ pub struct Jwk {
     #[serde(rename = "use")]
     pub use_: String,
     pub alg: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_paths_encode_only_present_parameters() {
+        assert_eq!(ListAgents::default().path(), "/api/v1/agents");
+        let query = ListAgents {
+            status: Some(AgentStatus::Online),
+            label: Some("role=web&x".into()),
+            limit: Some(5),
+            ..Default::default()
+        };
+        assert_eq!(
+            query.path(),
+            "/api/v1/agents?status=online&label=role%3Dweb%26x&limit=5"
+        );
+    }
 }

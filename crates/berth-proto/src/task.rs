@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::agent::encode_query_value;
+use crate::agent::with_query;
 use crate::{AgentId, AssignmentId, Method, Request, TaskId};
 
 /// `POST /api/v1/tasks`, optional header `Idempotency-Key`.
@@ -176,28 +176,18 @@ impl Request for ListTasks {
     type Response = TaskList;
     const METHOD: Method = Method::Get;
     fn path(&self) -> String {
-        let mut query = Vec::new();
-        let mut push = |k: &str, v: &str| query.push(format!("{k}={}", encode_query_value(v)));
-        if let Some(s) = &self.state {
-            push("state", s);
-        }
-        if let Some(a) = self.agent_id {
-            push("agentId", &a.to_string());
-        }
-        if let Some(t) = &self.task_type {
-            push("type", t);
-        }
-        if let Some(c) = &self.cursor {
-            push("cursor", c);
-        }
-        if let Some(l) = self.limit {
-            push("limit", &l.to_string());
-        }
-        if query.is_empty() {
-            "/api/v1/tasks".into()
-        } else {
-            format!("/api/v1/tasks?{}", query.join("&"))
-        }
+        let agent_id = self.agent_id.map(|a| a.to_string());
+        let limit = self.limit.map(|l| l.to_string());
+        with_query(
+            "/api/v1/tasks",
+            &[
+                ("state", self.state.as_deref()),
+                ("agentId", agent_id.as_deref()),
+                ("type", self.task_type.as_deref()),
+                ("cursor", self.cursor.as_deref()),
+                ("limit", limit.as_deref()),
+            ],
+        )
     }
 }
 
