@@ -125,10 +125,17 @@ start_registry() {
     say "starting a registry on 127.0.0.1:$port (auth: $auth, log: $ROOT/registry-$port.log)"
     setsid /usr/bin/docker-registry serve "$ROOT/registry-$port.yml" \
         >"$ROOT/registry-$port.log" 2>&1 </dev/null &
-    echo $! >"$ROOT/registry-$port.pid"
-    for _ in $(seq 1 100); do
-        answers "$port" && return
-        ours_alive "$port" || break
+    # The pid is read back from the process table rather than taken from $!: setsid forks when it
+    # happens to lead a process group, and before its exec /proc shows this shell, so $! can name a
+    # process that is gone or not yet the registry while the registry itself starts fine.
+    local pid
+    for _ in $(seq 1 300); do
+        if answers "$port"; then
+            pid="$(pgrep -f -o "^/usr/bin/docker-registry serve $ROOT/registry-$port.yml" || true)"
+            [ -n "$pid" ] || die "port $port answers, but not from the registry this script started"
+            echo "$pid" >"$ROOT/registry-$port.pid"
+            return
+        fi
         sleep 0.1
     done
     tail -n 20 "$ROOT/registry-$port.log" >&2 || true

@@ -15,7 +15,10 @@ export BERTH_TEST_POSTGRES_URL
 say "PostgreSQL for tests: ${BERTH_TEST_POSTGRES_URL%%@*}@…"
 
 # Registries on 127.0.0.1:55000 (open) and :55001 (htpasswd); exports BERTH_TEST_REGISTRY*.
-eval "$(bash scripts/registry.sh | grep '^export ')"
+# The output is captured first so that a failing registry.sh stops this script (set -e) instead of
+# leaving the variables unset.
+registry_env="$(bash scripts/registry.sh)"
+eval "$(grep '^export ' <<<"$registry_env")"
 say "registries for tests: $BERTH_TEST_REGISTRY, $BERTH_TEST_AUTH_REGISTRY (auth)"
 docker version --format 'Docker engine {{.Server.Version}}' >&2 || { say "the Docker engine is not reachable"; exit 1; }
 
