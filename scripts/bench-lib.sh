@@ -3,7 +3,8 @@
 # caller's trap can stop it; nothing else is ever signalled.
 
 BENCH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BIN="$BENCH_ROOT/target/release"
+# BIN: where the binaries are (default target/release), e.g. a baseline build for an A/B run.
+BIN=${BIN:-"$BENCH_ROOT/target/release"}
 CLK_TCK=$(getconf CLK_TCK)
 SERVER_PID=""
 SERVER_URL=""

@@ -8,7 +8,7 @@
 #   verify  result-signature verifications per second on one thread (no server)
 #   pickup  AGENTS (100) agents, open loop RATE (100) tasks/s for DURATION (30) s
 #   max     AGENTS agents, closed loop with CONCURRENCY (32) creators for DURATION s
-#   idle    AGENTS agents at RATE tasks/s plus HB_AGENTS (9000) agents that only heartbeat
+#   idle    AGENTS agents at RATE tasks/s plus HB_AGENTS (10000) agents that only heartbeat
 #           every 30 s and hold a long-poll open; HB_WARMUP (35) s unmeasured, HB_DURATION (60) s
 #           measured. SQLite only (IDLE_DATABASES to change).
 # Knobs: RUNS (3), DATABASES ("sqlite postgres"), SKIP_BUILD=1, OUT (results dir),
@@ -26,7 +26,7 @@ AGENTS=${AGENTS:-100}
 RATE=${RATE:-100}
 DURATION=${DURATION:-30}
 CONCURRENCY=${CONCURRENCY:-32}
-HB_AGENTS=${HB_AGENTS:-9000}
+HB_AGENTS=${HB_AGENTS:-10000}
 HB_WARMUP=${HB_WARMUP:-35}
 HB_DURATION=${HB_DURATION:-60}
 REGISTER_CONCURRENCY=${REGISTER_CONCURRENCY:-16}
@@ -52,7 +52,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 BENCH_BINS="berth berth-bench" bench_build berth-cli berth-bench
-# Every simulated agent is one or two sockets in the server (and in berth-bench, which raises
+# Every simulated agent is one socket in the server (HTTP/2) and one in berth-bench, which raises
 # its own limit).
 ulimit -n "$(ulimit -Hn)"
 mkdir -p "$OUT"

@@ -4,7 +4,9 @@
 //! `signature`, ECDSA P-256, base64) and submit it with `X-Berth-Generation`. A creator loop
 //! makes `inspect` tasks through the admin API, round-robin over the agents.
 //!
-//! `berth-bench verify`: result-signature verification per second on one thread.
+//! `berth-bench verify`: result-signature verification per second on one thread: the server's
+//! path (a `ResultVerifier` built once per agent certificate) next to the per-call certificate
+//! parse of `verify_with_cert`.
 //!
 //! Like the heartbeat scenarios, the last line is `SUMMARY {json}` for `scripts/bench-tasks.sh`.
 
@@ -16,7 +18,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use base64::Engine;
 use berth_client::Client;
-use berth_crypto::AgentKey;
+use berth_crypto::{AgentKey, ResultVerifier};
 use berth_proto::task::CreateTask;
 use berth_proto::transport::{
     self, AcquireSession, AgentTaskAssignment, AgentTaskPollRequest, SubmitResult,
@@ -62,7 +64,7 @@ pub struct TasksArgs {
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
     /// Extra agents that only heartbeat every `--heartbeat-interval-secs` and hold a long-poll
-    /// open (two connections each, like `berth-agent`).
+    /// open, on one HTTP/2 connection each, like `berth-agent`.
     #[arg(long, default_value_t = 0)]
     heartbeat_agents: usize,
     #[arg(long, default_value_t = 30)]
@@ -691,8 +693,10 @@ pub struct VerifyArgs {
     runs: usize,
 }
 
-/// Result-signature verification on this thread only: `signing_input` + `verify_with_cert`,
-/// then each half alone. Medians of `runs`.
+/// Result-signature verification on this thread only. The server's path (`signing_input` +
+/// `ResultVerifier::verify`, the verifier built once per agent certificate, i.e. per
+/// connection) next to the old per-call parse (`signing_input` + `verify_with_cert`), then each
+/// part alone, and building a verifier. Medians of `runs`.
 pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
     if args.envelopes == 0 || args.runs == 0 || args.seconds <= 0.0 {
         bail!("--envelopes, --runs and --seconds must be positive");
@@ -726,9 +730,54 @@ pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
         .map(|(e, _)| transport::signing_input(e))
         .collect::<Result<_, _>>()?;
     let der = &cert.cert_der;
-    let timed = |f: &mut dyn FnMut(usize) -> anyhow::Result<()>| -> anyhow::Result<f64> {
-        let mut rates = Vec::new();
-        for _ in 0..args.runs {
+    // Built once for the agent's certificate, as the server does once per connection.
+    let verifier = ResultVerifier::from_cert(der)?;
+    let mut full = |i: usize| -> anyhow::Result<()> {
+        let (e, sig) = &envelopes[i];
+        let input = transport::signing_input(e)?;
+        berth_crypto::verify_with_cert(der, transport::ALG_ECDSA_SHA256, &input, sig)?;
+        Ok(())
+    };
+    let mut server = |i: usize| -> anyhow::Result<()> {
+        let (e, sig) = &envelopes[i];
+        let input = transport::signing_input(e)?;
+        verifier.verify(transport::ALG_ECDSA_SHA256, &input, sig)?;
+        Ok(())
+    };
+    let mut jcs = |i: usize| -> anyhow::Result<()> {
+        std::hint::black_box(transport::signing_input(&envelopes[i].0)?);
+        Ok(())
+    };
+    let mut verify_only = |i: usize| -> anyhow::Result<()> {
+        berth_crypto::verify_with_cert(
+            der,
+            transport::ALG_ECDSA_SHA256,
+            &inputs[i],
+            &envelopes[i].1,
+        )?;
+        Ok(())
+    };
+    let mut verifier_only = |i: usize| -> anyhow::Result<()> {
+        verifier.verify(transport::ALG_ECDSA_SHA256, &inputs[i], &envelopes[i].1)?;
+        Ok(())
+    };
+    let mut from_cert = |_: usize| -> anyhow::Result<()> {
+        std::hint::black_box(ResultVerifier::from_cert(std::hint::black_box(der))?);
+        Ok(())
+    };
+    // Run r of every measurement before run r + 1 of any, so that load drifting on a shared
+    // machine reaches all of them alike; each result is the median of its runs.
+    let measurements: &mut [&mut dyn FnMut(usize) -> anyhow::Result<()>] = &mut [
+        &mut full,
+        &mut server,
+        &mut jcs,
+        &mut verify_only,
+        &mut verifier_only,
+        &mut from_cert,
+    ];
+    let mut rates = vec![Vec::with_capacity(args.runs); measurements.len()];
+    for _ in 0..args.runs {
+        for (f, rates) in measurements.iter_mut().zip(&mut rates) {
             let started = std::time::Instant::now();
             let mut n = 0usize;
             loop {
@@ -740,28 +789,17 @@ pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
             }
             rates.push(n as f64 / started.elapsed().as_secs_f64());
         }
-        rates.sort_by(f64::total_cmp);
-        Ok(rates[rates.len() / 2])
+    }
+    let medians: Vec<f64> = rates
+        .into_iter()
+        .map(|mut r| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2]
+        })
+        .collect();
+    let [full, server, jcs, verify_only, verifier_only, from_cert] = medians[..] else {
+        unreachable!("one median per measurement");
     };
-    let full = timed(&mut |i| {
-        let (e, sig) = &envelopes[i];
-        let input = transport::signing_input(e)?;
-        berth_crypto::verify_with_cert(der, transport::ALG_ECDSA_SHA256, &input, sig)?;
-        Ok(())
-    })?;
-    let jcs = timed(&mut |i| {
-        std::hint::black_box(transport::signing_input(&envelopes[i].0)?);
-        Ok(())
-    })?;
-    let verify_only = timed(&mut |i| {
-        berth_crypto::verify_with_cert(
-            der,
-            transport::ALG_ECDSA_SHA256,
-            &inputs[i],
-            &envelopes[i].1,
-        )?;
-        Ok(())
-    })?;
     println!(
         "one thread, median of {} × {} s, {} distinct envelopes ({} bytes signed each):",
         args.runs,
@@ -769,9 +807,15 @@ pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
         args.envelopes,
         inputs[0].len()
     );
-    println!("  signing_input + verify_with_cert: {full:.0}/s");
-    println!("  signing_input (JCS) only:         {jcs:.0}/s");
-    println!("  verify_with_cert only:            {verify_only:.0}/s");
+    println!(
+        "  server path, signing_input + ResultVerifier::verify: {server:.0}/s ({:.2}× per-call parse)",
+        server / full
+    );
+    println!("  per-call parse, signing_input + verify_with_cert:    {full:.0}/s");
+    println!("  signing_input (JCS) only:                            {jcs:.0}/s");
+    println!("  ResultVerifier::verify only:                         {verifier_only:.0}/s");
+    println!("  verify_with_cert only:                               {verify_only:.0}/s");
+    println!("  ResultVerifier::from_cert (once per connection):     {from_cert:.0}/s");
     println!(
         "SUMMARY {}",
         json!({
@@ -779,8 +823,11 @@ pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
             "runs": args.runs,
             "seconds": args.seconds,
             "full_per_sec": full.round(),
+            "server_per_sec": server.round(),
             "jcs_per_sec": jcs.round(),
             "verify_per_sec": verify_only.round(),
+            "verifier_verify_per_sec": verifier_only.round(),
+            "from_cert_per_sec": from_cert.round(),
         })
     );
     Ok(())

@@ -5,11 +5,12 @@
 //! is still *bound* to an agent is the route's business, checked against the store per request.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
 use axum::Router;
+use berth_crypto::ResultVerifier;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use rustls::pki_types::pem::PemObject;
@@ -34,6 +35,46 @@ pub struct PeerCertificate {
     pub fingerprint: Arc<str>,
     /// The agent id from the `urn:berth:agent:<id>` SAN, when the certificate carries one.
     pub agent_id: Option<berth_proto::AgentId>,
+    /// `der`'s public key, parsed on the first signed result and kept for the connection's
+    /// life; shared by every request of the connection (see [`PeerCertificate::result_verifier`]).
+    verifier: Arc<OnceLock<ResultVerifier>>,
+}
+
+impl PeerCertificate {
+    fn new(der: &[u8]) -> Self {
+        PeerCertificate {
+            der: Arc::new(der.to_vec()),
+            fingerprint: berth_crypto::fingerprint(der).into(),
+            agent_id: berth_crypto::agent_id_from_cert(der)
+                .ok()
+                .map(berth_proto::AgentId),
+            verifier: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// The signature verifier for this certificate's key, built on first use.
+    ///
+    /// Cached per connection rather than in a server-wide map keyed by fingerprint: this struct
+    /// is built once per TLS connection and cloned into each of its requests, and a connection's
+    /// client certificate cannot change (TLS 1.3, no post-handshake authentication), so the
+    /// verifier is derived from exactly `der`: nothing to key, evict or bound (it is freed with
+    /// the connection, so at most one per open connection), and nothing shared between
+    /// connections. Agents keep their connections (pooled client, long polls), so results almost
+    /// never pay for the parse; a global map could only save one parse per new connection, which
+    /// already parses the certificate above for `agent_id`.
+    ///
+    /// The verifier decides only whether a signature verifies with this key. It never decides
+    /// trust: whether the certificate names the agent and is its current binding is checked by
+    /// the route and the store exactly as before. A certificate that does not parse is not
+    /// cached; it fails again on every call, as it did before the cache.
+    pub fn result_verifier(&self) -> berth_crypto::Result<&ResultVerifier> {
+        if let Some(verifier) = self.verifier.get() {
+            return Ok(verifier);
+        }
+        let built = ResultVerifier::from_cert(&self.der)?;
+        // Two results racing on one HTTP/2 connection may both build one; the first is kept.
+        Ok(self.verifier.get_or_init(|| built))
+    }
 }
 
 /// What a request knows about its connection's client certificate.
@@ -119,13 +160,7 @@ pub(crate) async fn serve(
                     .1
                     .peer_certificates()
                     .and_then(|chain| chain.first())
-                    .map(|der| PeerCertificate {
-                        der: Arc::new(der.to_vec()),
-                        fingerprint: berth_crypto::fingerprint(der).into(),
-                        agent_id: berth_crypto::agent_id_from_cert(der)
-                            .ok()
-                            .map(berth_proto::AgentId),
-                    }),
+                    .map(|der| PeerCertificate::new(der)),
             );
             let service = hyper::service::service_fn(
                 move |mut req: hyper::Request<hyper::body::Incoming>| {

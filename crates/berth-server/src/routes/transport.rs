@@ -375,14 +375,20 @@ pub async fn submit_result(
             )
         })?;
     let signed = transport::signing_input(&raw).map_err(|e| ApiError::internal(&e))?;
-    berth_crypto::verify_with_cert(&peer.der, algorithm, &signed, &signature).map_err(|_| {
-        rejected(
-            &state,
-            "bad_signature",
-            codes::SIGNATURE_INVALID,
-            "the signature does not verify with the agent's certificate",
-        )
-    })?;
+    // The verifier of this connection's certificate (`peer.der`, parsed once per connection).
+    // It decides only whether the signature verifies: `agent_peer` checked that the certificate
+    // names this agent, and `complete_attempt` checks `peer.fingerprint` against the agent's
+    // current binding in the write's own transaction, as before.
+    peer.result_verifier()
+        .and_then(|verifier| verifier.verify(algorithm, &signed, &signature))
+        .map_err(|_| {
+            rejected(
+                &state,
+                "bad_signature",
+                codes::SIGNATURE_INVALID,
+                "the signature does not verify with the agent's certificate",
+            )
+        })?;
 
     let envelope: AgentTaskResultEnvelope = serde_json::from_value(raw.clone()).map_err(|e| {
         ApiError::new(
