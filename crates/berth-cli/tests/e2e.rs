@@ -7,371 +7,22 @@
 
 #![cfg(unix)]
 
-use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
 use serde_json::Value;
-use tempfile::TempDir;
-use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-const BERTH: &str = env!("CARGO_BIN_EXE_berth");
-const BERTH_AGENT: &str = env!("CARGO_BIN_EXE_berth-agent");
-
-/// How long a server may take to start, or an agent to show up or change state.
-const SETTLE: Duration = Duration::from_secs(60);
-/// How long a process may take to exit once it has been told to, or has reason to.
-const EXIT: Duration = Duration::from_secs(60);
-
-/// Variables of the test's own environment that would change what the binaries do.
-const SCRUBBED_ENV: &[&str] = &[
-    "BERTH_SERVER",
-    "BERTH_TOKEN",
-    "BERTH_CA_FILE",
-    "BERTH_DATA_DIR",
-    "BERTH_LISTEN",
-    "BERTH_DATABASE",
-    "BERTH_HOSTNAMES",
-    "BERTH_HEARTBEAT_INTERVAL_SECS",
-    "BERTH_AGENT_CERT_VALIDITY_SECS",
-    "BERTH_REGISTRATION_TOKEN",
-    "BERTH_CA_FINGERPRINT",
-    "BERTH_AGENT_STATE_DIR",
-    "RUST_LOG",
-];
-
 // ---------------------------------------------------------------------------------------------
-// Harness
+// What only these tests need of the harness in `common`
 // ---------------------------------------------------------------------------------------------
 
-/// A command for one of our binaries, without the test's own `BERTH_*` settings.
-fn command(program: &str) -> Command {
-    let mut cmd = Command::new(program);
-    for var in SCRUBBED_ENV {
-        cmd.env_remove(var);
-    }
-    cmd
-}
-
-fn tempdir() -> TempDir {
-    tempfile::Builder::new()
-        .prefix("berth-e2e-")
-        .tempdir()
-        .expect("creating a temp dir")
-}
-
-/// Polls `probe` until it returns `Ok`, or panics at the deadline with the last `Err`.
-fn wait_for<T>(timeout: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
-    let started = Instant::now();
-    let mut pause = Duration::from_millis(50);
-    loop {
-        match probe() {
-            Ok(v) => return v,
-            Err(last) => {
-                if started.elapsed() >= timeout {
-                    panic!(
-                        "timed out after {timeout:?} waiting for {what}; last observation: {last}"
-                    );
-                }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(500));
-            }
-        }
-    }
-}
-
-/// Copies everything read from `from` into `buf`, and each complete line into `lines` while
-/// someone listens. Keeps draining after the listener is gone, so the child never blocks.
-fn drain(
-    mut from: impl Read + Send + 'static,
-    buf: Arc<Mutex<Vec<u8>>>,
-    lines: Option<mpsc::Sender<String>>,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut chunk = [0u8; 4096];
-        let mut pending = Vec::new();
-        loop {
-            let n = match from.read(&mut chunk) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            buf.lock().unwrap().extend_from_slice(&chunk[..n]);
-            if let Some(tx) = &lines {
-                pending.extend_from_slice(&chunk[..n]);
-                while let Some(i) = pending.iter().position(|&b| b == b'\n') {
-                    let line: Vec<u8> = pending.drain(..=i).collect();
-                    let _ = tx.send(String::from_utf8_lossy(&line).trim_end().to_string());
-                }
-            }
-        }
-    })
-}
-
-/// A child process that is killed and reaped when dropped, unless it has already been reaped.
-/// Its stdout and stderr are captured; on a failing test the guard prints them.
-struct Proc {
-    name: String,
-    child: Child,
-    stdout: Arc<Mutex<Vec<u8>>>,
-    stderr: Arc<Mutex<Vec<u8>>>,
-    readers: Vec<JoinHandle<()>>,
-    stderr_lines: Option<mpsc::Receiver<String>>,
-    status: Option<ExitStatus>,
-}
-
-struct Finished {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-}
-
-impl Proc {
-    fn spawn(name: &str, mut cmd: Command) -> Proc {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        #[cfg(target_os = "linux")]
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                // If the test thread dies without running the guard, the kernel kills the child.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        let stdout = Arc::new(Mutex::new(Vec::new()));
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let readers = vec![
-            drain(child.stdout.take().unwrap(), stdout.clone(), None),
-            drain(child.stderr.take().unwrap(), stderr.clone(), Some(tx)),
-        ];
-        Proc {
-            name: name.to_string(),
-            child,
-            stdout,
-            stderr,
-            readers,
-            stderr_lines: Some(rx),
-            status: None,
-        }
-    }
-
-    fn pid(&self) -> libc::pid_t {
-        self.child.id() as libc::pid_t
-    }
-
-    fn stderr(&self) -> String {
-        String::from_utf8_lossy(&self.stderr.lock().unwrap()).into_owned()
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        assert!(self.status.is_none(), "{} has already exited", self.name);
-        // SAFETY: plain syscall on the pid of our own, not yet reaped, child.
-        let rc = unsafe { libc::kill(self.pid(), sig) };
-        assert_eq!(
-            rc,
-            0,
-            "kill({}, {sig}): {}",
-            self.name,
-            std::io::Error::last_os_error()
-        );
-    }
-
-    /// The exit status, if the process has exited (and is now reaped).
-    fn try_status(&mut self) -> Option<ExitStatus> {
-        if self.status.is_none() {
-            self.status = self.child.try_wait().expect("try_wait");
-        }
-        self.status
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let what = format!("{} to exit", self.name);
-        wait_for(timeout, &what, || {
-            self.try_status().ok_or_else(|| "still running".to_string())
-        })
-    }
-
-    /// Waits for the exit code; panics (with the output) if the process died of a signal.
-    fn wait_code(&mut self, timeout: Duration) -> i32 {
-        let status = self.wait_exit(timeout);
-        status.code().unwrap_or_else(|| {
-            panic!(
-                "{} ended without an exit code ({status}):\n{}",
-                self.name,
-                self.stderr()
-            )
-        })
-    }
-
-    /// SIGTERM, then the exit code.
-    fn terminate(&mut self) -> i32 {
-        self.signal(libc::SIGTERM);
-        self.wait_code(EXIT)
-    }
-
-    /// SIGKILL (`kill -9`) and reap.
-    fn kill9(&mut self) {
-        self.signal(libc::SIGKILL);
-        self.wait_exit(EXIT);
-    }
-
-    /// Waits for the exit and for all of the output.
-    fn finish(mut self, timeout: Duration) -> Finished {
-        let status = self.wait_exit(timeout);
-        for reader in std::mem::take(&mut self.readers) {
-            let _ = reader.join();
-        }
-        Finished {
-            status,
-            stdout: String::from_utf8_lossy(&self.stdout.lock().unwrap()).into_owned(),
-            stderr: self.stderr(),
-        }
-    }
-
-    fn assert_running(&mut self) {
-        if let Some(status) = self.try_status() {
-            panic!(
-                "{} exited unexpectedly ({status}):\n{}",
-                self.name,
-                self.stderr()
-            );
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if self.status.is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        if std::thread::panicking() {
-            eprintln!(
-                "----- {} (pid {}) stderr -----\n{}",
-                self.name,
-                self.child.id(),
-                self.stderr()
-            );
-        }
-    }
-}
-
-/// A running `berth server`.
-struct Server {
-    proc: Proc,
-    url: String,
-    ca_fingerprint: String,
-    data_dir: PathBuf,
-    admin_token: String,
-}
-
+/// `berth agents list` and liveness by name, and a checked SIGTERM.
 impl Server {
-    /// Starts `berth server` on `127.0.0.1:0` and waits for it to report its address.
-    fn start(data_dir: &Path, args: &[&str]) -> Server {
-        let mut cmd = command(BERTH);
-        cmd.arg("server")
-            .arg("--data-dir")
-            .arg(data_dir)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args);
-        let mut proc = Proc::spawn("berth server", cmd);
-        let lines = proc.stderr_lines.take().unwrap();
-        let deadline = Instant::now() + SETTLE;
-        let (mut url, mut ca_fingerprint) = (None, None);
-        while url.is_none() || ca_fingerprint.is_none() {
-            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("berth server listening on ") {
-                        url = Some(rest.trim().to_string());
-                    } else if let Some(rest) = line.strip_prefix("CA fingerprint: ") {
-                        ca_fingerprint = Some(rest.trim().to_string());
-                    }
-                }
-                Err(e) => panic!(
-                    "berth server did not report its address ({e:?}):\n{}",
-                    proc.stderr()
-                ),
-            }
-        }
-        let url = url.unwrap();
-        assert!(url.starts_with("https://127.0.0.1:"), "listening on {url}");
-        let admin_token = std::fs::read_to_string(data_dir.join("admin.token"))
-            .expect("reading admin.token")
-            .trim()
-            .to_string();
-        assert!(
-            admin_token.starts_with("bat_"),
-            "admin.token holds {admin_token:?}"
-        );
-        Server {
-            proc,
-            url,
-            ca_fingerprint: ca_fingerprint.unwrap(),
-            data_dir: data_dir.to_path_buf(),
-            admin_token,
-        }
-    }
-
-    /// `berth <args> --output json` with the given API token.
-    fn try_cli_as(&self, token: &str, args: &[&str]) -> Result<Value, String> {
-        let mut cmd = command(BERTH);
-        cmd.args(args)
-            .args(["--output", "json"])
-            .env("BERTH_SERVER", &self.url)
-            .env("BERTH_TOKEN", token)
-            .env("BERTH_CA_FILE", self.data_dir.join("ca.crt"));
-        let out = Proc::spawn(&format!("berth {}", args.join(" ")), cmd).finish(EXIT);
-        if !out.status.success() {
-            return Err(format!(
-                "berth {} failed ({}): {}",
-                args.join(" "),
-                out.status,
-                out.stderr.trim()
-            ));
-        }
-        serde_json::from_str(&out.stdout).map_err(|e| {
-            format!(
-                "berth {}: stdout is not JSON ({e}): {}",
-                args.join(" "),
-                out.stdout
-            )
-        })
-    }
-
-    fn try_cli(&self, args: &[&str]) -> Result<Value, String> {
-        self.try_cli_as(&self.admin_token, args)
-    }
-
-    fn cli(&self, args: &[&str]) -> Value {
-        self.try_cli(args).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// A one-time registration token (`berth token create … -o json`).
-    fn registration_token(&self, args: &[&str]) -> String {
-        let mut full = vec!["token", "create"];
-        full.extend_from_slice(args);
-        let created = self.cli(&full);
-        assert_eq!(
-            created["caFingerprint"],
-            self.ca_fingerprint.as_str(),
-            "{created}"
-        );
-        let token = created["token"].as_str().expect("token").to_string();
-        assert!(token.starts_with("reg_"), "{created}");
-        token
-    }
-
     fn try_agents(&self, filter: &[&str]) -> Result<Vec<Value>, String> {
         let mut args = vec!["agents", "list"];
         args.extend_from_slice(filter);
@@ -383,22 +34,6 @@ impl Server {
 
     fn agents(&self, filter: &[&str]) -> Vec<Value> {
         self.try_agents(filter).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn try_show(&self, id: &str) -> Result<Value, String> {
-        self.try_cli(&["agents", "show", id])
-    }
-
-    /// Waits until `berth agents show ID` satisfies `check`, and returns that observation.
-    fn wait_agent(&self, id: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value {
-        wait_for(SETTLE, what, || {
-            let agent = self.try_show(id)?;
-            if check(&agent) {
-                Ok(agent)
-            } else {
-                Err(agent.to_string())
-            }
-        })
     }
 
     /// Waits until an agent named `name` is listed `online` with a heartbeat (registration alone
@@ -434,16 +69,6 @@ impl Server {
             self.proc.stderr()
         );
     }
-}
-
-fn agent_command(state_dir: &Path, args: &[&str]) -> Command {
-    let mut cmd = command(BERTH_AGENT);
-    cmd.arg("--state-dir").arg(state_dir).args(args);
-    // These tests are about identity and liveness, not Docker: without an engine socket the
-    // agent reports no docker capability, so a slow engine on a loaded host cannot make it
-    // `degraded`.
-    cmd.env("DOCKER_HOST", "unix:///nonexistent/berth-e2e/docker.sock");
-    cmd
 }
 
 /// `berth-agent --register …`; it keeps running once registered.
@@ -500,13 +125,6 @@ fn run_agent(server_url: &str, state_dir: &Path, name: &str, extra: &[&str]) -> 
     )
 }
 
-fn identity_agent_id(state_dir: &Path) -> String {
-    let text =
-        std::fs::read_to_string(state_dir.join("identity.json")).expect("reading identity.json");
-    let identity: Value = serde_json::from_str(&text).expect("identity.json is JSON");
-    identity["agentId"].as_str().expect("agentId").to_string()
-}
-
 fn id_of(agent: &Value) -> String {
     agent["id"].as_str().expect("agent id").to_string()
 }
@@ -517,20 +135,6 @@ fn mode(path: &Path) -> u32 {
         .permissions()
         .mode()
         & 0o777
-}
-
-fn timestamp(v: &Value) -> OffsetDateTime {
-    OffsetDateTime::parse(
-        v.as_str().unwrap_or_else(|| panic!("not a timestamp: {v}")),
-        &Rfc3339,
-    )
-    .unwrap_or_else(|e| panic!("{v}: {e}"))
-}
-
-/// A localhost port where nothing listens (bound, then released).
-fn dead_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -544,7 +148,7 @@ fn agent_goes_online_then_offline_after_three_missed_heartbeats() {
         &tmp.path().join("data"),
         &["--heartbeat-interval-secs", "1"],
     );
-    let token = server.registration_token(&["--labels", "role=web", "--env", "staging"]);
+    let token = server.registration_token_with(&["--labels", "role=web", "--env", "staging"]);
     let state = tmp.path().join("agent");
     let mut agent = register_agent(&server, &token, &state, "web-1", &[]);
 
@@ -575,7 +179,7 @@ fn agent_goes_online_then_offline_after_three_missed_heartbeats() {
     );
     assert!(usage["diskTotalBytes"].as_u64().unwrap_or(0) > 0, "{usage}");
     let id = id_of(&online);
-    assert_eq!(identity_agent_id(&state), id);
+    assert_eq!(identity_agent_id(&state).as_deref(), Some(id.as_str()));
 
     agent.kill9();
     let offline = server.wait_agent(&id, "web-1 offline after kill -9", |a| {
@@ -614,7 +218,7 @@ fn server_restart_keeps_ca_admin_token_and_agent_identity() {
     let fingerprint = server.ca_fingerprint.clone();
     let admin_token = server.admin_token.clone();
 
-    let token = server.registration_token(&[]);
+    let token = server.registration_token_with(&[]);
     let mut agent = register_agent(&server, &token, &state, "restart-1", &[]);
     let before = server.wait_online_by_name("restart-1");
     let id = id_of(&before);
@@ -712,7 +316,7 @@ fn agent_refuses_a_server_whose_ca_does_not_match_the_pin() {
         &tmp.path().join("data"),
         &["--heartbeat-interval-secs", "1"],
     );
-    let token = server.registration_token(&[]);
+    let token = server.registration_token_with(&[]);
     // Valid format, wrong value: the last hex digit changed.
     let mut wrong = server.ca_fingerprint.clone();
     let last = wrong.pop().unwrap();
@@ -755,7 +359,7 @@ fn deleted_agent_exits_1_and_its_identity_stays_revoked() {
         &tmp.path().join("data"),
         &["--heartbeat-interval-secs", "1"],
     );
-    let token = server.registration_token(&[]);
+    let token = server.registration_token_with(&[]);
     let state = tmp.path().join("agent");
     let mut agent = register_agent(&server, &token, &state, "doomed-1", &[]);
     let id = id_of(&server.wait_online_by_name("doomed-1"));
@@ -791,7 +395,7 @@ fn agent_exits_75_when_the_server_stays_unreachable() {
     let state = tmp.path().join("agent");
     let mut agent = register_agent(
         &server,
-        &server.registration_token(&[]),
+        &server.registration_token_with(&[]),
         &state,
         "lonely-1",
         &[],
@@ -800,7 +404,7 @@ fn agent_exits_75_when_the_server_stays_unreachable() {
     assert_eq!(agent.terminate(), 0, "{}", agent.stderr());
 
     // Running with a stored identity.
-    let nowhere = format!("https://127.0.0.1:{}", dead_port());
+    let nowhere = format!("https://127.0.0.1:{}", free_port());
     let mut agent = run_agent(&nowhere, &state, "lonely-1", &["--retry-budget-secs", "3"]);
     assert_eq!(agent.wait_code(EXIT), 75, "{}", agent.stderr());
 
@@ -830,7 +434,7 @@ fn sigterm_stops_a_running_agent_with_exit_0() {
     let state = tmp.path().join("agent");
     let mut agent = register_agent(
         &server,
-        &server.registration_token(&[]),
+        &server.registration_token_with(&[]),
         &state,
         "calm-1",
         &[],
@@ -844,7 +448,7 @@ fn sigterm_stops_a_running_agent_with_exit_0() {
 #[test]
 fn sigterm_while_registration_retries_exits_0() {
     let tmp = tempdir();
-    let nowhere = format!("https://127.0.0.1:{}", dead_port());
+    let nowhere = format!("https://127.0.0.1:{}", free_port());
     let fingerprint = format!("sha256:{}", "ab".repeat(32));
     let state = tmp.path().join("agent");
     let args = [
@@ -890,7 +494,7 @@ fn a_used_registration_token_cannot_register_a_second_agent() {
         &tmp.path().join("data"),
         &["--heartbeat-interval-secs", "1"],
     );
-    let token = server.registration_token(&[]);
+    let token = server.registration_token_with(&[]);
     let mut first = register_agent(&server, &token, &tmp.path().join("first"), "first", &[]);
     let registered = server.wait_online_by_name("first");
 
@@ -918,7 +522,7 @@ fn concurrent_registrations_with_one_token_admit_exactly_one_agent() {
         &tmp.path().join("data"),
         &["--heartbeat-interval-secs", "1"],
     );
-    let token = server.registration_token(&[]);
+    let token = server.registration_token_with(&[]);
     let mut racers: Vec<Proc> = (0..RACERS)
         .map(|i| {
             register_agent(
@@ -981,7 +585,7 @@ fn agent_renews_its_certificate_after_two_thirds_of_its_life() {
     let state = tmp.path().join("agent");
     let mut agent = register_agent(
         &server,
-        &server.registration_token(&[]),
+        &server.registration_token_with(&[]),
         &state,
         "renew-1",
         &[],
@@ -1010,7 +614,7 @@ fn agent_renews_its_certificate_after_two_thirds_of_its_life() {
         "the certificate fingerprint to change",
         || {
             agent.assert_running();
-            let a = server.try_show(&id)?;
+            let a = server.try_agent(&id)?;
             statuses.push(a["status"].as_str().unwrap_or("?").to_string());
             match a["certificateFingerprint"].as_str() {
                 Some(fp) if fp != old_fingerprint => Ok(a),
@@ -1092,7 +696,7 @@ fn labels_are_set_removed_and_filtered_from_the_cli() {
     let mut agents = Vec::new();
     for name in ["lab-a", "lab-b"] {
         let token =
-            server.registration_token(&["--labels", "role=web,zone=z1", "--env", "staging"]);
+            server.registration_token_with(&["--labels", "role=web,zone=z1", "--env", "staging"]);
         agents.push(register_agent(
             &server,
             &token,

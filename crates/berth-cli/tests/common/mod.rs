@@ -5,7 +5,6 @@
 //! Every process is owned by a [`Proc`] guard that kills and reaps it on every path (and the
 //! kernel kills it if the test thread dies first). Waits poll a condition every 100–250 ms up to a
 //! generous deadline, so the tests pass on a loaded 2-core machine and finish fast when healthy.
-//! (`tests/e2e.rs` keeps its own copy of the first half of this; this module is the shared one.)
 
 #![allow(dead_code)]
 
@@ -451,11 +450,16 @@ impl Server {
 
     /// `berth <args> --output json` with the admin token.
     pub fn try_cli(&self, args: &[&str]) -> Result<Value, String> {
+        self.try_cli_as(&self.admin_token, args)
+    }
+
+    /// `berth <args> --output json` with the given API token.
+    pub fn try_cli_as(&self, token: &str, args: &[&str]) -> Result<Value, String> {
         let mut cmd = command(BERTH);
         cmd.args(args)
             .args(["--output", "json"])
             .env("BERTH_SERVER", &self.url)
-            .env("BERTH_TOKEN", &self.admin_token)
+            .env("BERTH_TOKEN", token)
             .env("BERTH_CA_FILE", self.data_dir.join("ca.crt"));
         let out = Proc::spawn(&format!("berth {}", args.join(" ")), cmd).finish(EXIT);
         if !out.status.success() {
@@ -481,13 +485,22 @@ impl Server {
 
     /// A one-time registration token (`berth token create -o json`).
     pub fn registration_token(&self) -> String {
-        let created = self.cli(&["token", "create"]);
+        self.registration_token_with(&[])
+    }
+
+    /// A one-time registration token (`berth token create <args> -o json`).
+    pub fn registration_token_with(&self, args: &[&str]) -> String {
+        let mut full = vec!["token", "create"];
+        full.extend_from_slice(args);
+        let created = self.cli(&full);
         assert_eq!(
             created["caFingerprint"],
             self.ca_fingerprint.as_str(),
             "{created}"
         );
-        str_of(&created, "token").to_string()
+        let token = str_of(&created, "token").to_string();
+        assert!(token.starts_with("reg_"), "{created}");
+        token
     }
 
     pub fn try_agent(&self, id: &str) -> Result<Value, String> {
