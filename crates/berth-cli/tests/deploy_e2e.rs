@@ -89,39 +89,9 @@ fn wait_agent_up(server: &Server, id: &str) -> Value {
 
 /// Registers and runs `name` like [`Agent::register`], but with the host's Docker engine.
 fn register_docker_agent(server: &Server, root: &Path, name: &str, extra: &[&str]) -> Agent {
-    let token = server.registration_token();
-    let state_dir = root.join(name);
-    let sticker_dir = root.join(format!("{name}-stickers"));
-    let sticker_arg = sticker_dir.display().to_string();
-    let mut args = vec![
-        "--register",
-        "--token",
-        &token,
-        "--server",
-        &server.url,
-        "--ca-fingerprint",
-        &server.ca_fingerprint,
-        "--name",
-        name,
-        "--sticker-dir",
-        &sticker_arg,
-    ];
-    args.extend_from_slice(extra);
-    let mut proc = Proc::spawn(
-        &format!("berth-agent {name}"),
-        docker_agent_command(&state_dir, &args),
-    );
-    let id = wait_for(SETTLE, &format!("{name} to register"), || {
-        proc.assert_running();
-        identity_agent_id(&state_dir).ok_or_else(|| "no identity.json yet".to_string())
-    });
-    wait_agent_up(server, &id);
-    Agent {
-        proc,
-        id,
-        state_dir,
-        sticker_dir,
-    }
+    let agent = Agent::spawn_registered(server, root, name, extra, docker_agent_command);
+    wait_agent_up(server, &agent.id);
+    agent
 }
 
 /// Another process with the agent's identity and sticker dir (no `--register`).

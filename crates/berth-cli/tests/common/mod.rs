@@ -630,6 +630,20 @@ impl Agent {
     /// Registers `name` with a fresh one-time token (`--register`), keeps it running, and waits
     /// until the server lists it online with a heartbeat. Stickers go to `<root>/<name>-stickers`.
     pub fn register(server: &Server, root: &Path, name: &str, extra: &[&str]) -> Agent {
+        let agent = Agent::spawn_registered(server, root, name, extra, agent_command);
+        agent.wait_online(server);
+        agent
+    }
+
+    /// Starts `berth-agent --register` for `name` as `command` builds it, and returns once the
+    /// agent has stored its identity; whether it is online is the caller's wait.
+    pub fn spawn_registered(
+        server: &Server,
+        root: &Path,
+        name: &str,
+        extra: &[&str],
+        command: fn(&Path, &[&str]) -> Command,
+    ) -> Agent {
         let token = server.registration_token();
         let state_dir = root.join(name);
         let sticker_dir = root.join(format!("{name}-stickers"));
@@ -648,22 +662,17 @@ impl Agent {
             &sticker_arg,
         ];
         args.extend_from_slice(extra);
-        let mut proc = Proc::spawn(
-            &format!("berth-agent {name}"),
-            agent_command(&state_dir, &args),
-        );
+        let mut proc = Proc::spawn(&format!("berth-agent {name}"), command(&state_dir, &args));
         let id = wait_for(SETTLE, &format!("{name} to register"), || {
             proc.assert_running();
             identity_agent_id(&state_dir).ok_or_else(|| "no identity.json yet".to_string())
         });
-        let agent = Agent {
+        Agent {
             proc,
             id,
             state_dir,
             sticker_dir,
-        };
-        agent.wait_online(server);
-        agent
+        }
     }
 
     /// Runs another process with this agent's stored identity and sticker dir.
