@@ -183,6 +183,34 @@ const BINDING_SHARE: &str =
 const BINDING_EXCLUSIVE: &str =
     "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR NO KEY UPDATE";
 
+/// Ends a keyset-paged list query — rows after `after` in id order, at most `limit` — and
+/// reads the page.
+async fn fetch_page<T>(
+    pool: &PgPool,
+    mut query: QueryBuilder<'_, Postgres>,
+    after: Option<Uuid>,
+    limit: u32,
+    operation: &'static str,
+    read: fn(&PgRow) -> Result<T>,
+    id: fn(&T) -> Uuid,
+) -> Result<Page<T>> {
+    if let Some(after) = after {
+        query.push(" AND id > ").push_bind(after);
+    }
+    query
+        .push(" ORDER BY id LIMIT ")
+        .push_bind(i64::from(limit));
+    let items = query
+        .build()
+        .fetch_all(pool)
+        .await
+        .map_err(db_error(operation))?
+        .iter()
+        .map(read)
+        .collect::<Result<Vec<_>>>()?;
+    Ok(rows::page(items, limit, id))
+}
+
 impl ColumnReader for PgRow {
     fn uuid(&self, column: &'static str) -> Result<Uuid> {
         get(self, column)
@@ -456,21 +484,16 @@ impl Store for PostgresStore {
             let probe = BTreeMap::from([(key.clone(), value.clone())]);
             query.push(" AND labels @> ").push_bind(Json(probe));
         }
-        if let Some(after) = after {
-            query.push(" AND id > ").push_bind(after.0);
-        }
-        query
-            .push(" ORDER BY id LIMIT ")
-            .push_bind(i64::from(limit));
-        let items = query
-            .build()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db_error("list agents"))?
-            .iter()
-            .map(rows::read_agent)
-            .collect::<Result<Vec<_>>>()?;
-        Ok(rows::page(items, limit, |a| a.id.0))
+        fetch_page(
+            &self.pool,
+            query,
+            after.map(|id| id.0),
+            limit,
+            "list agents",
+            rows::read_agent,
+            |a| a.id.0,
+        )
+        .await
     }
 
     async fn update_agent(
@@ -877,21 +900,16 @@ impl Store for PostgresStore {
         if let Some(task_type) = &filter.task_type {
             query.push(" AND task_type = ").push_bind(task_type.clone());
         }
-        if let Some(after) = after {
-            query.push(" AND id > ").push_bind(after.0);
-        }
-        query
-            .push(" ORDER BY id LIMIT ")
-            .push_bind(i64::from(limit));
-        let items = query
-            .build()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db_error("list tasks"))?
-            .iter()
-            .map(rows::read_task)
-            .collect::<Result<Vec<_>>>()?;
-        Ok(rows::page(items, limit, |t| t.id.0))
+        fetch_page(
+            &self.pool,
+            query,
+            after.map(|id| id.0),
+            limit,
+            "list tasks",
+            rows::read_task,
+            |t| t.id.0,
+        )
+        .await
     }
 
     async fn claim_task(

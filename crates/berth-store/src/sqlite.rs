@@ -178,6 +178,34 @@ async fn check_binding(
     })
 }
 
+/// Ends a keyset-paged list query — rows after `after` in id order, at most `limit` — and
+/// reads the page.
+async fn fetch_page<T>(
+    pool: &SqlitePool,
+    mut query: QueryBuilder<'_, Sqlite>,
+    after: Option<Uuid>,
+    limit: u32,
+    operation: &'static str,
+    read: fn(&SqliteRow) -> Result<T>,
+    id: fn(&T) -> Uuid,
+) -> Result<Page<T>> {
+    if let Some(after) = after {
+        query.push(" AND id > ").push_bind(id_text(after));
+    }
+    query
+        .push(" ORDER BY id LIMIT ")
+        .push_bind(i64::from(limit));
+    let items = query
+        .build()
+        .fetch_all(pool)
+        .await
+        .map_err(db_error(operation))?
+        .iter()
+        .map(read)
+        .collect::<Result<Vec<_>>>()?;
+    Ok(rows::page(items, limit, id))
+}
+
 impl ColumnReader for SqliteRow {
     fn uuid(&self, column: &'static str) -> Result<Uuid> {
         let text: String = get(self, column)?;
@@ -473,21 +501,16 @@ impl Store for SqliteStore {
                 .push_bind(value.clone())
                 .push(")");
         }
-        if let Some(after) = after {
-            query.push(" AND id > ").push_bind(id_text(after.0));
-        }
-        query
-            .push(" ORDER BY id LIMIT ")
-            .push_bind(i64::from(limit));
-        let items = query
-            .build()
-            .fetch_all(&self.read)
-            .await
-            .map_err(db_error("list agents"))?
-            .iter()
-            .map(rows::read_agent)
-            .collect::<Result<Vec<_>>>()?;
-        Ok(rows::page(items, limit, |a| a.id.0))
+        fetch_page(
+            &self.read,
+            query,
+            after.map(|id| id.0),
+            limit,
+            "list agents",
+            rows::read_agent,
+            |a| a.id.0,
+        )
+        .await
     }
 
     async fn update_agent(
@@ -884,21 +907,16 @@ impl Store for SqliteStore {
         if let Some(task_type) = &filter.task_type {
             query.push(" AND task_type = ").push_bind(task_type.clone());
         }
-        if let Some(after) = after {
-            query.push(" AND id > ").push_bind(id_text(after.0));
-        }
-        query
-            .push(" ORDER BY id LIMIT ")
-            .push_bind(i64::from(limit));
-        let items = query
-            .build()
-            .fetch_all(&self.read)
-            .await
-            .map_err(db_error("list tasks"))?
-            .iter()
-            .map(rows::read_task)
-            .collect::<Result<Vec<_>>>()?;
-        Ok(rows::page(items, limit, |t| t.id.0))
+        fetch_page(
+            &self.read,
+            query,
+            after.map(|id| id.0),
+            limit,
+            "list tasks",
+            rows::read_task,
+            |t| t.id.0,
+        )
+        .await
     }
 
     async fn claim_task(
