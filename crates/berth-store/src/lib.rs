@@ -36,6 +36,16 @@ pub enum StoreError {
         #[source]
         source: sqlx::Error,
     },
+    #[error("database error during {operation}")]
+    Sqlite {
+        operation: &'static str,
+        /// Shared: when a batch's commit fails, every operation in it reports the same error.
+        #[source]
+        source: Arc<rusqlite::Error>,
+    },
+    /// A SQLite connection's thread is gone, or the operation panicked on it.
+    #[error("the sqlite connection thread stopped during {operation}")]
+    ThreadStopped { operation: &'static str },
     #[error("migration failed")]
     Migrate(#[source] sqlx::migrate::MigrateError),
     #[error("stored row is corrupt: {0}")]

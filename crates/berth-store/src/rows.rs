@@ -426,7 +426,12 @@ pub(crate) fn unique_violation(err: &sqlx::Error) -> Option<&'static str> {
             .find(|(pg, _, _)| *pg == constraint)
             .map(|(_, _, name)| *name);
     }
-    let columns = db.message().strip_prefix("UNIQUE constraint failed: ")?;
+    sqlite_unique_violation(db.message())
+}
+
+/// The `Conflict` name for SQLite's message about a unique violation, which names columns.
+pub(crate) fn sqlite_unique_violation(message: &str) -> Option<&'static str> {
+    let columns = message.strip_prefix("UNIQUE constraint failed: ")?;
     UNIQUE_CONSTRAINTS
         .iter()
         .find(|(_, sqlite, _)| *sqlite == columns)
