@@ -165,8 +165,7 @@ pub async fn poll(
         ));
     }
     let known = known_cancellations(&headers);
-    let deadline =
-        tokio::time::Instant::now() + state.config.long_poll.min(Duration::from_secs(25));
+    let deadline = tokio::time::Instant::now() + poll_hold(state.config.long_poll);
     let notify = state.wakeups.notifier(id);
     loop {
         let notified = notify.notified();
@@ -229,6 +228,18 @@ pub async fn poll(
             }
         }
     }
+}
+
+/// How long an empty long-poll is held: a random 75–100 % of the configured wait (25 s at
+/// most). Agents that started polling together, such as a fleet reconnecting after a server
+/// restart, would otherwise all be answered, and all poll again, in the same instant every
+/// 25 s; the jitter spreads them further apart with every round.
+fn poll_hold(configured: Duration) -> Duration {
+    const MANTISSA: u64 = (1 << 53) - 1;
+    let unit = (uuid::Uuid::new_v4().as_u128() as u64 & MANTISSA) as f64 / (1u64 << 53) as f64;
+    configured
+        .min(Duration::from_secs(25))
+        .mul_f64(0.75 + 0.25 * unit)
 }
 
 /// `X-Berth-Known-Cancellations`: assignment ids whose cancellation the agent already has, so a
@@ -498,5 +509,28 @@ async fn after_result(state: &SharedState, task: &Task) {
     }
     if let Some(parent) = task.read_back_of {
         crate::readback::resolve(state, parent, task).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_hold_is_jittered_within_three_quarters_and_all_of_the_wait() {
+        let holds: Vec<Duration> = (0..1000)
+            .map(|_| poll_hold(Duration::from_secs(60)))
+            .collect();
+        for hold in &holds {
+            assert!(
+                (Duration::from_millis(18_750)..=Duration::from_secs(25)).contains(hold),
+                "{hold:?}: the configured wait is capped at 25 s, then jittered"
+            );
+        }
+        let (min, max) = (holds.iter().min().unwrap(), holds.iter().max().unwrap());
+        assert!(
+            *max - *min > Duration::from_secs(3),
+            "not spread: {min:?}..{max:?}"
+        );
     }
 }
