@@ -78,8 +78,9 @@ fn connect(path: &Path, read_only: bool) -> Result<Connection> {
     conn.pragma_update(None, "foreign_keys", "ON")
         .map_err(&fail)?;
     if !read_only {
-        // WAL + FULL: every commit fsyncs the WAL, so nothing acknowledged is lost even to a
-        // power cut. The writer commits once per batch, so the fsync is shared.
+        // WAL + FULL: a commit fsyncs the WAL, so nothing acknowledged is lost even to a
+        // power cut. The writer commits once per batch, so the fsync is shared; only batches
+        // of heartbeats alone skip it (`Writer::write_unflushed`).
         conn.pragma_update(None, "synchronous", "FULL")
             .map_err(&fail)?;
         // The checkpointer does this off the writer's path.
@@ -706,9 +707,10 @@ impl Store for SqliteStore {
             ));
         }
         let len = batch.len();
-        // One operation, so the whole batch shares one commit.
+        // One operation, so the whole batch shares one commit; unflushed, because liveness is
+        // sent again every interval and must not cost a disk flush per heartbeat.
         self.writer
-            .write("record heartbeats", move |tx| {
+            .write_unflushed("record heartbeats", move |tx| {
                 let mut outcomes = vec![HeartbeatOutcome::Revoked; len];
                 for (i, status, at, usage, capabilities, agent, fingerprint, session, generation) in
                     updates

@@ -11,7 +11,9 @@
 //! The writer batches: whatever queued while a batch ran becomes the next batch, in one
 //! transaction with one commit (group commit). Each operation runs inside its own SAVEPOINT,
 //! so one that fails is rolled back alone; none is answered before the COMMIT that made it
-//! durable, and if that COMMIT fails every operation in the batch gets the error. A reader
+//! durable, and if that COMMIT fails every operation in the batch gets the error. A commit
+//! fsyncs the WAL (`synchronous=FULL`) unless every operation in its batch was written with
+//! [`Writer::write_unflushed`]. A reader
 //! runs each operation in a read transaction of its own, so its statements see one snapshot.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -42,14 +44,26 @@ impl Writer {
         Ok(Writer { jobs })
     }
 
-    /// Runs `work` in the writer's transaction and returns its result once it is committed.
-    /// An `Err` from `work` rolls back only what `work` wrote.
+    /// Runs `work` in the writer's transaction and returns its result once it is committed
+    /// and flushed to disk. An `Err` from `work` rolls back only what `work` wrote.
     pub(super) async fn write<T, F>(&self, operation: &'static str, work: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&Db<'_>) -> Result<T> + Send + 'static,
     {
-        call(&self.jobs, operation, work).await
+        call(&self.jobs, operation, true, work).await
+    }
+
+    /// Like [`Writer::write`], but the commit need not wait for an fsync of its own: a power
+    /// cut may lose it until the next flushed commit or checkpoint (a process crash cannot).
+    /// Only for state that its writer sends again anyway, like heartbeats, so that liveness
+    /// never costs a disk flush each.
+    pub(super) async fn write_unflushed<T, F>(&self, operation: &'static str, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Db<'_>) -> Result<T> + Send + 'static,
+    {
+        call(&self.jobs, operation, false, work).await
     }
 }
 
@@ -78,7 +92,7 @@ impl Readers {
         T: Send + 'static,
         F: FnOnce(&Db<'_>) -> Result<T> + Send + 'static,
     {
-        call(&self.jobs, operation, work).await
+        call(&self.jobs, operation, false, work).await
     }
 }
 
@@ -86,6 +100,7 @@ impl Readers {
 async fn call<T, F>(
     jobs: &mpsc::Sender<Box<dyn Job>>,
     operation: &'static str,
+    flush: bool,
     work: F,
 ) -> Result<T>
 where
@@ -95,6 +110,7 @@ where
     let (reply, answer) = oneshot::channel();
     let job = Box::new(Pending {
         operation,
+        flush,
         work: Some(work),
         outcome: None,
         reply,
@@ -133,6 +149,8 @@ fn read_loop(conn: Connection, queue: &Mutex<mpsc::Receiver<Box<dyn Job>>>) {
 
 /// One queued operation, type-erased so operations of any result type share the queue.
 trait Job: Send {
+    /// Whether its commit must be flushed to disk before it is answered.
+    fn flush(&self) -> bool;
     /// Runs the operation; false if what it wrote must be rolled back.
     fn run(&mut self, conn: &Connection) -> bool;
     /// Answers the caller once the batch's commit has succeeded (`Ok`) or failed.
@@ -141,6 +159,7 @@ trait Job: Send {
 
 struct Pending<T, F> {
     operation: &'static str,
+    flush: bool,
     work: Option<F>,
     outcome: Option<Result<T>>,
     reply: oneshot::Sender<Result<T>>,
@@ -151,6 +170,10 @@ where
     T: Send,
     F: FnOnce(&Db<'_>) -> Result<T> + Send,
 {
+    fn flush(&self) -> bool {
+        self.flush
+    }
+
     fn run(&mut self, conn: &Connection) -> bool {
         let Some(work) = self.work.take() else {
             return false;
@@ -189,6 +212,8 @@ where
 
 fn write_loop(conn: Connection, queue: mpsc::Receiver<Box<dyn Job>>) {
     let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(MAX_BATCH);
+    // The connection opens with `synchronous=FULL`.
+    let mut flushing = true;
     while let Ok(first) = queue.recv() {
         batch.push(first);
         while batch.len() < MAX_BATCH {
@@ -197,7 +222,10 @@ fn write_loop(conn: Connection, queue: mpsc::Receiver<Box<dyn Job>>) {
                 Err(_) => break,
             }
         }
-        let committed = run_batch(&conn, &mut batch).map_err(Arc::new);
+        let flush = batch.iter().any(|job| job.flush());
+        let committed = set_flushing(&conn, &mut flushing, flush)
+            .and_then(|()| run_batch(&conn, &mut batch))
+            .map_err(Arc::new);
         if committed.is_err() {
             // Leaves the connection usable for the next batch; it fails only if no
             // transaction is open, which is the state we want.
@@ -207,6 +235,16 @@ fn write_loop(conn: Connection, queue: mpsc::Receiver<Box<dyn Job>>) {
             job.finish(committed.as_ref().map(|_| ()));
         }
     }
+}
+
+/// Switches commits between fsyncing the WAL (FULL) and not (NORMAL), outside a transaction.
+/// In WAL mode a later FULL commit or a checkpoint flushes the NORMAL commits before it too.
+fn set_flushing(conn: &Connection, flushing: &mut bool, flush: bool) -> rusqlite::Result<()> {
+    if *flushing != flush {
+        conn.pragma_update(None, "synchronous", if flush { "FULL" } else { "NORMAL" })?;
+        *flushing = flush;
+    }
+    Ok(())
 }
 
 /// Runs every job of the batch in one transaction and commits it.
@@ -363,6 +401,35 @@ mod tests {
             "{dup:?}"
         );
         assert_eq!(keys(&writer).await, ["a", "b", "taken"]);
+    }
+
+    fn synchronous(db: &Db<'_>) -> Result<i64> {
+        db.one("PRAGMA synchronous", [], |row| {
+            row.get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
+        })
+    }
+
+    /// A batch of only unflushed operations commits with NORMAL (1); one flushed operation
+    /// makes its whole batch FULL (2), whatever ran before.
+    #[tokio::test]
+    async fn a_batch_is_flushed_when_any_of_its_operations_must_be() {
+        let conn = Connection::open_in_memory().expect("open");
+        conn.pragma_update(None, "synchronous", "FULL")
+            .expect("full");
+        let writer = Writer::spawn(conn).expect("spawn");
+        assert_eq!(writer.write_unflushed("hb", synchronous).await.unwrap(), 1);
+        assert_eq!(writer.write("task", synchronous).await.unwrap(), 2);
+        assert_eq!(writer.write_unflushed("hb", synchronous).await.unwrap(), 1);
+        // Queued at once behind a slow first operation, the two probes share a batch.
+        let (_, unflushed, flushed) = tokio::join!(
+            writer.write_unflushed("first", |_| {
+                std::thread::sleep(Duration::from_millis(100));
+                Ok(0)
+            }),
+            writer.write_unflushed("hb", synchronous),
+            writer.write("task", synchronous),
+        );
+        assert_eq!((unflushed.unwrap(), flushed.unwrap()), (2, 2));
     }
 
     /// A panicking operation is answered with an error, rolled back, and the writer goes on.
