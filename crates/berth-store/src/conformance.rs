@@ -55,6 +55,7 @@ cases!(
     sweep_stale_agents,
     timestamps_round_trip,
     session_lease,
+    session_conflict_degrades,
     heartbeat_fencing,
     task_create_idempotency,
     task_claim_order,
@@ -1585,19 +1586,88 @@ pub async fn session_lease(store: &DynStore) {
             .expect("acquire"),
         SessionOutcome::Revoked
     );
+}
 
-    // Degraded by the server (a second process claims the identity); reported status stays.
+/// A refused second process marks the agent degraded for a while: the holder's heartbeats in
+/// that window record what it reports but leave the status degraded; after it, or after a
+/// takeover, heartbeats set the status again.
+pub async fn session_conflict_degrades(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("cloned")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let status = |a: &Agent| (a.status, a.reported_status);
+    let read = || async {
+        store
+            .get_agent(tenant.id, agent.id)
+            .await
+            .expect("get")
+            .expect("exists")
+    };
+    let beat = |at: OffsetDateTime| {
+        let record = HeartbeatRecord {
+            generation,
+            ..heartbeat(&agent, AgentStatus::Online, at)
+        };
+        async move { store.record_heartbeats(&[record]).await.expect("heartbeat") }
+    };
+
     store
-        .mark_agent_degraded(agent.id, now())
+        .mark_agent_degraded(agent.id, t + Duration::seconds(90))
         .await
         .expect("mark degraded");
-    let read = store
-        .get_agent(tenant.id, agent.id)
+    assert_eq!(
+        status(&read().await),
+        (AgentStatus::Degraded, AgentStatus::Online)
+    );
+    assert_eq!(
+        beat(t + Duration::seconds(30)).await,
+        vec![HeartbeatOutcome::Applied]
+    );
+    let during = read().await;
+    assert_eq!(
+        status(&during),
+        (AgentStatus::Degraded, AgentStatus::Online)
+    );
+    assert_eq!(
+        during.last_heartbeat,
+        Some(millis(t + Duration::seconds(30)))
+    );
+    // The window has passed: the holder's report stands again.
+    beat(t + Duration::seconds(91)).await;
+    assert_eq!(
+        status(&read().await),
+        (AgentStatus::Online, AgentStatus::Online)
+    );
+
+    // A takeover ends the conflict at once.
+    store
+        .mark_agent_degraded(agent.id, t + Duration::seconds(300))
         .await
-        .expect("get")
-        .expect("exists");
-    assert_eq!(read.status, AgentStatus::Degraded);
-    assert_eq!(read.reported_status, AgentStatus::Online);
+        .expect("mark degraded");
+    let taken = match store
+        .acquire_session(
+            agent.id,
+            &bound(&agent),
+            "instance-clone",
+            t + Duration::seconds(200),
+            t + Duration::seconds(230),
+        )
+        .await
+        .expect("acquire")
+    {
+        SessionOutcome::Acquired { generation, .. } => generation,
+        other => panic!("takeover refused: {other:?}"),
+    };
+    let record = HeartbeatRecord {
+        generation: taken,
+        ..heartbeat(&agent, AgentStatus::Online, t + Duration::seconds(201))
+    };
+    store.record_heartbeats(&[record]).await.expect("heartbeat");
+    assert_eq!(
+        status(&read().await),
+        (AgentStatus::Online, AgentStatus::Online)
+    );
 }
 
 pub async fn heartbeat_fencing(store: &DynStore) {

@@ -605,8 +605,10 @@ pub trait Store: Send + Sync + 'static {
         now: OffsetDateTime,
     ) -> Result<bool>;
 
-    /// Marks the agent `degraded` (a second live process claims its identity).
-    async fn mark_agent_degraded(&self, agent: AgentId, now: OffsetDateTime) -> Result<()>;
+    /// Marks the agent `degraded` because a second live process claims its identity, and keeps
+    /// it so until `until`: heartbeats before then record what the agent reports but leave the
+    /// status `degraded`. A new session acquisition (a takeover) clears the mark.
+    async fn mark_agent_degraded(&self, agent: AgentId, until: OffsetDateTime) -> Result<()>;
 
     // --- tasks ---
 

@@ -603,7 +603,9 @@ impl Store for PostgresStore {
             let record = &batch[i];
             // Binding and generation are conditions of the update itself.
             let done = sqlx::query(
-                "UPDATE agents SET status = $1, reported_status = $1, last_heartbeat = $2, \
+                "UPDATE agents SET reported_status = $1, \
+                 status = CASE WHEN session_conflict_until > $2 THEN 'degraded' ELSE $1 END, \
+                 last_heartbeat = $2, \
                  resource_usage = $3, capabilities = $4, updated_at = $2, \
                  session_expires_at = $7 \
                  WHERE id = $5 AND certificate_fingerprint = $6 AND generation = $8",
@@ -719,7 +721,8 @@ impl Store for PostgresStore {
         }
         let row = sqlx::query(
             "UPDATE agents SET generation = generation + 1, session_instance_id = $2, \
-             session_expires_at = $3 WHERE id = $1 RETURNING generation, session_expires_at",
+             session_expires_at = $3, session_conflict_until = NULL WHERE id = $1 \
+             RETURNING generation, session_expires_at",
         )
         .bind(agent.0)
         .bind(instance_id)
@@ -753,11 +756,12 @@ impl Store for PostgresStore {
         Ok(done.rows_affected() > 0)
     }
 
-    async fn mark_agent_degraded(&self, agent: AgentId, _now: OffsetDateTime) -> Result<()> {
+    async fn mark_agent_degraded(&self, agent: AgentId, until: OffsetDateTime) -> Result<()> {
         // Like the staleness sweep, a status the server infers is not an edit: no `updated_at`.
-        sqlx::query("UPDATE agents SET status = $1 WHERE id = $2")
+        sqlx::query("UPDATE agents SET status = $1, session_conflict_until = $3 WHERE id = $2")
             .bind(AgentStatus::Degraded.as_str())
             .bind(agent.0)
+            .bind(millis(until))
             .execute(&self.pool)
             .await
             .map_err(db_error("mark agent degraded"))?;

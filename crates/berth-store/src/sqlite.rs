@@ -717,7 +717,9 @@ impl Store for SqliteStore {
                 {
                     // Binding and generation are conditions of the update itself.
                     let applied = tx.execute(
-                        "UPDATE agents SET status = ?1, reported_status = ?1, \
+                        "UPDATE agents SET reported_status = ?1, \
+                         status = CASE WHEN session_conflict_until > ?2 THEN 'degraded' \
+                         ELSE ?1 END, \
                          last_heartbeat = ?2, resource_usage = ?3, capabilities = ?4, \
                          updated_at = ?2, session_expires_at = ?7 \
                          WHERE id = ?5 AND certificate_fingerprint = ?6 AND generation = ?8",
@@ -828,7 +830,7 @@ impl Store for SqliteStore {
                 }
                 tx.one(
                     "UPDATE agents SET generation = generation + 1, session_instance_id = ?2, \
-                     session_expires_at = ?3 WHERE id = ?1 \
+                     session_expires_at = ?3, session_conflict_until = NULL WHERE id = ?1 \
                      RETURNING generation, session_expires_at",
                     params![id_text(agent.0), instance_id, unix_millis(lease_expires_at)],
                     |row| {
@@ -860,14 +862,18 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn mark_agent_degraded(&self, agent: AgentId, _now: OffsetDateTime) -> Result<()> {
+    async fn mark_agent_degraded(&self, agent: AgentId, until: OffsetDateTime) -> Result<()> {
         self.writer
             .write("mark agent degraded", move |tx| {
                 // Like the staleness sweep, a status the server infers is not an edit: no
                 // `updated_at`.
                 tx.execute(
-                    "UPDATE agents SET status = ?1 WHERE id = ?2",
-                    params![AgentStatus::Degraded.as_str(), id_text(agent.0)],
+                    "UPDATE agents SET status = ?1, session_conflict_until = ?3 WHERE id = ?2",
+                    params![
+                        AgentStatus::Degraded.as_str(),
+                        id_text(agent.0),
+                        unix_millis(until)
+                    ],
                 )?;
                 Ok(())
             })

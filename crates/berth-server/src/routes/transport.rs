@@ -99,7 +99,12 @@ pub async fn acquire_session(
                 "ALERT: a second live process presents this agent's identity; session refused"
             );
             state.metrics.session_held();
-            state.store.mark_agent_degraded(id, now).await?;
+            // Degraded for as long as a session lease from now: a clone that keeps trying
+            // keeps it so, and the mark fades once it has stopped.
+            state
+                .store
+                .mark_agent_degraded(id, now + state.config.heartbeat_interval * 3)
+                .await?;
             let mut error = ApiError::conflict(
                 codes::SESSION_HELD,
                 format!("another live process holds this agent's session until {lease_expires_at}"),
