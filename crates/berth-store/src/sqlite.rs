@@ -237,6 +237,19 @@ fn binding(db: &Db<'_>, agent: AgentId, fingerprint: &str, generation: i64) -> R
     })
 }
 
+/// The tenant's task `id`, if it has one.
+fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>> {
+    db.optional(
+        concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = ?1 AND id = ?2"
+        ),
+        [id_text(tenant.0), id_text(id.0)],
+        |row| rows::read_task(row),
+    )
+}
+
 /// A value for a JSON column: SQLite stores JSON as text.
 fn json_text<T: serde::Serialize + ?Sized>(column: &'static str, value: &T) -> Result<String> {
     serde_json::to_string(value)
@@ -969,16 +982,7 @@ impl Store for SqliteStore {
     async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>> {
         self.readers
             .read("get task", move |db| {
-                let task = db.optional(
-                    concat!(
-                        "SELECT ",
-                        task_columns!(),
-                        " FROM tasks WHERE tenant_id = ?1 AND id = ?2"
-                    ),
-                    [id_text(tenant.0), id_text(id.0)],
-                    |row| rows::read_task(row),
-                )?;
-                let Some(task) = task else {
+                let Some(task) = tenant_task(db, tenant, id)? else {
                     return Ok(None);
                 };
                 let attempts = db.all(
@@ -1314,16 +1318,7 @@ impl Store for SqliteStore {
         let outcome = self
             .writer
             .write("cancel task", move |tx| {
-                let task = tx.optional(
-                    concat!(
-                        "SELECT ",
-                        task_columns!(),
-                        " FROM tasks WHERE tenant_id = ?1 AND id = ?2"
-                    ),
-                    params![id_text(tenant.0), id_text(id.0)],
-                    |row| rows::read_task(row),
-                )?;
-                let Some(task) = task else {
+                let Some(task) = tenant_task(tx, tenant, id)? else {
                     return Ok(None);
                 };
                 Ok(Some(match task.state {
@@ -1368,16 +1363,7 @@ impl Store for SqliteStore {
         let outcome = self
             .writer
             .write("retry task", move |tx| {
-                let task = tx.optional(
-                    concat!(
-                        "SELECT ",
-                        task_columns!(),
-                        " FROM tasks WHERE tenant_id = ?1 AND id = ?2"
-                    ),
-                    params![id_text(tenant.0), id_text(id.0)],
-                    |row| rows::read_task(row),
-                )?;
-                let Some(task) = task else {
+                let Some(task) = tenant_task(tx, tenant, id)? else {
                     return Ok(None);
                 };
                 if !matches!(task.state, TaskState::Unknown | TaskState::DeadLetter) {

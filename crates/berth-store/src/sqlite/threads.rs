@@ -13,8 +13,8 @@
 //! so one that fails is rolled back alone; none is answered before the COMMIT that made it
 //! durable, and if that COMMIT fails every operation in the batch gets the error. A commit
 //! fsyncs the WAL (`synchronous=FULL`) unless every operation in its batch was written with
-//! [`Writer::write_unflushed`]. A reader
-//! runs each operation in a read transaction of its own, so its statements see one snapshot.
+//! [`Writer::write_unflushed`]. A reader runs each operation in a read transaction of its own,
+//! so its statements see one snapshot.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
@@ -92,6 +92,7 @@ impl Readers {
         T: Send + 'static,
         F: FnOnce(&Db<'_>) -> Result<T> + Send + 'static,
     {
+        // A reader commits nothing, so there is nothing to flush.
         call(&self.jobs, operation, false, work).await
     }
 }
@@ -182,9 +183,9 @@ where
             conn,
             operation: self.operation,
         };
-        // A panicking operation must not take the writer, and every later write, with it.
+        // A panicking operation must not take its thread, and every later operation, with it.
         let outcome = catch_unwind(AssertUnwindSafe(|| work(&db))).unwrap_or_else(|_| {
-            tracing::error!(operation = self.operation, "sqlite write panicked");
+            tracing::error!(operation = self.operation, "sqlite operation panicked");
             Err(StoreError::ThreadStopped {
                 operation: self.operation,
             })
