@@ -345,7 +345,7 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
     // Heartbeats need a session generation, as a real agent's do.
     let workers = tasks::sessions(&fleet.agents, args.common.concurrency_register).await?;
     for agent in workers.iter() {
-        let phase = interval.mul_f64(random_unit());
+        let phase = interval.mul_f64(berth_crypto::random_unit());
         let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent.id));
         let generation = agent.generation.to_string();
         let (done, failed) = (done.clone(), failed.clone());
@@ -567,11 +567,4 @@ fn registration_json(fleet: &Fleet) -> serde_json::Value {
         "create_token": fleet.token_latency.to_json(),
         "register": fleet.register_latency.to_json(),
     })
-}
-
-/// Uniform in [0, 1), from the OS random source behind UUIDv4 (its low 62 bits are random):
-/// phases need no reproducibility.
-fn random_unit() -> f64 {
-    const MANTISSA: u64 = (1 << 53) - 1;
-    (uuid::Uuid::new_v4().as_u128() as u64 & MANTISSA) as f64 / (1u64 << 53) as f64
 }

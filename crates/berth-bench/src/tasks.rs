@@ -148,7 +148,7 @@ pub async fn tasks(args: TasksArgs) -> anyhow::Result<()> {
     let hb_errors: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut background = JoinSet::new();
     for w in workers.iter().cloned() {
-        let phase = interval.mul_f64(crate::random_unit());
+        let phase = interval.mul_f64(berth_crypto::random_unit());
         let (stop, log, errs) = (stop_rx.clone(), heartbeats.clone(), hb_errors.clone());
         background.spawn(heartbeat_loop(w, start + phase, interval, stop, log, errs));
     }

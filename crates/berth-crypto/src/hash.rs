@@ -45,3 +45,8 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
     aws_lc_rs::rand::fill(&mut out).expect("system random number generator failed");
     out
 }
+
+/// A uniform random number in [0, 1), for jitter: 53 random bits, a double's precision.
+pub fn random_unit() -> f64 {
+    (u64::from_le_bytes(random_bytes::<8>()) >> 11) as f64 / (1u64 << 53) as f64
+}

@@ -17,7 +17,9 @@ pub use ca::{
     AGENT_URI_PREFIX,
 };
 pub use error::{CryptoError, Result};
-pub use hash::{fingerprint, hash_token, random_bytes, random_token, sha256, sha256_hex};
+pub use hash::{
+    fingerprint, hash_token, random_bytes, random_token, random_unit, sha256, sha256_hex,
+};
 pub use jwt::{verify_jwt, JwtSigner, PublicJwk};
 pub use master_key::MasterKey;
 pub use verify::{verify_with_cert, ResultVerifier, ALG_ECDSA_SHA256, ALG_RSA_SHA256};

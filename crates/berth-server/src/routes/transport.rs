@@ -240,11 +240,9 @@ pub async fn poll(
 /// restart, would otherwise all be answered, and all poll again, in the same instant every
 /// 25 s; the jitter spreads them further apart with every round.
 fn poll_hold(configured: Duration) -> Duration {
-    const MANTISSA: u64 = (1 << 53) - 1;
-    let unit = (uuid::Uuid::new_v4().as_u128() as u64 & MANTISSA) as f64 / (1u64 << 53) as f64;
     configured
         .min(Duration::from_secs(25))
-        .mul_f64(0.75 + 0.25 * unit)
+        .mul_f64(0.75 + 0.25 * berth_crypto::random_unit())
 }
 
 /// `X-Berth-Known-Cancellations`: assignment ids whose cancellation the agent already has, so a
