@@ -19,7 +19,7 @@ use crate::rows::{
     self, agent_columns, attempt_columns, db_error, get, millis, task_columns, ColumnReader,
 };
 use crate::{
-    Agent, AgentFilter, AgentUpdate, ApiToken, Attempt, AttemptState, CancelOutcome, ClaimOutcome,
+    Agent, AgentFilter, AgentUpdate, ApiToken, Attempt, CancelOutcome, ClaimOutcome,
     CompleteOutcome, Completion, CreateTaskOutcome, HeartbeatOutcome, HeartbeatRecord, LeaseSweep,
     NewAgent, NewApiToken, NewRegistrationToken, NewTask, Page, RegisterError, Result,
     RetryOutcome, RetryPolicy, SessionOutcome, StaleSweep, Store, StoreError, Task, TaskFilter,
@@ -1092,25 +1092,11 @@ impl Store for PostgresStore {
         .map_err(db_error(OP))?
         .map(|row| rows::read_attempt(&row))
         .transpose()?;
-        let Some(attempt) = attempt else {
-            return Ok(CompleteOutcome::Fenced);
-        };
-        if attempt.state != AttemptState::Leased {
-            return Ok(if attempt.envelope.as_ref() == Some(&completion.envelope) {
-                CompleteOutcome::Duplicate(task)
-            } else {
-                CompleteOutcome::Fenced
-            });
-        }
         let now = millis(completion.now);
-        // The lease is the proof window: a result after its deadline is refused even before
-        // the sweep has moved the task, so "on time" never depends on the sweeper's pace.
-        if task.state != TaskState::Leased
-            || task.current_assignment != Some(attempt.assignment_id)
-            || attempt.lease_expires_at < now
-        {
-            return Ok(CompleteOutcome::Fenced);
-        }
+        let attempt = match rows::accept_completion(&task, attempt, &completion.envelope, now) {
+            Ok(attempt) => attempt,
+            Err(refused) => return Ok(refused.outcome(task)),
+        };
         let next = rows::completion_transition(
             &completion.result,
             task.attempts,

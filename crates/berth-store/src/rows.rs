@@ -12,8 +12,8 @@ use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use crate::{
-    Agent, ApiToken, Attempt, AttemptResult, AttemptState, HeartbeatRecord, Page, RetryPolicy,
-    StoreError, Task, TaskState, Tenant,
+    Agent, ApiToken, Attempt, AttemptResult, AttemptState, CompleteOutcome, HeartbeatRecord, Page,
+    RetryPolicy, StoreError, Task, TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -265,6 +265,52 @@ fn requeue(
         next_attempt_at,
         error_code: Some(error_code.to_string()),
         finished_at: state.is_terminal().then(|| millis(now)),
+    }
+}
+
+/// The delivery a result may complete, or the answer when it may not: no such attempt, or one
+/// already finished (the identical envelope again is a duplicate, answered idempotently; any
+/// other is fenced), or a delivery that is no longer current. The lease is the proof window:
+/// a result after its deadline is refused even before the sweep has moved the task, so "on
+/// time" never depends on the sweeper's pace. `now` is in whole milliseconds.
+pub(crate) fn accept_completion(
+    task: &Task,
+    attempt: Option<Attempt>,
+    envelope: &serde_json::Value,
+    now: OffsetDateTime,
+) -> Result<Attempt, Refused> {
+    let Some(attempt) = attempt else {
+        return Err(Refused::Fenced);
+    };
+    if attempt.state != AttemptState::Leased {
+        return Err(if attempt.envelope.as_ref() == Some(envelope) {
+            Refused::Duplicate
+        } else {
+            Refused::Fenced
+        });
+    }
+    if task.state != TaskState::Leased
+        || task.current_assignment != Some(attempt.assignment_id)
+        || attempt.lease_expires_at < now
+    {
+        return Err(Refused::Fenced);
+    }
+    Ok(attempt)
+}
+
+/// Why [`accept_completion`] refused a result.
+pub(crate) enum Refused {
+    Fenced,
+    Duplicate,
+}
+
+impl Refused {
+    /// The answer for a result refused on `task`.
+    pub(crate) fn outcome(self, task: Task) -> CompleteOutcome {
+        match self {
+            Refused::Fenced => CompleteOutcome::Fenced,
+            Refused::Duplicate => CompleteOutcome::Duplicate(task),
+        }
     }
 }
 

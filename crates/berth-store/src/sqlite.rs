@@ -21,7 +21,7 @@ use crate::rows::{
     self, agent_columns, attempt_columns, db_error, millis, task_columns, unix_millis, ColumnReader,
 };
 use crate::{
-    Agent, AgentFilter, AgentUpdate, ApiToken, Attempt, AttemptState, CancelOutcome, ClaimOutcome,
+    Agent, AgentFilter, AgentUpdate, ApiToken, Attempt, CancelOutcome, ClaimOutcome,
     CompleteOutcome, Completion, CreateTaskOutcome, HeartbeatOutcome, HeartbeatRecord, LeaseSweep,
     NewAgent, NewApiToken, NewRegistrationToken, NewTask, Page, RegisterError, Result,
     RetryOutcome, RetryPolicy, SessionOutcome, StaleSweep, Store, StoreError, Task, TaskFilter,
@@ -1241,26 +1241,12 @@ impl Store for SqliteStore {
                         |row| rows::read_attempt(row),
                     )?,
                 };
-                let Some(attempt) = attempt else {
-                    return Ok(CompleteOutcome::Fenced);
-                };
-                if attempt.state != AttemptState::Leased {
-                    return Ok(if attempt.envelope.as_ref() == Some(&completion.envelope) {
-                        CompleteOutcome::Duplicate(task)
-                    } else {
-                        CompleteOutcome::Fenced
-                    });
-                }
                 let now = millis(completion.now);
-                // The lease is the proof window: a result after its deadline is refused even
-                // before the sweep has moved the task, so "on time" never depends on the
-                // sweeper's pace.
-                if task.state != TaskState::Leased
-                    || task.current_assignment != Some(attempt.assignment_id)
-                    || attempt.lease_expires_at < now
-                {
-                    return Ok(CompleteOutcome::Fenced);
-                }
+                let attempt =
+                    match rows::accept_completion(&task, attempt, &completion.envelope, now) {
+                        Ok(attempt) => attempt,
+                        Err(refused) => return Ok(refused.outcome(task)),
+                    };
                 let next = rows::completion_transition(
                     &completion.result,
                     task.attempts,
