@@ -8,11 +8,14 @@ use time::OffsetDateTime;
 use crate::{AgentId, Method, Request};
 
 /// What an agent can do on its host, with the version it found and whether it works now.
+///
+/// Accepted as seed 000's plain string (`"docker"`, a healthy capability of that name) or as this
+/// object; always written as the object.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase", try_from = "CapabilityForm")]
 pub struct Capability {
-    /// `docker`, `compose`, … (lowercase).
+    /// Seed 000's capability string ([`crate::kind::capability`]): `docker`, `compose`, `ssh`, …
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
@@ -25,6 +28,52 @@ pub struct Capability {
 
 fn default_true() -> bool {
     true
+}
+
+impl Capability {
+    /// A healthy capability of that name, as a seed agent's plain string means.
+    pub fn named(name: impl Into<String>) -> Capability {
+        Capability {
+            name: name.into(),
+            version: None,
+            healthy: true,
+            detail: None,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum CapabilityForm {
+    Name(String),
+    Object(CapabilityObject),
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct CapabilityObject {
+    name: String,
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default = "default_true")]
+    healthy: bool,
+    #[serde(default)]
+    detail: Option<String>,
+}
+
+impl TryFrom<CapabilityForm> for Capability {
+    type Error = String;
+    fn try_from(form: CapabilityForm) -> Result<Capability, String> {
+        Ok(match form {
+            CapabilityForm::Name(name) => Capability::named(name),
+            CapabilityForm::Object(o) => Capability {
+                name: o.name,
+                version: o.version,
+                healthy: o.healthy,
+                detail: o.detail,
+            },
+        })
+    }
 }
 
 /// Host resource usage reported with each heartbeat.
@@ -387,6 +436,23 @@ mod tests {
         assert_eq!(
             query.path(),
             "/api/v1/agents?status=online&label=role%3Dweb%26x&limit=5"
+        );
+    }
+
+    #[test]
+    fn capabilities_accept_seed_strings_and_objects() {
+        let caps: Vec<Capability> = serde_json::from_str(
+            r#"["docker", {"name": "compose", "version": "2.1", "healthy": false}]"#,
+        )
+        .unwrap();
+        assert_eq!(caps[0], Capability::named("docker"));
+        assert_eq!(caps[1].version.as_deref(), Some("2.1"));
+        assert!(!caps[1].healthy);
+        assert!(serde_json::from_str::<Capability>(r#"{"name": "x", "bogus": 1}"#).is_err());
+        assert!(serde_json::from_str::<Capability>("1").is_err());
+        assert_eq!(
+            serde_json::to_value(Capability::named("ssh")).unwrap(),
+            serde_json::json!({"name": "ssh", "healthy": true})
         );
     }
 }

@@ -49,4 +49,10 @@ pub mod codes {
     pub const NO_MATCHING_AGENT: &str = "NO_MATCHING_AGENT";
     pub const TASK_NOT_RETRIABLE: &str = "TASK_NOT_RETRIABLE";
     pub const UNAVAILABLE: &str = "UNAVAILABLE";
+    /// A task type no agent runs (see `kind::TaskKind`).
+    pub const UNSUPPORTED_TASK_TYPE: &str = "UNSUPPORTED_TASK_TYPE";
+    /// The payload does not parse as the task type's payload type.
+    pub const INVALID_PAYLOAD: &str = "INVALID_PAYLOAD";
+    /// The agent named does not report the capability the task type needs.
+    pub const CAPABILITY_MISSING: &str = "CAPABILITY_MISSING";
 }

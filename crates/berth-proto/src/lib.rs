@@ -7,9 +7,23 @@ pub mod admin;
 pub mod agent;
 pub mod error;
 pub mod ids;
+pub mod kind;
 pub mod payload;
+pub mod result;
 pub mod task;
 pub mod transport;
+
+/// HTTP header names berth defines, lowercase as HTTP/2 sends them.
+pub mod headers {
+    /// The agent's session generation, on every mutating agent call.
+    pub const GENERATION_HEADER: &str = "x-berth-generation";
+    /// Assignment ids whose cancellation the agent already has, comma-separated, on a poll.
+    pub const KNOWN_CANCELLATIONS_HEADER: &str = "x-berth-known-cancellations";
+    /// The one-time registration token on `POST /api/v1/agents/register`.
+    pub const REGISTRATION_TOKEN_HEADER: &str = "x-registration-token";
+    /// Dedupes creates within a tenant.
+    pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+}
 
 pub use error::ErrorBody;
 pub use ids::{AgentId, AssignmentId, TaskId, TenantId, TokenId};

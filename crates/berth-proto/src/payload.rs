@@ -1,13 +1,74 @@
-//! Deployment task payloads: the JSON inside `assignment.payload` for `docker.run`, `rollback` and
-//! `compose.up`, with seed 000's `DeployTaskPayload` names (camelCase), plus what the agent's
-//! `inspect` task reports about containers.
+//! Task payloads: the JSON inside `assignment.payload` of every task kind (see
+//! [`crate::kind::TaskKind`], which names each kind's type here). The deployment payloads use seed
+//! 000's `DeployTaskPayload` names (camelCase); also what the agent's `inspect` task reports about
+//! containers.
 //!
 //! Shapes only: validation (digest pinning, port syntax, path safety) belongs to the executors.
-//! Unknown fields are ignored so the control plane can add fields before every agent knows them.
+//! Unknown fields are ignored in the deployment payloads so the control plane can add fields
+//! before every agent knows them; the built-in kinds' payloads refuse them.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+/// `health-check`: one probe from the agent's host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HealthCheckPayload {
+    /// `http` or `tcp`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Seconds for one probe; default 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+}
+
+/// `inspect` takes no arguments; any object (or none) is accepted.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct InspectPayload {}
+
+/// `read-sticker`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReadStickerPayload {
+    pub name: String,
+}
+
+/// `write-sticker`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WriteStickerPayload {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// `execute-command`: an argument vector, never a shell line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandPayload {
+    /// Program (absolute path, on the agent's allow-list) and its arguments.
+    pub command: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_directory: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub environment: BTreeMap<String, String>,
+}
 
 /// `docker.run` and `compose.up`: seed 000's `DeployTaskPayload`.
 ///

@@ -40,6 +40,108 @@ pub struct CreateTask {
     pub priority: Option<i32>,
 }
 
+/// Task states (DESIGN "Delivery semantics").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    Pending,
+    Leased,
+    Succeeded,
+    Failed,
+    RetryWait,
+    DeadLetter,
+    Unknown,
+    Cancelled,
+    Expired,
+}
+
+impl TaskState {
+    pub const ALL: [TaskState; 9] = [
+        TaskState::Pending,
+        TaskState::Leased,
+        TaskState::Succeeded,
+        TaskState::Failed,
+        TaskState::RetryWait,
+        TaskState::DeadLetter,
+        TaskState::Unknown,
+        TaskState::Cancelled,
+        TaskState::Expired,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Pending => "pending",
+            TaskState::Leased => "leased",
+            TaskState::Succeeded => "succeeded",
+            TaskState::Failed => "failed",
+            TaskState::RetryWait => "retry_wait",
+            TaskState::DeadLetter => "dead_letter",
+            TaskState::Unknown => "unknown",
+            TaskState::Cancelled => "cancelled",
+            TaskState::Expired => "expired",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TaskState> {
+        TaskState::ALL.into_iter().find(|t| t.as_str() == s)
+    }
+
+    /// No further transition happens without an operator.
+    pub const fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TaskState::Succeeded
+                | TaskState::Failed
+                | TaskState::DeadLetter
+                | TaskState::Cancelled
+                | TaskState::Expired
+        )
+    }
+}
+
+impl std::fmt::Display for TaskState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// States of one delivery (an attempt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptState {
+    Leased,
+    Succeeded,
+    Failed,
+    Cancelled,
+    Expired,
+}
+
+impl AttemptState {
+    pub const ALL: [AttemptState; 5] = [
+        AttemptState::Leased,
+        AttemptState::Succeeded,
+        AttemptState::Failed,
+        AttemptState::Cancelled,
+        AttemptState::Expired,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AttemptState::Leased => "leased",
+            AttemptState::Succeeded => "succeeded",
+            AttemptState::Failed => "failed",
+            AttemptState::Cancelled => "cancelled",
+            AttemptState::Expired => "expired",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AttemptState> {
+        AttemptState::ALL.into_iter().find(|t| t.as_str() == s)
+    }
+}
+
 impl Request for CreateTask {
     type Response = TaskView;
     const METHOD: Method = Method::Post;
@@ -54,8 +156,7 @@ impl Request for CreateTask {
 pub struct AttemptView {
     pub assignment_id: AssignmentId,
     pub agent_id: AgentId,
-    /// `leased`, `succeeded`, `failed`, `cancelled`, `expired`.
-    pub state: String,
+    pub state: AttemptState,
     pub generation: i64,
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
@@ -85,9 +186,7 @@ pub struct TaskView {
     pub id: TaskId,
     #[serde(rename = "type")]
     pub task_type: String,
-    /// `pending`, `leased`, `succeeded`, `failed`, `retry_wait`, `dead_letter`, `unknown`,
-    /// `cancelled`, `expired`.
-    pub state: String,
+    pub state: TaskState,
     pub agent_id: AgentId,
     /// True when the task succeeded by read-back of the target, not by a result.
     pub read_back: bool,
@@ -152,7 +251,7 @@ impl Request for GetTask {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ListTasks {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub state: Option<String>,
+    pub state: Option<TaskState>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<AgentId>,
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
@@ -181,7 +280,7 @@ impl Request for ListTasks {
         with_query(
             "/api/v1/tasks",
             &[
-                ("state", self.state.as_deref()),
+                ("state", self.state.map(TaskState::as_str)),
                 ("agentId", agent_id.as_deref()),
                 ("type", self.task_type.as_deref()),
                 ("cursor", self.cursor.as_deref()),

@@ -13,8 +13,7 @@ use time::OffsetDateTime;
 use crate::{AgentId, AssignmentId, Method, Request, TaskId};
 
 pub const CONTRACT_VERSION: &str = "agent-task-transport/v1";
-/// Header carrying the agent's session generation on every mutating agent call.
-pub const GENERATION_HEADER: &str = "x-berth-generation";
+pub use crate::headers::GENERATION_HEADER;
 pub const ALG_ECDSA_SHA256: &str = "ecdsa-sha256";
 pub const ALG_RSA_SHA256: &str = "rsa-sha256";
 
@@ -80,6 +79,8 @@ fn agent_runtime(agent: AgentId) -> String {
 pub struct AgentTaskPollRequest {
     pub contract_version: String,
     pub agent_id: AgentId,
+    /// Seed 000's capability strings ([`crate::kind::capability`]): only tasks whose
+    /// `requiredCapability` is among them are handed out on this poll.
     #[serde(default)]
     pub capabilities: Vec<String>,
 }
@@ -121,7 +122,8 @@ pub struct AgentTaskAssignment {
     pub assignment_id: AssignmentId,
     pub task_id: TaskId,
     pub agent_id: AgentId,
-    /// `docker`, `compose`, or `agent` for the built-in task types.
+    /// [`crate::kind::TaskKind::required_capability`]: `docker`, `compose`, or `agent` for the
+    /// built-in task types.
     pub required_capability: String,
     pub task_type: String,
     /// JSON text of the task payload.
@@ -156,7 +158,7 @@ pub struct AgentTaskResultEnvelope {
     pub success: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
-    /// JSON text of the task result (outputs, logs, metrics, errorType, retriable).
+    /// JSON text of a [`crate::result::TaskResult`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result_data: Option<String>,
     /// TimeSpan.
@@ -169,30 +171,48 @@ pub struct AgentTaskResultEnvelope {
     pub signature: Option<String>,
 }
 
-/// `POST …/agents/{agentId}/tasks/{taskId}/result`.
-#[derive(Debug, Clone, Serialize)]
-#[serde(transparent)]
-pub struct SubmitResult(pub serde_json::Value);
+impl AgentTaskResultEnvelope {
+    /// The bytes its signature covers (see [`signing_input`]).
+    pub fn signing_input(&self) -> Result<Vec<u8>, serde_json::Error> {
+        signing_input(&serde_json::to_value(self)?)
+    }
+}
+
+/// `POST …/agents/{agentId}/tasks/{taskId}/result`: the body is the envelope. The path's ids are
+/// explicit, so a test can send an envelope whose ids disagree with them.
+#[derive(Debug, Clone)]
+pub struct SubmitResult {
+    pub agent_id: AgentId,
+    pub task_id: TaskId,
+    pub envelope: AgentTaskResultEnvelope,
+}
 
 impl SubmitResult {
-    fn field(&self, name: &str) -> String {
-        self.0
-            .get(name)
-            .and_then(|v| v.as_str())
-            .unwrap_or_default()
-            .to_string()
+    /// Submits the envelope under its own ids.
+    pub fn new(envelope: AgentTaskResultEnvelope) -> SubmitResult {
+        SubmitResult {
+            agent_id: envelope.agent_id,
+            task_id: envelope.task_id,
+            envelope,
+        }
     }
+}
+
+impl Serialize for SubmitResult {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.envelope.serialize(serializer)
+    }
+}
+
+pub(crate) fn result_path(agent: AgentId, task: TaskId) -> String {
+    format!("{}/tasks/{task}/result", agent_runtime(agent))
 }
 
 impl Request for SubmitResult {
     type Response = ResultAck;
     const METHOD: Method = Method::Post;
     fn path(&self) -> String {
-        format!(
-            "/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
-            self.field("agentId"),
-            self.field("taskId")
-        )
+        result_path(self.agent_id, self.task_id)
     }
 }
 
@@ -204,7 +224,7 @@ pub struct ResultAck {
     /// The same result was already recorded for this assignment.
     pub duplicate: bool,
     /// The task's state after the result.
-    pub state: String,
+    pub state: crate::task::TaskState,
 }
 
 /// The bytes a result signature covers: JCS of the envelope without its `signature` member.

@@ -1,0 +1,101 @@
+//! Seed 000's `TaskResult`: what a task did, as the agent reports it inside the signed envelope
+//! (the JSON text of `AgentTaskResultEnvelope.resultData`), and the stable `errorType` codes.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::payload::ArtifactReference;
+use crate::TaskId;
+
+/// Stable `errorType` values. The server reads [`CANCELLED`](error_types::CANCELLED); the rest
+/// are for people and tools.
+pub mod error_types {
+    /// The task was stopped because an operator cancelled it.
+    pub const CANCELLED: &str = "CANCELLED";
+    /// The task ran past its timeout and was stopped.
+    pub const TIMEOUT: &str = "TIMEOUT";
+    pub const INVALID_PAYLOAD: &str = "INVALID_PAYLOAD";
+    /// The agent has no executor for the task type.
+    pub const UNSUPPORTED_TASK_TYPE: &str = "UNSUPPORTED_TASK_TYPE";
+    /// A failed result that named no `errorType`.
+    pub const FAILED: &str = "FAILED";
+    pub const HEALTH_CHECK_FAILED: &str = "HEALTH_CHECK_FAILED";
+    pub const STICKER_UNREADABLE: &str = "STICKER_UNREADABLE";
+    pub const STICKER_WRITE_FAILED: &str = "STICKER_WRITE_FAILED";
+    pub const COMMAND_NOT_ALLOWED: &str = "COMMAND_NOT_ALLOWED";
+    pub const COMMAND_FAILED: &str = "COMMAND_FAILED";
+}
+
+/// Durations of the phases of a deployment, in milliseconds (DESIGN "Executors").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TaskMetrics {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deploy_duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check_duration_ms: Option<u64>,
+}
+
+/// Seed 000's `TaskResult`, field for field. Unknown fields are ignored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TaskResult {
+    pub task_id: TaskId,
+    pub success: bool,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub started_at: OffsetDateTime,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub completed_at: OffsetDateTime,
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub outputs: serde_json::Map<String, serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    pub artifacts: Vec<ArtifactReference>,
+    /// What went wrong, for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// One of [`error_types`], or an executor's own stable code (`DIGEST_MISMATCH`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_type: Option<String>,
+    /// Whether running the task again may succeed.
+    #[serde(default)]
+    pub retriable: bool,
+    /// Redacted log of what the executor did.
+    #[serde(default)]
+    pub logs: String,
+    #[serde(default)]
+    pub metrics: TaskMetrics,
+}
+
+impl TaskResult {
+    /// Whether the result reports an operator's cancellation.
+    pub fn cancelled(&self) -> bool {
+        !self.success && self.error_type.as_deref() == Some(error_types::CANCELLED)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_seed_shape_and_ignores_unknown_fields() {
+        let text = r#"{"taskId": "0190a3e2-4c1c-7d4e-9a2b-3c4d5e6f7a8b", "success": false,
+            "startedAt": "2026-01-01T00:00:00Z", "completedAt": "2026-01-01T00:00:01.5Z",
+            "error": "boom", "errorType": "CANCELLED", "logs": "", "later": 1,
+            "metrics": {"pullDurationMs": 3}}"#;
+        let r: TaskResult = serde_json::from_str(text).unwrap();
+        assert!(r.cancelled());
+        assert_eq!(r.metrics.pull_duration_ms, Some(3));
+        assert!(r.outputs.is_empty() && !r.retriable);
+        let again: TaskResult = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
+        assert_eq!(again, r);
+    }
+}
