@@ -10,6 +10,23 @@ pub struct ErrorBody {
     pub detail: String,
 }
 
+/// An error with its whole `source()` chain, `a: b: c`: the one way berth writes an error into a
+/// log line or a detail, so the cause (the SQL error under "database error during …") is never
+/// lost. `tracing::error!(error = %ErrorChain(&e), …)`.
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'a));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}
+
 /// Stable error codes. Clients match on these, so they never change meaning.
 pub mod codes {
     pub const MALFORMED_JSON: &str = "MALFORMED_JSON";
@@ -20,6 +37,8 @@ pub mod codes {
     pub const NOT_FOUND: &str = "NOT_FOUND";
     pub const METHOD_NOT_ALLOWED: &str = "METHOD_NOT_ALLOWED";
     pub const CONFLICT: &str = "CONFLICT";
+    /// A uniqueness rule of the store refused the write; the detail names which.
+    pub const CONSTRAINT_CONFLICT: &str = "CONSTRAINT_CONFLICT";
     pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
     pub const FORBIDDEN: &str = "FORBIDDEN";
     pub const OPERATOR_ONLY: &str = "OPERATOR_ONLY";
@@ -55,4 +74,37 @@ pub mod codes {
     pub const INVALID_PAYLOAD: &str = "INVALID_PAYLOAD";
     /// The agent named does not report the capability the task type needs.
     pub const CAPABILITY_MISSING: &str = "CAPABILITY_MISSING";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    #[test]
+    fn chain_names_every_cause() {
+        let e = Layer(
+            "database error during claim",
+            Some(Box::new(Layer(
+                "disk I/O error",
+                Some(Box::new(Layer("EIO", None))),
+            ))),
+        );
+        assert_eq!(
+            ErrorChain(&e).to_string(),
+            "database error during claim: disk I/O error: EIO"
+        );
+    }
 }

@@ -4,7 +4,7 @@
 //! accepted only when the connection's certificate is the one currently bound to the agent the
 //! request names; deleting an agent or rotating its certificate therefore revokes it at once.
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, RawPathParams};
 use axum::http::request::Parts;
 use berth_proto::admin::Role;
 use berth_proto::error::codes;
@@ -101,34 +101,101 @@ impl FromRequestParts<SharedState> for Caller {
     }
 }
 
-/// The connection's client certificate, required.
-pub fn peer_certificate(parts_peer: Option<&Peer>) -> ApiResult<PeerCertificate> {
-    parts_peer.and_then(|p| p.0.clone()).ok_or_else(|| {
-        ApiError::unauthenticated(
-            codes::CLIENT_CERT_REQUIRED,
-            "agent routes require the agent's client certificate",
-        )
-    })
+/// An agent-runtime caller: the connection's client certificate, which names the agent the path
+/// names (`{id}`; routes without one act for the certificate's agent). A certificate naming
+/// another agent is `403 CERT_BINDING_MISMATCH`, decided before any lookup so it tells nothing
+/// about whether `id` exists. Whether the certificate is still the agent's *binding* is decided
+/// afterwards: by [`AgentCaller::bound`], or by the store inside the write's own transaction.
+pub struct AgentCaller {
+    pub id: AgentId,
+    pub peer: PeerCertificate,
 }
 
-/// The connection's certificate, which must name agent `id`. A certificate naming another agent
-/// is `403 CERT_BINDING_MISMATCH`, decided before any lookup so it tells nothing about whether
-/// `id` exists. Whether the certificate is still the agent's *binding* is checked afterwards:
-/// by [`authenticate_agent`], or by the store inside the write's own transaction.
-pub fn agent_peer(
-    state: &SharedState,
-    peer: Option<&Peer>,
-    id: AgentId,
-) -> ApiResult<PeerCertificate> {
-    let peer = peer_certificate(peer)?;
-    if peer.agent_id != Some(id) {
-        state.metrics.agent_auth_refused("binding_mismatch");
-        return Err(ApiError::forbidden(
-            codes::CERT_BINDING_MISMATCH,
-            "the client certificate does not belong to this agent",
-        ));
+/// An [`AgentCaller`] on a mutating call, with its session generation (`X-Berth-Generation`;
+/// missing or malformed is fenced, like a stale one). The store compares it in the write's
+/// transaction.
+pub struct FencedAgent {
+    pub id: AgentId,
+    pub peer: PeerCertificate,
+    pub generation: i64,
+}
+
+impl FromRequestParts<SharedState> for AgentCaller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &SharedState) -> ApiResult<AgentCaller> {
+        let peer = parts
+            .extensions
+            .get::<Peer>()
+            .and_then(|p| p.0.clone())
+            .ok_or_else(|| {
+                ApiError::unauthenticated(
+                    codes::CLIENT_CERT_REQUIRED,
+                    "agent routes require the agent's client certificate",
+                )
+            })?;
+        let path_id = match RawPathParams::from_request_parts(parts, state).await {
+            Ok(params) => params
+                .iter()
+                .find(|(name, _)| *name == "id")
+                .map(|(_, value)| {
+                    value.parse::<AgentId>().map_err(|_| {
+                        ApiError::bad_request(codes::INVALID_ID, "the agent id is not a UUID")
+                    })
+                })
+                .transpose()?,
+            Err(_) => None,
+        };
+        let id = match (path_id, peer.agent_id) {
+            (Some(id), Some(named)) if id == named => id,
+            (None, Some(named)) => named,
+            (None, None) => return Err(agent_revoked(state)),
+            (Some(_), _) => {
+                state.metrics.agent_auth_refused("binding_mismatch");
+                return Err(ApiError::forbidden(
+                    codes::CERT_BINDING_MISMATCH,
+                    "the client certificate does not belong to this agent",
+                ));
+            }
+        };
+        Ok(AgentCaller { id, peer })
     }
-    Ok(peer)
+}
+
+impl FromRequestParts<SharedState> for FencedAgent {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &SharedState) -> ApiResult<FencedAgent> {
+        let AgentCaller { id, peer } = AgentCaller::from_request_parts(parts, state).await?;
+        let generation = parts
+            .headers
+            .get(berth_proto::headers::GENERATION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .ok_or_else(|| {
+                ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation")
+            })?;
+        Ok(FencedAgent {
+            id,
+            peer,
+            generation,
+        })
+    }
+}
+
+impl AgentCaller {
+    /// The agent, when the certificate is still its current binding; `401 AGENT_REVOKED` when
+    /// the agent was deleted or its certificate replaced.
+    pub async fn bound(&self, state: &SharedState) -> ApiResult<Agent> {
+        match state.store.get_agent_for_runtime(self.id).await? {
+            Some(agent)
+                if agent.certificate_fingerprint.as_deref() == Some(&*self.peer.fingerprint) =>
+            {
+                Ok(agent)
+            }
+            _ => Err(agent_revoked(state)),
+        }
+    }
 }
 
 /// `401 AGENT_REVOKED`: the agent was deleted or its certificate replaced; register again.
@@ -138,28 +205,4 @@ pub fn agent_revoked(state: &SharedState) -> ApiError {
         codes::AGENT_REVOKED,
         "this certificate is no longer bound to an agent; register again",
     )
-}
-
-/// `X-Berth-Generation`: missing or malformed is fenced, like a stale one.
-pub fn generation(headers: &axum::http::HeaderMap) -> ApiResult<i64> {
-    headers
-        .get(berth_proto::transport::GENERATION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<i64>().ok())
-        .ok_or_else(|| ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation"))
-}
-
-/// Proves that the certificate belongs to agent `id` and is its current binding.
-pub async fn authenticate_agent(
-    state: &SharedState,
-    peer: Option<&Peer>,
-    id: AgentId,
-) -> ApiResult<(Agent, PeerCertificate)> {
-    let peer = agent_peer(state, peer, id)?;
-    match state.store.get_agent_for_runtime(id).await? {
-        Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => {
-            Ok((agent, peer))
-        }
-        _ => Err(agent_revoked(state)),
-    }
 }

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+use crate::error::{Context, ServerError};
 use berth_crypto::{Ca, JwtSigner, MasterKey};
 use berth_proto::admin::Role;
 use berth_proto::TokenId;
@@ -72,7 +72,9 @@ pub(crate) struct Material {
     pub server_key_pem: String,
 }
 
-pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstrapped, Material)> {
+pub(crate) async fn bootstrap(
+    config: &ServerConfig,
+) -> Result<(Bootstrapped, Material), ServerError> {
     let dir = DataDir(config.data_dir.clone());
     std::fs::create_dir_all(&dir.0)
         .with_context(|| format!("creating data dir {}", dir.0.display()))?;
@@ -88,11 +90,13 @@ pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstra
             write_public(&dir.ca_cert(), ca.cert_pem().as_bytes())?;
             ca
         }
-        _ => anyhow::bail!(
-            "{} and {} must both exist or both be absent",
-            dir.ca_cert().display(),
-            dir.ca_key().display()
-        ),
+        _ => {
+            return Err(ServerError::new(format!(
+                "{} and {} must both exist or both be absent",
+                dir.ca_cert().display(),
+                dir.ca_key().display()
+            )))
+        }
     };
 
     let mut names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
@@ -129,8 +133,15 @@ pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstra
     let store = berth_store::open(&config.database_url())
         .await
         .context("opening the database")?;
-    let tenant = store.ensure_tenant(DEFAULT_TENANT, now).await?;
-    let new_admin_token = if store.has_operator_token(tenant.id).await? {
+    let tenant = store
+        .ensure_tenant(DEFAULT_TENANT, now)
+        .await
+        .context("creating the default tenant")?;
+    let new_admin_token = if store
+        .has_operator_token(tenant.id)
+        .await
+        .context("looking up the operator token")?
+    {
         None
     } else {
         let token = berth_crypto::random_token("bat_");
@@ -144,7 +155,8 @@ pub(crate) async fn bootstrap(config: &ServerConfig) -> anyhow::Result<(Bootstra
                 token_hash: berth_crypto::hash_token(&token),
                 created_at: now,
             })
-            .await?;
+            .await
+            .context("creating the operator token")?;
         write_secret(&dir.admin_token(), format!("{token}\n").as_bytes())?;
         Some(token)
     };
@@ -174,7 +186,7 @@ fn server_certificate(
     ca: &Ca,
     names: &[String],
     now: OffsetDateTime,
-) -> anyhow::Result<(String, String)> {
+) -> Result<(String, String), ServerError> {
     let wanted_names = names.join("\n");
     if let (Some(chain), Some(key), Some(issued_names)) = (
         read_opt(&dir.server_cert())?,
@@ -194,7 +206,7 @@ fn server_certificate(
         .context("issuing the server certificate")?;
     let key = issued
         .key_pem
-        .context("server certificate issued without its key")?;
+        .ok_or_else(|| ServerError::new("server certificate issued without its key"))?;
     let chain = format!("{}\n{}", issued.cert_pem.trim(), ca.cert_pem().trim());
     write_secret(&dir.server_key(), key.as_bytes())?;
     write_public(&dir.server_cert(), chain.as_bytes())?;
@@ -202,7 +214,7 @@ fn server_certificate(
     Ok((chain, key))
 }
 
-fn read_opt(path: &Path) -> anyhow::Result<Option<String>> {
+fn read_opt(path: &Path) -> Result<Option<String>, ServerError> {
     match std::fs::read_to_string(path) {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -211,15 +223,15 @@ fn read_opt(path: &Path) -> anyhow::Result<Option<String>> {
 }
 
 /// Writes key material: mode 0600 from creation, atomically replaced.
-pub fn write_secret(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+pub fn write_secret(path: &Path, contents: &[u8]) -> Result<(), ServerError> {
     write_atomic(path, contents, 0o600)
 }
 
-fn write_public(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+fn write_public(path: &Path, contents: &[u8]) -> Result<(), ServerError> {
     write_atomic(path, contents, 0o644)
 }
 
-fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), ServerError> {
     let tmp = path.with_extension("tmp");
     let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()

@@ -6,7 +6,7 @@
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_proto::error::codes;
+use berth_proto::error::{codes, ErrorChain};
 use berth_proto::ErrorBody;
 
 #[derive(Debug)]
@@ -53,14 +53,7 @@ impl ApiError {
 
     /// An unexpected failure: logged with its chain, answered without details.
     pub fn internal(error: &(dyn std::error::Error + 'static)) -> ApiError {
-        let mut chain = error.to_string();
-        let mut source = error.source();
-        while let Some(s) = source {
-            chain.push_str(": ");
-            chain.push_str(&s.to_string());
-            source = s.source();
-        }
-        tracing::error!(error = %chain, "request failed");
+        tracing::error!(error = %ErrorChain(error), "request failed");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             codes::INTERNAL,
@@ -71,7 +64,15 @@ impl ApiError {
 
 impl From<berth_store::StoreError> for ApiError {
     fn from(e: berth_store::StoreError) -> ApiError {
-        ApiError::internal(&e)
+        match e {
+            // A uniqueness rule refused the write: the caller's request collided with a row,
+            // which is theirs to resolve, not a server fault.
+            berth_store::StoreError::Conflict { constraint } => ApiError::conflict(
+                codes::CONSTRAINT_CONFLICT,
+                format!("the request conflicts with an existing {constraint}"),
+            ),
+            e => ApiError::internal(&e),
+        }
     }
 }
 
@@ -95,3 +96,39 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+/// Why the server could not start or serve: what it was doing, and the cause.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}")]
+pub struct ServerError {
+    context: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl ServerError {
+    pub(crate) fn new(context: impl Into<String>) -> ServerError {
+        ServerError {
+            context: context.into(),
+            source: None,
+        }
+    }
+}
+
+/// `.context("what was being done")` on any fallible step of start-up.
+pub(crate) trait Context<T> {
+    fn context(self, context: &str) -> Result<T, ServerError>;
+    fn with_context(self, context: impl FnOnce() -> String) -> Result<T, ServerError>;
+}
+
+impl<T, E: std::error::Error + Send + Sync + 'static> Context<T> for Result<T, E> {
+    fn context(self, context: &str) -> Result<T, ServerError> {
+        self.with_context(|| context.to_string())
+    }
+    fn with_context(self, context: impl FnOnce() -> String) -> Result<T, ServerError> {
+        self.map_err(|e| ServerError {
+            context: context(),
+            source: Some(Box::new(e)),
+        })
+    }
+}

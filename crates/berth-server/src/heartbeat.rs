@@ -4,6 +4,7 @@
 //! A heartbeat is acknowledged only after its transaction committed. Nothing waits on a timer:
 //! under low load a batch is one record, under load batches grow by themselves.
 
+use berth_proto::error::ErrorChain;
 use berth_store::{DynStore, HeartbeatOutcome, HeartbeatRecord};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
@@ -96,7 +97,7 @@ async fn write_batches(
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, batch = records.len(), "writing heartbeats failed");
+                tracing::error!(error = %ErrorChain(&e), batch = records.len(), "writing heartbeats failed");
                 metrics.error("heartbeat_store");
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(()));

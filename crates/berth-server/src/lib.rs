@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 
 pub use bootstrap::{Bootstrapped, DataDir};
 pub use config::ServerConfig;
+pub use error::ServerError;
 pub use openapi::openapi_json;
 
 /// Everything a request handler may reach.
@@ -53,7 +54,7 @@ pub struct Server {
 impl Server {
     /// Opens the data dir and store, creating the CA, certificates, keys and admin token on
     /// first start and reusing them afterwards.
-    pub async fn bootstrap(config: ServerConfig) -> anyhow::Result<Server> {
+    pub async fn bootstrap(config: ServerConfig) -> Result<Server, ServerError> {
         let (bootstrapped, material) = bootstrap::bootstrap(&config).await?;
         let tls = tls::server_config(&material)?;
         let metrics = metrics::Metrics::new();
@@ -87,7 +88,7 @@ impl Server {
         self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());

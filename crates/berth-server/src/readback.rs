@@ -2,6 +2,8 @@
 //! of running it again, the control plane asks the target what is there — a `read-sticker` task —
 //! and marks the task `succeeded` (read-back) only if the sticker proves the intended state.
 
+use berth_proto::error::ErrorChain;
+use berth_proto::kind::TaskKind;
 use berth_proto::TaskId;
 use berth_store::{CreateTaskOutcome, NewTask, Task, TaskState};
 use serde_json::{json, Value};
@@ -9,17 +11,9 @@ use time::OffsetDateTime;
 
 use crate::SharedState;
 
-/// The sticker a task of this type writes when it completes, by name.
+/// The sticker a task of this type writes when it completes, by name (the task kind table).
 pub fn intended_sticker(task: &Task) -> Option<String> {
-    let p = &task.payload;
-    let name = match task.task_type.as_str() {
-        "write-sticker" => p.get("name"),
-        "docker.run" => p.pointer("/config/containerName"),
-        "compose.up" => p.pointer("/config/projectName"),
-        "rollback" => p.get("containerName"),
-        _ => None,
-    };
-    name.and_then(Value::as_str).map(str::to_string)
+    TaskKind::parse(&task.task_type)?.read_back_sticker(&task.payload)
 }
 
 /// Queues a read-back for an `unknown` task, ahead of the agent's other work.
@@ -32,7 +26,7 @@ pub async fn schedule(state: &SharedState, task: &Task) {
     let read_back = NewTask {
         id: TaskId::new(),
         tenant_id: task.tenant_id,
-        task_type: "read-sticker".into(),
+        task_type: TaskKind::ReadSticker.name().into(),
         agent_id: task.agent_id,
         payload: json!({ "name": name }),
         credentials_sealed: None,
@@ -51,7 +45,7 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         }
         Ok(_) => {}
         Err(e) => {
-            tracing::error!(task_id = %task.id, error = %e, "could not schedule the read-back")
+            tracing::error!(task_id = %task.id, error = %ErrorChain(&e), "could not schedule the read-back")
         }
     }
 }
@@ -65,7 +59,7 @@ pub async fn resolve(state: &SharedState, parent_id: TaskId, read_back: &Task) {
         Ok(Some((parent, _))) => parent,
         Ok(None) => return,
         Err(e) => {
-            tracing::error!(task_id = %parent_id, error = %e, "read-back: loading the task failed");
+            tracing::error!(task_id = %parent_id, error = %ErrorChain(&e), "read-back: loading the task failed");
             return;
         }
     };
@@ -86,7 +80,9 @@ pub async fn resolve(state: &SharedState, parent_id: TaskId, read_back: &Task) {
             tracing::info!(task_id = %t.id, state = t.state.as_str(), found, "read-back resolved")
         }
         Ok(None) => {}
-        Err(e) => tracing::error!(task_id = %parent_id, error = %e, "read-back: recording failed"),
+        Err(e) => {
+            tracing::error!(task_id = %parent_id, error = %ErrorChain(&e), "read-back: recording failed")
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 //!   and requeues or dead-letters a read-only one. Safe to run in several replicas at once: the
 //!   store locks the rows it moves.
 
+use berth_proto::error::ErrorChain;
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -50,7 +51,7 @@ async fn sweep_agents(state: &SharedState) {
         }
         Err(e) => {
             state.metrics.error("reconcile_store");
-            tracing::warn!(error = %e, "agent staleness sweep failed");
+            tracing::warn!(error = %ErrorChain(&e), "agent staleness sweep failed");
         }
     }
 }
@@ -81,7 +82,7 @@ async fn sweep_leases(state: &SharedState) {
         }
         Err(e) => {
             state.metrics.error("reconcile_store");
-            tracing::warn!(error = %e, "lease sweep failed");
+            tracing::warn!(error = %ErrorChain(&e), "lease sweep failed");
         }
     }
 }

@@ -4,11 +4,12 @@
 //! Chain verification happens here (rustls/webpki against the berth CA); whether a certificate
 //! is still *bound* to an agent is the route's business, checked against the store per request.
 
+use berth_proto::error::ErrorChain;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use anyhow::Context;
+use crate::error::{Context, ServerError};
 use axum::Router;
 use berth_crypto::ResultVerifier;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -81,7 +82,7 @@ impl PeerCertificate {
 #[derive(Debug, Clone)]
 pub struct Peer(pub Option<PeerCertificate>);
 
-pub(crate) fn server_config(material: &Material) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+pub(crate) fn server_config(material: &Material) -> Result<Arc<rustls::ServerConfig>, ServerError> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut roots = RootCertStore::empty();
     roots
@@ -115,7 +116,7 @@ pub(crate) async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
     max_connections: usize,
-) -> anyhow::Result<()> {
+) -> Result<(), ServerError> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(Semaphore::new(max_connections));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -131,7 +132,7 @@ pub(crate) async fn serve(
                 Ok(a) => a,
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
+                    tracing::warn!(error = %ErrorChain(&e), "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -146,7 +147,7 @@ pub(crate) async fn serve(
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(e)) => {
-                    tracing::debug!(%remote, error = %e, "TLS handshake refused");
+                    tracing::debug!(%remote, error = %ErrorChain(&e), "TLS handshake refused");
                     return;
                 }
                 Err(_) => {
@@ -171,7 +172,7 @@ pub(crate) async fn serve(
             let builder = auto::Builder::new(TokioExecutor::new());
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             if let Err(e) = watcher.watch(conn.into_owned()).await {
-                tracing::debug!(%remote, error = %e, "connection ended with an error");
+                tracing::debug!(%remote, error = %ErrorChain(&*e), "connection ended with an error");
             }
         });
     }

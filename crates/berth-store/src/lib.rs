@@ -206,61 +206,8 @@ pub enum SessionOutcome {
     Revoked,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TaskState {
-    Pending,
-    Leased,
-    Succeeded,
-    Failed,
-    RetryWait,
-    DeadLetter,
-    Unknown,
-    Cancelled,
-    Expired,
-}
-
-impl TaskState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TaskState::Pending => "pending",
-            TaskState::Leased => "leased",
-            TaskState::Succeeded => "succeeded",
-            TaskState::Failed => "failed",
-            TaskState::RetryWait => "retry_wait",
-            TaskState::DeadLetter => "dead_letter",
-            TaskState::Unknown => "unknown",
-            TaskState::Cancelled => "cancelled",
-            TaskState::Expired => "expired",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<TaskState> {
-        Some(match s {
-            "pending" => TaskState::Pending,
-            "leased" => TaskState::Leased,
-            "succeeded" => TaskState::Succeeded,
-            "failed" => TaskState::Failed,
-            "retry_wait" => TaskState::RetryWait,
-            "dead_letter" => TaskState::DeadLetter,
-            "unknown" => TaskState::Unknown,
-            "cancelled" => TaskState::Cancelled,
-            "expired" => TaskState::Expired,
-            _ => return None,
-        })
-    }
-
-    /// No further transition happens without an operator.
-    pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            TaskState::Succeeded
-                | TaskState::Failed
-                | TaskState::DeadLetter
-                | TaskState::Cancelled
-                | TaskState::Expired
-        )
-    }
-}
+/// Task and attempt states are wire types; the store persists them by `as_str`.
+pub use berth_proto::task::{AttemptState, TaskState};
 
 /// Delivery policy (seed 003): requeue after `backoff[attempt-1]` (the last entry repeats),
 /// dead-letter once `max_attempts` deliveries failed.
@@ -350,39 +297,6 @@ pub struct Task {
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
     pub finished_at: Option<OffsetDateTime>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttemptState {
-    Leased,
-    Succeeded,
-    Failed,
-    Cancelled,
-    /// The lease ran out before a result arrived.
-    Expired,
-}
-
-impl AttemptState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptState::Leased => "leased",
-            AttemptState::Succeeded => "succeeded",
-            AttemptState::Failed => "failed",
-            AttemptState::Cancelled => "cancelled",
-            AttemptState::Expired => "expired",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<AttemptState> {
-        Some(match s {
-            "leased" => AttemptState::Leased,
-            "succeeded" => AttemptState::Succeeded,
-            "failed" => AttemptState::Failed,
-            "cancelled" => AttemptState::Cancelled,
-            "expired" => AttemptState::Expired,
-            _ => return None,
-        })
-    }
 }
 
 /// One delivery, with the signed result that ended it (stored as received, for audit).
@@ -642,6 +556,10 @@ pub trait Store: Send + Sync + 'static {
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome>;
+
+    /// How many open tasks (pending, leased, retry_wait) each of `agents` has; a selector sends
+    /// new work to the capable agent with the fewest.
+    async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>>;
 
     /// Leased tasks of the agent with `cancel_requested`, with their current assignment.
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>>;

@@ -1015,6 +1015,25 @@ impl Store for PostgresStore {
         Ok(ClaimOutcome::Claimed(task, attempt))
     }
 
+    async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>> {
+        let ids: Vec<Uuid> = agents.iter().map(|a| a.0).collect();
+        let counted = sqlx::query(
+            "SELECT agent_id, COUNT(*) AS n FROM tasks WHERE agent_id = ANY($1) \
+             AND state IN ('pending', 'leased', 'retry_wait') GROUP BY agent_id",
+        )
+        .bind(&ids)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error("open task counts"))?
+        .iter()
+        .map(|row| Ok((AgentId(row.uuid("agent_id")?), row.int("n")?)))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
+        Ok(agents
+            .iter()
+            .map(|a| (*a, counted.get(a).copied().unwrap_or(0)))
+            .collect())
+    }
+
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
         sqlx::query(
             "SELECT id, current_assignment FROM tasks \

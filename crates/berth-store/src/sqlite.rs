@@ -1156,6 +1156,26 @@ impl Store for SqliteStore {
             .await
     }
 
+    async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>> {
+        let agents = agents.to_vec();
+        self.readers
+            .read("open task counts", move |db| {
+                agents
+                    .iter()
+                    .map(|agent| {
+                        let n = db.all(
+                            "SELECT COUNT(*) AS n FROM tasks WHERE agent_id = ?1 \
+                             AND state IN ('pending', 'leased', 'retry_wait')",
+                            [id_text(agent.0)],
+                            |row| row.int("n"),
+                        )?;
+                        Ok((*agent, n.first().copied().unwrap_or(0)))
+                    })
+                    .collect()
+            })
+            .await
+    }
+
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
         self.readers
             .read("pending cancellations", move |db| {

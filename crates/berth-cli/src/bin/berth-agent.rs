@@ -1,6 +1,7 @@
 //! `berth-agent`: register once with a one-time token, then run. Exit codes: 0 stop, 1 fatal
 //! (identity revoked: re-register), 75 temporary, 78 configuration.
 
+use berth_proto::error::ErrorChain;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -73,7 +74,7 @@ fn main() -> ExitCode {
     match runtime.block_on(agent(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, exit_code = e.exit_code(), "agent stopped");
+            tracing::error!(error = %ErrorChain(&e), exit_code = e.exit_code(), "agent stopped");
             eprintln!("berth-agent: {e}");
             ExitCode::from(e.exit_code() as u8)
         }

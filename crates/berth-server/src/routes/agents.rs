@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::{Extension, Json};
+use axum::Json;
 use berth_proto::agent::{
     Agent, AgentJwt, AgentList, AgentStatus, Capability, Deleted, Heartbeat, HeartbeatResponse,
     IssueAgentJwt, ListAgents, RegisterAgent, RegisterAgentResponse, RenewCertificate,
@@ -19,16 +19,13 @@ use berth_store::{
 use serde_json::json;
 use time::OffsetDateTime;
 
-use crate::auth::{
-    agent_peer, agent_revoked, authenticate_agent, generation, peer_certificate, Caller,
-};
+use crate::auth::{agent_revoked, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
-use crate::tls::Peer;
 use crate::SharedState;
 
-pub const REGISTRATION_TOKEN_HEADER: &str = "x-registration-token";
+use berth_proto::headers::REGISTRATION_TOKEN_HEADER;
 const DEFAULT_PAGE: u32 = 100;
 const MAX_PAGE: u32 = 1000;
 
@@ -297,12 +294,13 @@ pub async fn delete(
     ))]
 pub async fn heartbeat(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
-    headers: HeaderMap,
-    ApiPath(id): ApiPath<AgentId>,
+    FencedAgent {
+        id,
+        peer,
+        generation,
+    }: FencedAgent,
     ApiJson(req): ApiJson<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
-    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
     if req.status == AgentStatus::Offline {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -311,7 +309,6 @@ pub async fn heartbeat(
         ));
     }
     validate_capabilities(&req.capabilities)?;
-    let generation = generation(&headers)?;
     let now = OffsetDateTime::now_utc();
     // The binding is checked inside the heartbeat transaction, so a heartbeat racing a delete
     // or a renewal cannot resurrect the old certificate.
@@ -351,14 +348,10 @@ pub async fn heartbeat(
     responses((status = 200, body = AgentJwt), (status = 401, body = ErrorBody)))]
 pub async fn issue_jwt(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
+    caller: AgentCaller,
     ApiJson(_req): ApiJson<IssueAgentJwt>,
 ) -> ApiResult<Json<AgentJwt>> {
-    let peer = peer.as_ref().map(|p| &p.0);
-    let id = peer_certificate(peer)?
-        .agent_id
-        .ok_or_else(|| agent_revoked(&state))?;
-    let (agent, _) = authenticate_agent(&state, peer, id).await?;
+    let agent = caller.bound(&state).await?;
     let ttl: Duration = state.config.agent_jwt_ttl;
     let now = OffsetDateTime::now_utc();
     let claims = json!({
@@ -391,11 +384,11 @@ pub async fn issue_jwt(
     responses((status = 200, body = RenewCertificateResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]
 pub async fn renew_certificate(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
-    ApiPath(id): ApiPath<AgentId>,
+    caller: AgentCaller,
     ApiJson(req): ApiJson<RenewCertificate>,
 ) -> ApiResult<Json<RenewCertificateResponse>> {
-    let (_, peer) = authenticate_agent(&state, peer.as_ref().map(|p| &p.0), id).await?;
+    caller.bound(&state).await?;
+    let AgentCaller { id, peer } = caller;
     let now = OffsetDateTime::now_utc();
     let validity = time::Duration::try_from(state.config.agent_cert_validity)
         .map_err(|e| ApiError::internal(&e))?;

@@ -5,6 +5,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
 use berth_proto::agent::{Jwk, Jwks};
+use berth_proto::error::ErrorChain;
 use serde_json::json;
 
 use crate::SharedState;
@@ -24,7 +25,7 @@ pub async fn readyz(State(state): State<SharedState>) -> impl IntoResponse {
     let database = match state.store.ping().await {
         Ok(()) => "ok",
         Err(e) => {
-            tracing::warn!(error = %e, "readiness: database unavailable");
+            tracing::warn!(error = %ErrorChain(&e), "readiness: database unavailable");
             "unavailable"
         }
     };

@@ -7,11 +7,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use berth_proto::error::codes;
+use berth_proto::kind::TaskKind;
 use berth_proto::task::{AttemptView, CreateTask, ListTasks, TaskList, TaskView};
 use berth_proto::{AgentId, ErrorBody, TaskId, TenantId};
 use berth_store::{
-    AgentFilter, Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task,
-    TaskFilter, TaskState,
+    AgentFilter, Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task, TaskFilter,
 };
 use time::OffsetDateTime;
 
@@ -23,12 +23,6 @@ use crate::SharedState;
 
 const DEFAULT_TIMEOUT_SECS: u32 = 300;
 const MAX_TIMEOUT_SECS: u32 = 86_400;
-
-/// Task types that only read: a lost lease requeues them. Everything else changes the target
-/// and is never re-run automatically.
-pub fn has_side_effects(task_type: &str) -> bool {
-    !matches!(task_type, "health-check" | "inspect" | "read-sticker")
-}
 
 fn unprocessable(detail: impl Into<String>) -> ApiError {
     ApiError::new(
@@ -42,7 +36,7 @@ pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
     TaskView {
         id: task.id,
         task_type: task.task_type,
-        state: task.state.as_str().into(),
+        state: task.state,
         agent_id: task.agent_id,
         read_back: task.read_back,
         side_effects: task.side_effects,
@@ -54,7 +48,7 @@ pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
             .map(|a| AttemptView {
                 assignment_id: a.assignment_id,
                 agent_id: a.agent_id,
-                state: a.state.as_str().into(),
+                state: a.state,
                 generation: a.generation,
                 assigned_at: a.assigned_at,
                 lease_expires_at: a.lease_expires_at,
@@ -75,11 +69,19 @@ pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
     }
 }
 
-/// The first online agent of the tenant carrying every selector label.
+/// Whether the agent reports the capability the task kind needs (seed strings, by name).
+fn can_run(agent: &berth_store::Agent, kind: TaskKind) -> bool {
+    let names: Vec<&str> = agent.capabilities.iter().map(|c| c.name.as_str()).collect();
+    kind.runs_on(&names)
+}
+
+/// The online agent of the tenant that carries every selector label and the capability the
+/// kind needs, with the fewest open tasks (the first by id among equals).
 async fn select_agent(
     state: &SharedState,
     tenant: TenantId,
     selector: &BTreeMap<String, String>,
+    kind: TaskKind,
 ) -> ApiResult<AgentId> {
     let first = selector.iter().next().map(|(k, v)| (k.clone(), v.clone()));
     let filter = AgentFilter {
@@ -87,27 +89,37 @@ async fn select_agent(
         capability: None,
         label: first,
     };
+    let mut candidates = Vec::new();
     let mut after = None;
     loop {
         let page = state.store.list_agents(tenant, &filter, after, 500).await?;
-        if let Some(agent) = page
-            .items
-            .iter()
-            .find(|a| selector.iter().all(|(k, v)| a.labels.get(k) == Some(v)))
-        {
-            return Ok(agent.id);
-        }
+        candidates.extend(
+            page.items
+                .iter()
+                .filter(|a| selector.iter().all(|(k, v)| a.labels.get(k) == Some(v)))
+                .filter(|a| can_run(a, kind))
+                .map(|a| a.id),
+        );
         match page.next {
             Some(next) => after = Some(AgentId(next)),
-            None => {
-                return Err(ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    codes::NO_MATCHING_AGENT,
-                    "no online agent matches the selector",
-                ))
-            }
+            None => break,
         }
     }
+    let counts = state.store.open_task_counts(&candidates).await?;
+    counts
+        .into_iter()
+        .min_by_key(|(_, open)| *open)
+        .map(|(agent, _)| agent)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                codes::NO_MATCHING_AGENT,
+                format!(
+                    "no online agent matches the selector and reports the {:?} capability",
+                    kind.required_capability()
+                ),
+            )
+        })
 }
 
 /// Create a task. The same `Idempotency-Key` with the same body returns the same task; with a
@@ -118,7 +130,7 @@ async fn select_agent(
         (status = 201, body = TaskView, description = "created"),
         (status = 200, body = TaskView, description = "the task this Idempotency-Key created before"),
         (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body"),
-        (status = 422, body = ErrorBody, description = "INVALID_REQUEST or NO_MATCHING_AGENT"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD, CAPABILITY_MISSING or NO_MATCHING_AGENT"),
     ))]
 pub async fn create(
     State(state): State<SharedState>,
@@ -142,18 +154,24 @@ pub async fn create(
             )
         }
     };
-    let type_ok = !req.task_type.is_empty()
-        && req.task_type.len() <= 64
-        && req.task_type.starts_with(|c: char| c.is_ascii_lowercase())
-        && req
-            .task_type
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '-'));
-    if !type_ok {
-        return Err(unprocessable(
-            "type must be 1-64 of a-z 0-9 . - starting with a letter",
-        ));
-    }
+    let kind = TaskKind::parse(&req.task_type).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::UNSUPPORTED_TASK_TYPE,
+            format!(
+                "no agent runs tasks of type {:?}; the types are {}",
+                req.task_type.chars().take(64).collect::<String>(),
+                TaskKind::ALL.map(TaskKind::name).join(", ")
+            ),
+        )
+    })?;
+    kind.check_payload(&req.payload).map_err(|e| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_PAYLOAD,
+            format!("the {kind} payload is invalid: {e}"),
+        )
+    })?;
     let timeout_seconds = req.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT_SECS);
     if timeout_seconds == 0 || timeout_seconds > MAX_TIMEOUT_SECS {
         return Err(unprocessable(format!(
@@ -166,14 +184,26 @@ pub async fn create(
     let tenant = caller.tenant();
     let agent_id = match (req.agent_id, &req.selector) {
         (Some(id), None) => {
-            if state.store.get_agent(tenant, id).await?.is_none() {
-                return Err(ApiError::not_found("agent"));
+            let agent = state
+                .store
+                .get_agent(tenant, id)
+                .await?
+                .ok_or_else(|| ApiError::not_found("agent"))?;
+            if !can_run(&agent, kind) {
+                return Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    codes::CAPABILITY_MISSING,
+                    format!(
+                        "agent {id} does not report the {:?} capability that {kind} needs",
+                        kind.required_capability()
+                    ),
+                ));
             }
             id
         }
         (None, Some(selector)) if !selector.is_empty() => {
             validate_labels(selector)?;
-            select_agent(&state, tenant, selector).await?
+            select_agent(&state, tenant, selector, kind).await?
         }
         _ => {
             return Err(unprocessable(
@@ -199,8 +229,8 @@ pub async fn create(
         .create_task(NewTask {
             id,
             tenant_id: tenant,
-            side_effects: has_side_effects(&req.task_type),
-            task_type: req.task_type,
+            side_effects: kind.side_effects(),
+            task_type: kind.name().into(),
             agent_id,
             payload: req.payload,
             credentials_sealed,
@@ -235,12 +265,6 @@ pub async fn list(
     ApiQuery(query): ApiQuery<ListTasks>,
 ) -> ApiResult<Json<TaskList>> {
     caller.can_read()?;
-    let state_filter = match &query.state {
-        None => None,
-        Some(s) => Some(TaskState::parse(s).ok_or_else(|| {
-            ApiError::bad_request(codes::INVALID_REQUEST, format!("unknown state {s:?}"))
-        })?),
-    };
     let after = match &query.cursor {
         None => None,
         Some(c) => Some(
@@ -249,7 +273,7 @@ pub async fn list(
         ),
     };
     let filter = TaskFilter {
-        state: state_filter,
+        state: query.state,
         agent_id: query.agent_id,
         task_type: query.task_type.clone(),
     };

@@ -9,9 +9,12 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::{Extension, Json};
+use axum::Json;
 use base64::Engine;
 use berth_proto::error::codes;
+use berth_proto::headers::KNOWN_CANCELLATIONS_HEADER;
+use berth_proto::kind::TaskKind;
+use berth_proto::result::{error_types, TaskResult};
 use berth_proto::transport::{
     self, AcquireSession, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest,
     AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, Session, CONTRACT_VERSION,
@@ -20,10 +23,9 @@ use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, Task};
 use time::OffsetDateTime;
 
-use crate::auth::{agent_peer, agent_revoked, generation};
+use crate::auth::{agent_revoked, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
-use crate::tls::Peer;
 use crate::SharedState;
 
 fn fenced(detail: &str) -> ApiError {
@@ -53,11 +55,9 @@ fn transport_enabled(state: &SharedState) -> ApiResult<()> {
     ))]
 pub async fn acquire_session(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
-    ApiPath(id): ApiPath<AgentId>,
+    AgentCaller { id, peer }: AgentCaller,
     ApiJson(req): ApiJson<AcquireSession>,
 ) -> ApiResult<Json<Session>> {
-    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
     if req.instance_id.is_empty() || req.instance_id.len() > 128 {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -122,12 +122,8 @@ pub async fn acquire_session(
     responses((status = 200, body = Released), (status = 409, body = ErrorBody, description = "FENCED")))]
 pub async fn release_session(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
-    headers: HeaderMap,
-    ApiPath(id): ApiPath<AgentId>,
+    FencedAgent { id, generation, .. }: FencedAgent,
 ) -> ApiResult<Json<Released>> {
-    agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
-    let generation = generation(&headers)?;
     let released = state
         .store
         .release_session(id, generation, OffsetDateTime::now_utc())
@@ -151,14 +147,15 @@ pub async fn release_session(
     ))]
 pub async fn poll(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
+    FencedAgent {
+        id,
+        peer,
+        generation,
+    }: FencedAgent,
     headers: HeaderMap,
-    ApiPath(id): ApiPath<AgentId>,
     ApiJson(req): ApiJson<AgentTaskPollRequest>,
 ) -> ApiResult<Json<AgentTaskPollResponse>> {
     transport_enabled(&state)?;
-    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), id)?;
-    let generation = generation(&headers)?;
     if req.contract_version != CONTRACT_VERSION {
         return Err(unsupported_contract(&state, &req.contract_version));
     }
@@ -249,7 +246,7 @@ fn poll_hold(configured: Duration) -> Duration {
 /// poll does not return at once for them again.
 fn known_cancellations(headers: &HeaderMap) -> Vec<String> {
     headers
-        .get("x-berth-known-cancellations")
+        .get(KNOWN_CANCELLATIONS_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(|v| {
             v.split(',')
@@ -260,12 +257,10 @@ fn known_cancellations(headers: &HeaderMap) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The capability an assignment names: from the task kind table (a task of a type this server no
+/// longer knows names none the agent has, and the agent fails it closed).
 fn required_capability(task_type: &str) -> &'static str {
-    match task_type {
-        "docker.run" | "rollback" => "docker",
-        "compose.up" => "compose",
-        _ => "agent",
-    }
+    TaskKind::parse(task_type).map_or("unknown", TaskKind::required_capability)
 }
 
 fn assignment(
@@ -315,14 +310,135 @@ fn unsupported_contract(state: &SharedState, version: &str) -> ApiError {
     )
 }
 
-fn rejected(
-    state: &SharedState,
-    reason: &'static str,
-    code: &'static str,
-    detail: impl Into<String>,
-) -> ApiError {
-    state.metrics.result_rejected(reason);
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, detail)
+/// Why a result was refused before it reached the store: the metric reason, the code, and a
+/// detail for the agent.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub reason: &'static str,
+    pub code: &'static str,
+    pub detail: String,
+}
+
+fn refuse(reason: &'static str, code: &'static str, detail: impl Into<String>) -> Refusal {
+    Refusal {
+        reason,
+        code,
+        detail: detail.into(),
+    }
+}
+
+/// A result whose signature verified over the received bytes and whose ids match the path.
+#[derive(Debug)]
+pub(crate) struct VerifiedResult {
+    pub envelope: AgentTaskResultEnvelope,
+    pub result: Option<TaskResult>,
+    pub attempt: AttemptResult,
+}
+
+/// Everything a result must prove that needs no database, in order: the contract version, a
+/// signature in a known algorithm that `verifies` over the JCS of the received envelope without
+/// `signature`, then — parsed only after that — the ids, and a `resultData` that is seed 000's
+/// `TaskResult` of this task. `verifies(algorithm, message, signature)` is the connection's
+/// certificate key. The binding, the generation and the live lease are the store's to check.
+pub(crate) fn verify_result(
+    raw: &serde_json::Value,
+    agent_id: AgentId,
+    task_id: TaskId,
+    verifies: impl FnOnce(&str, &[u8], &[u8]) -> bool,
+) -> Result<VerifiedResult, Refusal> {
+    let text = |name: &str| raw.get(name).and_then(|v| v.as_str()).unwrap_or_default();
+    let version = text("contractVersion");
+    if version != CONTRACT_VERSION {
+        return Err(refuse(
+            "unsupported_contract_version",
+            codes::UNSUPPORTED_CONTRACT_VERSION,
+            format!("contract version {version:?} is not {CONTRACT_VERSION}"),
+        ));
+    }
+    let signature = text("signature");
+    if signature.is_empty() {
+        return Err(refuse(
+            "no_signature",
+            codes::SIGNATURE_MISSING,
+            "the result is not signed",
+        ));
+    }
+    let algorithm = text("signatureAlgorithm");
+    if algorithm != transport::ALG_ECDSA_SHA256 && algorithm != transport::ALG_RSA_SHA256 {
+        return Err(refuse(
+            "bad_signature",
+            codes::UNSUPPORTED_SIGNATURE_ALGORITHM,
+            format!("signatureAlgorithm {algorithm:?} is not ecdsa-sha256 or rsa-sha256"),
+        ));
+    }
+    let invalid = |detail: &str| refuse("bad_signature", codes::SIGNATURE_INVALID, detail);
+    let signature = base64::engine::general_purpose::STANDARD
+        .decode(signature)
+        .map_err(|_| invalid("the signature is not standard base64"))?;
+    let signed =
+        transport::signing_input(raw).map_err(|_| invalid("the envelope has no canonical form"))?;
+    if !verifies(algorithm, &signed, &signature) {
+        return Err(invalid(
+            "the signature does not verify with the agent's certificate",
+        ));
+    }
+
+    let malformed = |detail: String| refuse("malformed", codes::INVALID_REQUEST, detail);
+    let envelope: AgentTaskResultEnvelope =
+        serde_json::from_value(raw.clone()).map_err(|e| malformed(e.to_string()))?;
+    let task_mismatch = || {
+        refuse(
+            "task_id_mismatch",
+            codes::TASK_ID_MISMATCH,
+            "taskId differs from the path",
+        )
+    };
+    if envelope.task_id != task_id {
+        return Err(task_mismatch());
+    }
+    if envelope.agent_id != agent_id {
+        return Err(refuse(
+            "agent_id_mismatch",
+            codes::AGENT_ID_MISMATCH,
+            "agentId differs from the path",
+        ));
+    }
+    let result = match &envelope.result_data {
+        None => None,
+        Some(text) => {
+            let result: TaskResult = serde_json::from_str(text)
+                .map_err(|e| malformed(format!("resultData is not a TaskResult: {e}")))?;
+            if result.task_id != task_id {
+                return Err(task_mismatch());
+            }
+            if result.success != envelope.success {
+                return Err(malformed(
+                    "resultData.success disagrees with the envelope's success".into(),
+                ));
+            }
+            Some(result)
+        }
+    };
+    let attempt = match &result {
+        _ if envelope.success => AttemptResult::Succeeded,
+        Some(r) if r.cancelled() => AttemptResult::Cancelled,
+        Some(r) => AttemptResult::Failed {
+            error_code: r
+                .error_type
+                .clone()
+                .unwrap_or_else(|| error_types::FAILED.into()),
+            retriable: r.retriable,
+        },
+        None => AttemptResult::Failed {
+            error_code: error_types::FAILED.into(),
+            retriable: false,
+        },
+    };
+    Ok(VerifiedResult {
+        envelope,
+        result,
+        attempt,
+    })
 }
 
 /// Submit the signed result of an assignment (mTLS, with the generation).
@@ -332,130 +448,47 @@ fn rejected(
     responses(
         (status = 200, body = ResultAck),
         (status = 409, body = ErrorBody, description = "FENCED: stale generation or an assignment that is no longer current"),
-        (status = 422, body = ErrorBody, description = "SIGNATURE_MISSING, SIGNATURE_INVALID, UNSUPPORTED_SIGNATURE_ALGORITHM, UNSUPPORTED_CONTRACT_VERSION, TASK_ID_MISMATCH, AGENT_ID_MISMATCH"),
+        (status = 422, body = ErrorBody, description = "SIGNATURE_MISSING, SIGNATURE_INVALID, UNSUPPORTED_SIGNATURE_ALGORITHM, UNSUPPORTED_CONTRACT_VERSION, TASK_ID_MISMATCH, AGENT_ID_MISMATCH, INVALID_REQUEST"),
         (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
     ))]
 pub async fn submit_result(
     State(state): State<SharedState>,
-    peer: Option<Extension<Peer>>,
-    headers: HeaderMap,
+    caller: Result<FencedAgent, ApiError>,
     ApiPath((agent_id, task_id)): ApiPath<(AgentId, TaskId)>,
     ApiJson(raw): ApiJson<serde_json::Value>,
 ) -> ApiResult<Json<ResultAck>> {
     transport_enabled(&state)?;
-    let peer = agent_peer(&state, peer.as_ref().map(|p| &p.0), agent_id)
-        .inspect_err(|_| state.metrics.result_rejected("binding_mismatch"))?;
-    let generation =
-        generation(&headers).inspect_err(|_| state.metrics.result_rejected("fenced"))?;
-
-    let version = raw
-        .get("contractVersion")
-        .and_then(|v| v.as_str())
-        .unwrap_or_default();
-    if version != CONTRACT_VERSION {
-        return Err(unsupported_contract(&state, version));
-    }
-    let signature = match raw.get("signature").and_then(|v| v.as_str()) {
-        Some(s) if !s.is_empty() => s,
-        _ => {
-            return Err(rejected(
-                &state,
-                "no_signature",
-                codes::SIGNATURE_MISSING,
-                "the result is not signed",
-            ))
-        }
-    };
-    let algorithm = raw
-        .get("signatureAlgorithm")
-        .and_then(|v| v.as_str())
-        .unwrap_or_default();
-    if algorithm != transport::ALG_ECDSA_SHA256 && algorithm != transport::ALG_RSA_SHA256 {
-        return Err(rejected(
-            &state,
-            "bad_signature",
-            codes::UNSUPPORTED_SIGNATURE_ALGORITHM,
-            format!("signatureAlgorithm {algorithm:?} is not ecdsa-sha256 or rsa-sha256"),
-        ));
-    }
-    let signature = base64::engine::general_purpose::STANDARD
-        .decode(signature)
-        .map_err(|_| {
-            rejected(
-                &state,
-                "bad_signature",
-                codes::SIGNATURE_INVALID,
-                "the signature is not standard base64",
-            )
-        })?;
-    let signed = transport::signing_input(&raw).map_err(|e| ApiError::internal(&e))?;
+    let FencedAgent {
+        peer, generation, ..
+    } = caller.inspect_err(|e| {
+        state.metrics.result_rejected(match e.code {
+            codes::FENCED => "fenced",
+            _ => "binding_mismatch",
+        })
+    })?;
     // The verifier of this connection's certificate (`peer.der`, parsed once per connection).
-    // It decides only whether the signature verifies: `agent_peer` checked that the certificate
-    // names this agent, and `complete_attempt` checks `peer.fingerprint` against the agent's
-    // current binding in the write's own transaction, as before.
-    peer.result_verifier()
-        .and_then(|verifier| verifier.verify(algorithm, &signed, &signature))
-        .map_err(|_| {
-            rejected(
-                &state,
-                "bad_signature",
-                codes::SIGNATURE_INVALID,
-                "the signature does not verify with the agent's certificate",
-            )
-        })?;
-
-    let envelope: AgentTaskResultEnvelope = serde_json::from_value(raw.clone()).map_err(|e| {
+    // It decides only whether the signature verifies: the extractor checked that the
+    // certificate names this agent, and `complete_attempt` checks `peer.fingerprint` against the
+    // agent's current binding in the write's own transaction.
+    let verified = verify_result(&raw, agent_id, task_id, |algorithm, message, signature| {
+        peer.result_verifier()
+            .and_then(|verifier| verifier.verify(algorithm, message, signature))
+            .is_ok()
+    })
+    .map_err(|refusal| {
+        state.metrics.result_rejected(refusal.reason);
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            codes::INVALID_REQUEST,
-            e.to_string(),
+            refusal.code,
+            refusal.detail,
         )
     })?;
-    if envelope.task_id != task_id {
-        return Err(rejected(
-            &state,
-            "task_id_mismatch",
-            codes::TASK_ID_MISMATCH,
-            "taskId differs from the path",
-        ));
-    }
-    if envelope.agent_id != agent_id {
-        return Err(rejected(
-            &state,
-            "agent_id_mismatch",
-            codes::AGENT_ID_MISMATCH,
-            "agentId differs from the path",
-        ));
-    }
-    let result_data: Option<serde_json::Value> = match &envelope.result_data {
-        None => None,
-        Some(text) => Some(serde_json::from_str(text).map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                codes::INVALID_REQUEST,
-                format!("resultData is not JSON: {e}"),
-            )
-        })?),
-    };
-    let error_type = result_data
+    let result_data = verified
+        .result
         .as_ref()
-        .and_then(|d| d.get("errorType"))
-        .and_then(|v| v.as_str())
-        .map(str::to_string);
-    let result = if envelope.success {
-        AttemptResult::Succeeded
-    } else if error_type.as_deref() == Some("CANCELLED") {
-        AttemptResult::Cancelled
-    } else {
-        AttemptResult::Failed {
-            error_code: error_type.unwrap_or_else(|| "FAILED".into()),
-            retriable: result_data
-                .as_ref()
-                .and_then(|d| d.get("retriable"))
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-        }
-    };
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(|e| ApiError::internal(&e))?;
     let outcome = state
         .store
         .complete_attempt(
@@ -464,8 +497,8 @@ pub async fn submit_result(
                 generation,
                 certificate_fingerprint: peer.fingerprint.to_string(),
                 task_id,
-                assignment_id: envelope.assignment_id,
-                result,
+                assignment_id: verified.envelope.assignment_id,
+                result: verified.attempt,
                 result_data,
                 envelope: raw,
                 now: OffsetDateTime::now_utc(),
@@ -480,13 +513,13 @@ pub async fn submit_result(
             Ok(Json(ResultAck {
                 accepted: true,
                 duplicate: false,
-                state: task.state.as_str().into(),
+                state: task.state,
             }))
         }
         CompleteOutcome::Duplicate(task) => Ok(Json(ResultAck {
             accepted: true,
             duplicate: true,
-            state: task.state.as_str().into(),
+            state: task.state,
         })),
         CompleteOutcome::Fenced => {
             state.metrics.result_rejected("fenced");
