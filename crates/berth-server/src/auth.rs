@@ -102,7 +102,7 @@ impl FromRequestParts<SharedState> for Caller {
 }
 
 /// An agent-runtime caller: the connection's client certificate, which names the agent the path
-/// names (`{id}`; routes without one act for the certificate's agent). A certificate naming
+/// names (`{id}` or `{agentId}`; routes without one act for the certificate's agent). A certificate naming
 /// another agent is `403 CERT_BINDING_MISMATCH`, decided before any lookup so it tells nothing
 /// about whether `id` exists. Whether the certificate is still the agent's *binding* is decided
 /// afterwards: by [`AgentCaller::bound`], or by the store inside the write's own transaction.
@@ -137,7 +137,7 @@ impl FromRequestParts<SharedState> for AgentCaller {
         let path_id = match RawPathParams::from_request_parts(parts, state).await {
             Ok(params) => params
                 .iter()
-                .find(|(name, _)| *name == "id")
+                .find(|(name, _)| matches!(*name, "id" | "agentId"))
                 .map(|(_, value)| {
                     value.parse::<AgentId>().map_err(|_| {
                         ApiError::bad_request(codes::INVALID_ID, "the agent id is not a UUID")

@@ -689,6 +689,7 @@ async fn bad_input_gets_a_4xx_json_error_never_a_5xx() {
     let response = with_cert
         .post(url(&format!("/api/v1/agents/{}/heartbeat", agent.id)))
         .header("content-type", "application/json")
+        .header(berth_proto::headers::GENERATION_HEADER, "1")
         .body("[1,2")
         .send()
         .await

@@ -9,10 +9,12 @@ use std::time::{Duration, Instant};
 use berth_client::ClientError;
 use berth_crypto::AgentKey;
 use berth_proto::agent::{AgentStatus, GetAgent, Heartbeat, ResourceUsage};
-use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskView};
+use berth_proto::task::{
+    CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState, TaskView,
+};
 use berth_proto::transport::{AcquireSession, AgentTaskAssignment, GENERATION_HEADER};
 use berth_proto::AgentId;
-use common::{sign_with, start, start_with, wait_for, TestAgent, TestServer};
+use common::{failure, ok, sign_with, start, start_with, wait_for, TestAgent, TestServer};
 use serde_json::json;
 
 fn code(e: &ClientError) -> (u16, String) {
@@ -50,14 +52,6 @@ async fn assignment(agent: &TestAgent, generation: i64) -> AgentTaskAssignment {
         .expect("poll")
         .assignment
         .expect("an assignment")
-}
-
-fn ok_data() -> serde_json::Value {
-    json!({"success": true, "message": "ok", "outputs": {}, "logs": "", "metrics": {}})
-}
-
-fn failure_data(error_type: &str, retriable: bool) -> serde_json::Value {
-    json!({"success": false, "message": "nope", "errorType": error_type, "retriable": retriable, "outputs": {}, "logs": "", "metrics": {}})
 }
 
 #[tokio::test]
@@ -164,11 +158,11 @@ async fn a_signed_result_completes_the_task_and_is_stored_for_audit() {
         task(agent.id, "write-sticker", json!({"name": "web"})),
     )
     .await;
-    assert_eq!(t.state, "pending");
+    assert_eq!(t.state, TaskState::Pending);
     assert!(t.side_effects);
     let a = assignment(&agent, generation).await;
-    assert_eq!(show(&server, &t).await.state, "leased");
-    let envelope = agent.sign(agent.envelope(t.id, a.assignment_id, true, ok_data()));
+    assert_eq!(show(&server, &t).await.state, TaskState::Leased);
+    let envelope = agent.sign(agent.envelope(a.assignment_id, ok(t.id)));
     let ack = agent
         .submit(generation, envelope.clone())
         .await
@@ -184,7 +178,7 @@ async fn a_signed_result_completes_the_task_and_is_stored_for_audit() {
         .expect("duplicate accepted");
     assert!(again.duplicate);
     let shown = show(&server, &t).await;
-    assert_eq!(shown.state, "succeeded");
+    assert_eq!(shown.state, TaskState::Succeeded);
     assert!(!shown.read_back);
     assert_eq!(shown.attempts.len(), 1);
     assert_eq!(
@@ -192,7 +186,7 @@ async fn a_signed_result_completes_the_task_and_is_stored_for_audit() {
         envelope["signature"]
     );
     // A different result for the ended assignment is refused.
-    let other = agent.sign(agent.envelope(t.id, a.assignment_id, false, failure_data("X", false)));
+    let other = agent.sign(agent.envelope(a.assignment_id, failure(t.id, "X", false)));
     let err = agent.submit(generation, other).await.unwrap_err();
     assert_eq!(code(&err), (409, "FENCED".into()));
     server.stop().await;
@@ -207,7 +201,7 @@ async fn forged_and_malformed_results_fail_closed_with_distinct_codes() {
     let other_generation = other.session().await;
     let t = create(&server, task(agent.id, "inspect", json!({}))).await;
     let a = assignment(&agent, generation).await;
-    let base = agent.envelope(t.id, a.assignment_id, true, ok_data());
+    let base = agent.envelope(a.assignment_id, ok(t.id));
 
     // Unsigned.
     let err = agent.submit(generation, base.clone()).await.unwrap_err();
@@ -253,7 +247,7 @@ async fn forged_and_malformed_results_fail_closed_with_distinct_codes() {
     mismatched["taskId"] = decoy.id.to_string().into();
     let signed = agent.sign(mismatched);
     let g = generation.to_string();
-    let path_override = berth_proto::transport::SubmitResult(signed.clone());
+    let path_override = common::RawResult(signed.clone());
     let response = server
         .raw(Some(&agent.identity()))
         .post(format!(
@@ -300,7 +294,7 @@ async fn forged_and_malformed_results_fail_closed_with_distinct_codes() {
     let err = server
         .client(None, None)
         .send_with(
-            &berth_proto::transport::SubmitResult(agent.sign(base.clone())),
+            &common::RawResult(agent.sign(base.clone())),
             &[(GENERATION_HEADER, &g)],
             None,
         )
@@ -308,7 +302,7 @@ async fn forged_and_malformed_results_fail_closed_with_distinct_codes() {
         .unwrap_err();
     assert_eq!(code(&err), (401, "CLIENT_CERT_REQUIRED".into()));
     // None of it moved the task; the genuine result still counts.
-    assert_eq!(show(&server, &t).await.state, "leased");
+    assert_eq!(show(&server, &t).await.state, TaskState::Leased);
     agent
         .submit(generation, agent.sign(base))
         .await
@@ -354,7 +348,7 @@ async fn a_disabled_transport_fails_closed() {
     let err = agent.poll(generation).await.unwrap_err();
     assert_eq!(code(&err), (503, "TRANSPORT_DISABLED".into()));
     let t = create(&server, task(agent.id, "inspect", json!({}))).await;
-    let fake = agent.sign(agent.envelope(t.id, berth_proto::AssignmentId::new(), true, ok_data()));
+    let fake = agent.sign(agent.envelope(berth_proto::AssignmentId::new(), ok(t.id)));
     let err = agent.submit(generation, fake).await.unwrap_err();
     assert_eq!(code(&err), (503, "TRANSPORT_DISABLED".into()));
     let ready = server
@@ -370,7 +364,7 @@ async fn a_disabled_transport_fails_closed() {
     );
     assert_eq!(
         show(&server, &t).await.state,
-        "pending",
+        TaskState::Pending,
         "nothing succeeds without the transport"
     );
     server.stop().await;
@@ -399,17 +393,13 @@ async fn retriable_failures_back_off_then_dead_letter() {
     for attempt in 1..=5 {
         let a = assignment(&agent, generation).await;
         assert_eq!(a.task_id, t.id, "attempt {attempt}");
-        let envelope = agent.sign(agent.envelope(
-            t.id,
-            a.assignment_id,
-            false,
-            failure_data("HEALTH_CHECK_FAILED", true),
-        ));
+        let envelope =
+            agent.sign(agent.envelope(a.assignment_id, failure(t.id, "HEALTH_CHECK_FAILED", true)));
         let ack = agent.submit(generation, envelope).await.unwrap();
         let expected = if attempt < 5 {
-            "retry_wait"
+            TaskState::RetryWait
         } else {
-            "dead_letter"
+            TaskState::DeadLetter
         };
         assert_eq!(ack.state, expected, "attempt {attempt}");
     }
@@ -425,7 +415,7 @@ async fn retriable_failures_back_off_then_dead_letter() {
     let dead = server
         .admin()
         .send(&ListTasks {
-            state: Some("dead_letter".into()),
+            state: Some(TaskState::DeadLetter),
             ..Default::default()
         })
         .await
@@ -436,12 +426,12 @@ async fn retriable_failures_back_off_then_dead_letter() {
     );
     // An operator can retry a dead letter; a succeeded task cannot be retried.
     let retried = server.admin().send(&RetryTask { id: t.id }).await.unwrap();
-    assert_eq!(retried.state, "pending");
+    assert_eq!(retried.state, TaskState::Pending);
     let a = assignment(&agent, generation).await;
     agent
         .submit(
             generation,
-            agent.sign(agent.envelope(t.id, a.assignment_id, true, ok_data())),
+            agent.sign(agent.envelope(a.assignment_id, ok(t.id))),
         )
         .await
         .unwrap();
@@ -471,7 +461,7 @@ async fn a_lost_lease_requeues_read_only_work_and_fences_the_late_result() {
         )
     })
     .await;
-    let late = agent.sign(agent.envelope(t.id, first.assignment_id, true, ok_data()));
+    let late = agent.sign(agent.envelope(first.assignment_id, ok(t.id)));
     let err = agent.submit(generation, late).await.unwrap_err();
     assert_eq!(
         code(&err),
@@ -490,11 +480,11 @@ async fn a_lost_lease_requeues_read_only_work_and_fences_the_late_result() {
     agent
         .submit(
             generation,
-            agent.sign(agent.envelope(t.id, second.assignment_id, true, ok_data())),
+            agent.sign(agent.envelope(second.assignment_id, ok(t.id))),
         )
         .await
         .unwrap();
-    assert_eq!(show(&server, &t).await.state, "succeeded");
+    assert_eq!(show(&server, &t).await.state, TaskState::Succeeded);
     server.stop().await;
 }
 
@@ -514,7 +504,7 @@ async fn a_lost_lease_with_side_effects_is_unknown_until_read_back_proves_it() {
     wait_for(
         "the task to become unknown",
         Duration::from_secs(30),
-        || async { show(&server, &t).await.state == "unknown" },
+        || async { show(&server, &t).await.state == TaskState::Unknown },
     )
     .await;
     // Never re-run: the next delivery is a read-back of the sticker, not the task.
@@ -525,18 +515,22 @@ async fn a_lost_lease_with_side_effects_is_unknown_until_read_back_proves_it() {
         "web"
     );
     // The agent did write the sticker before it lost its lease: read-back finds it.
-    let evidence = json!({"success": true, "message": "found", "outputs": {"sticker": {"name": "web", "taskId": t.id, "digest": "sha256:abc"}}, "logs": "", "metrics": {}});
+    let mut evidence = ok(read_back.task_id);
+    evidence.outputs.insert(
+        "sticker".into(),
+        json!({"name": "web", "taskId": t.id, "digest": "sha256:abc"}),
+    );
     agent
         .submit(
             generation,
-            agent.sign(agent.envelope(read_back.task_id, read_back.assignment_id, true, evidence)),
+            agent.sign(agent.envelope(read_back.assignment_id, evidence)),
         )
         .await
         .unwrap();
     let shown = show(&server, &t).await;
-    assert_eq!(shown.state, "succeeded");
+    assert_eq!(shown.state, TaskState::Succeeded);
     assert!(shown.read_back, "succeeded by read-back, not by a result");
-    let late = agent.sign(agent.envelope(t.id, lost.assignment_id, true, ok_data()));
+    let late = agent.sign(agent.envelope(lost.assignment_id, ok(t.id)));
     assert_eq!(
         code(&agent.submit(generation, late).await.unwrap_err()),
         (409, "FENCED".into())
@@ -554,22 +548,25 @@ async fn read_back_without_proof_leaves_the_task_unknown_for_an_operator() {
     let t = create(&server, request).await;
     assignment(&agent, generation).await;
     wait_for("unknown", Duration::from_secs(30), || async {
-        show(&server, &t).await.state == "unknown"
+        show(&server, &t).await.state == TaskState::Unknown
     })
     .await;
     let read_back = assignment(&agent, generation).await;
-    let nothing = json!({"success": true, "message": "none", "outputs": {"sticker": null}, "logs": "", "metrics": {}});
+    let mut nothing = ok(read_back.task_id);
+    nothing
+        .outputs
+        .insert("sticker".into(), serde_json::Value::Null);
     agent
         .submit(
             generation,
-            agent.sign(agent.envelope(read_back.task_id, read_back.assignment_id, true, nothing)),
+            agent.sign(agent.envelope(read_back.assignment_id, nothing)),
         )
         .await
         .unwrap();
-    assert_eq!(show(&server, &t).await.state, "unknown");
+    assert_eq!(show(&server, &t).await.state, TaskState::Unknown);
     // The operator abandons it.
     let cancelled = server.admin().send(&CancelTask { id: t.id }).await.unwrap();
-    assert_eq!(cancelled.state, "cancelled");
+    assert_eq!(cancelled.state, TaskState::Cancelled);
     server.stop().await;
 }
 
@@ -589,7 +586,7 @@ async fn cancellation_reaches_a_running_task_through_the_poll() {
         .send(&CancelTask { id: running.id })
         .await
         .unwrap();
-    assert_eq!(pending_cancel.state, "cancelled");
+    assert_eq!(pending_cancel.state, TaskState::Cancelled);
     // ...a leased one is signalled to the agent, which reports cancelled.
     let requested = server
         .admin()
@@ -597,19 +594,15 @@ async fn cancellation_reaches_a_running_task_through_the_poll() {
         .await
         .unwrap();
     assert!(requested.cancel_requested);
-    assert_eq!(requested.state, "leased");
+    assert_eq!(requested.state, TaskState::Leased);
     let response = agent.poll(generation).await.unwrap();
     assert_eq!(response.cancellations.len(), 1);
     assert_eq!(response.cancellations[0].assignment_id, a.assignment_id);
-    let envelope = agent.sign(agent.envelope(
-        queued.id,
-        a.assignment_id,
-        false,
-        failure_data("CANCELLED", false),
-    ));
+    let envelope =
+        agent.sign(agent.envelope(a.assignment_id, failure(queued.id, "CANCELLED", false)));
     assert_eq!(
         agent.submit(generation, envelope).await.unwrap().state,
-        "cancelled"
+        TaskState::Cancelled
     );
     server.stop().await;
 }
@@ -669,7 +662,7 @@ async fn tasks_for_one_agent_run_in_order_with_one_side_effect_at_a_time() {
     agent
         .submit(
             generation,
-            agent.sign(agent.envelope(deploy_a.id, first.assignment_id, true, ok_data())),
+            agent.sign(agent.envelope(first.assignment_id, ok(deploy_a.id))),
         )
         .await
         .unwrap();
@@ -710,8 +703,7 @@ async fn concurrent_polls_never_receive_the_same_assignment() {
                     let Some(a) = response.assignment else { break };
                     assert_eq!(a.agent_id, agent.id, "a task reached another agent");
                     got.push((a.agent_id, a.task_id, a.assignment_id));
-                    let envelope =
-                        agent.sign(agent.envelope(a.task_id, a.assignment_id, true, ok_data()));
+                    let envelope = agent.sign(agent.envelope(a.assignment_id, ok(a.task_id)));
                     agent.submit(generation, envelope).await.expect("result");
                 }
                 got
@@ -788,5 +780,132 @@ async fn viewers_cannot_create_tasks_and_tenants_cannot_see_each_others() {
     let shown =
         serde_json::to_string(&admin.send(&GetTask { id: created.id }).await.unwrap()).unwrap();
     assert!(!shown.contains("s3cr3t-value"));
+    server.stop().await;
+}
+
+/// Seed 000's capability strings, set by an admin as an agent could report them.
+async fn equip(server: &TestServer, agent: &TestAgent, capabilities: &[&str], role: &str) {
+    server
+        .admin()
+        .send(&berth_proto::agent::UpdateAgent {
+            id: agent.id,
+            labels: Some([("role".to_string(), role.to_string())].into()),
+            capabilities: Some(
+                capabilities
+                    .iter()
+                    .map(|c| berth_proto::agent::Capability::named(*c))
+                    .collect(),
+            ),
+        })
+        .await
+        .expect("update agent");
+}
+
+#[tokio::test]
+async fn create_refuses_unknown_types_bad_payloads_and_missing_capabilities() {
+    let server = start().await;
+    let plain = server.agent("plain").await;
+    equip(&server, &plain, &[], "web").await;
+    let cases = [
+        (task(plain.id, "deploy", json!({})), "UNSUPPORTED_TASK_TYPE"),
+        (task(plain.id, "", json!({})), "UNSUPPORTED_TASK_TYPE"),
+        (
+            task(plain.id, "write-sticker", json!({})),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(plain.id, "read-sticker", json!({"name": "a", "extra": 1})),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(plain.id, "execute-command", json!({"command": "sh -c id"})),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(
+                plain.id,
+                "docker.run",
+                json!({"config": {"containerName": "web"}}),
+            ),
+            "CAPABILITY_MISSING",
+        ),
+        (
+            task(plain.id, "compose.up", json!({})),
+            "CAPABILITY_MISSING",
+        ),
+        (
+            CreateTask {
+                task_type: "docker.run".into(),
+                selector: Some([("role".to_string(), "web".to_string())].into()),
+                ..Default::default()
+            },
+            "NO_MATCHING_AGENT",
+        ),
+    ];
+    for (request, expected) in cases {
+        let err = server.admin().send(&request).await.unwrap_err();
+        assert_eq!(code(&err), (422, expected.into()), "{request:?}");
+    }
+    let queued = server
+        .admin()
+        .send(&ListTasks::default())
+        .await
+        .expect("list");
+    assert!(queued.items.is_empty(), "a refused create queued nothing");
+    // The same kinds pass once the agent reports the capability.
+    equip(&server, &plain, &["docker", "compose"], "web").await;
+    for kind in ["docker.run", "compose.up"] {
+        create(&server, task(plain.id, kind, json!({}))).await;
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_selector_picks_the_capable_agent_with_the_fewest_open_tasks() {
+    let server = start().await;
+    let busy = server.agent("busy").await;
+    let idle = server.agent("idle").await;
+    let incapable = server.agent("incapable").await;
+    for agent in [&busy, &idle] {
+        equip(&server, agent, &["docker"], "web").await;
+    }
+    equip(&server, &incapable, &[], "web").await;
+    for _ in 0..2 {
+        create(&server, task(busy.id, "inspect", json!({}))).await;
+    }
+    create(&server, task(idle.id, "inspect", json!({}))).await;
+    let by_selector = || CreateTask {
+        task_type: "docker.run".into(),
+        selector: Some([("role".to_string(), "web".to_string())].into()),
+        ..Default::default()
+    };
+    // idle has 1 open task, busy 2, incapable none but no Docker.
+    assert_eq!(create(&server, by_selector()).await.agent_id, idle.id);
+    // Now both have 2; the next goes to either, and never to the incapable agent.
+    for _ in 0..4 {
+        let chosen = create(&server, by_selector()).await.agent_id;
+        assert!(chosen == idle.id || chosen == busy.id);
+    }
+    let open = |agent: AgentId| {
+        let server = &server;
+        async move {
+            server
+                .admin()
+                .send(&ListTasks {
+                    agent_id: Some(agent),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .items
+                .len()
+        }
+    };
+    assert_eq!(
+        (open(busy.id).await, open(idle.id).await),
+        (4, 4),
+        "spread evenly"
+    );
+    assert_eq!(open(incapable.id).await, 0);
     server.stop().await;
 }

@@ -2,9 +2,10 @@
 
 use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
-use axum::routing::{get, post};
 use axum::Router;
 use berth_proto::error::codes;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::error::ApiError;
 use crate::SharedState;
@@ -15,48 +16,40 @@ pub mod meta;
 pub mod tasks;
 pub mod transport;
 
+/// Every route, declared once: each handler's `#[utoipa::path]` gives both its axum route and
+/// its operation in the OpenAPI document, so the two cannot disagree. One `routes!` per path.
+pub(crate) fn declared() -> OpenApiRouter<SharedState> {
+    OpenApiRouter::with_openapi(crate::openapi::document_base())
+        .routes(routes!(meta::healthz))
+        .routes(routes!(meta::readyz))
+        .routes(routes!(meta::metrics))
+        .routes(routes!(meta::openapi))
+        .routes(routes!(meta::jwks))
+        .routes(routes!(admin::create_tenant))
+        .routes(routes!(admin::create_api_token))
+        .routes(routes!(admin::create_agent_token))
+        .routes(routes!(agents::register))
+        .routes(routes!(agents::issue_jwt))
+        .routes(routes!(agents::list))
+        .routes(routes!(agents::get, agents::update, agents::delete))
+        .routes(routes!(agents::heartbeat))
+        .routes(routes!(agents::renew_certificate))
+        .routes(routes!(
+            transport::acquire_session,
+            transport::release_session
+        ))
+        .routes(routes!(transport::poll))
+        .routes(routes!(transport::submit_result))
+        .routes(routes!(tasks::create, tasks::list))
+        .routes(routes!(tasks::get))
+        .routes(routes!(tasks::cancel))
+        .routes(routes!(tasks::retry))
+}
+
 pub fn router(state: SharedState) -> Router {
     let body_limit = state.config.body_limit;
-    Router::new()
-        .route("/healthz", get(meta::healthz))
-        .route("/readyz", get(meta::readyz))
-        .route("/metrics", get(meta::metrics))
-        .route("/api/v1/openapi.json", get(meta::openapi))
-        .route("/.well-known/agent-jwks.json", get(meta::jwks))
-        .route("/api/v1/admin/tenants", post(admin::create_tenant))
-        .route("/api/v1/admin/api-tokens", post(admin::create_api_token))
-        .route(
-            "/api/v1/admin/agent-tokens",
-            post(admin::create_agent_token),
-        )
-        .route("/api/v1/agents/register", post(agents::register))
-        .route("/api/v1/agents/token", post(agents::issue_jwt))
-        .route("/api/v1/agents", get(agents::list))
-        .route(
-            "/api/v1/agents/{id}",
-            get(agents::get).put(agents::update).delete(agents::delete),
-        )
-        .route("/api/v1/agents/{id}/heartbeat", post(agents::heartbeat))
-        .route(
-            "/api/v1/agents/{id}/certificate",
-            post(agents::renew_certificate),
-        )
-        .route(
-            "/api/v1/agents/{id}/session",
-            post(transport::acquire_session).delete(transport::release_session),
-        )
-        .route(
-            "/api/v1/release-orchestrator/agent-runtime/agents/{id}/tasks:poll",
-            post(transport::poll),
-        )
-        .route(
-            "/api/v1/release-orchestrator/agent-runtime/agents/{id}/tasks/{task_id}/result",
-            post(transport::submit_result),
-        )
-        .route("/api/v1/tasks", post(tasks::create).get(tasks::list))
-        .route("/api/v1/tasks/{id}", get(tasks::get))
-        .route("/api/v1/tasks/{id}/cancel", post(tasks::cancel))
-        .route("/api/v1/tasks/{id}/retry", post(tasks::retry))
+    let (router, _) = declared().split_for_parts();
+    router
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

@@ -551,6 +551,257 @@ async fn after_result(state: &SharedState, task: &Task) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use berth_crypto::{AgentKey, Ca, ResultVerifier};
+    use berth_proto::result::TaskResult;
+    use serde_json::Value;
+
+    struct Signer {
+        key: AgentKey,
+        verifier: ResultVerifier,
+        agent: AgentId,
+        task: TaskId,
+    }
+
+    impl Signer {
+        fn new() -> Signer {
+            let now = OffsetDateTime::now_utc();
+            let ca = Ca::generate("test CA", now).unwrap();
+            let key = AgentKey::generate().unwrap();
+            let agent = AgentId::new();
+            let issued = ca
+                .sign_agent_csr(
+                    &key.csr_pem("a").unwrap(),
+                    agent.0,
+                    now,
+                    time::Duration::hours(1),
+                )
+                .unwrap();
+            let der = berth_crypto::cert_pem_to_der(&issued.cert_pem).unwrap();
+            Signer {
+                key,
+                verifier: ResultVerifier::from_cert(&der).unwrap(),
+                agent,
+                task: TaskId::new(),
+            }
+        }
+
+        fn result(&self, success: bool, error_type: Option<&str>) -> TaskResult {
+            let now = OffsetDateTime::now_utc();
+            TaskResult {
+                task_id: self.task,
+                success,
+                started_at: now,
+                completed_at: now,
+                outputs: Default::default(),
+                artifacts: vec![],
+                error: (!success).then(|| "boom".into()),
+                error_type: error_type.map(str::to_string),
+                retriable: error_type == Some("FLAKY"),
+                logs: String::new(),
+                metrics: Default::default(),
+            }
+        }
+
+        /// The unsigned envelope of a result, as JSON.
+        fn envelope(&self, result: &TaskResult) -> Value {
+            serde_json::to_value(AgentTaskResultEnvelope {
+                contract_version: CONTRACT_VERSION.into(),
+                agent_id: self.agent,
+                task_id: self.task,
+                assignment_id: None,
+                success: result.success,
+                message: Some("done".into()),
+                result_data: Some(serde_json::to_string(result).unwrap()),
+                duration: "00:00:01".into(),
+                completed_at: result.completed_at,
+                signature_algorithm: transport::ALG_ECDSA_SHA256.into(),
+                signature: None,
+            })
+            .unwrap()
+        }
+
+        fn sign(&self, mut envelope: Value) -> Value {
+            let bytes = transport::signing_input(&envelope).unwrap();
+            envelope["signature"] = base64::engine::general_purpose::STANDARD
+                .encode(self.key.sign(&bytes).unwrap())
+                .into();
+            envelope
+        }
+
+        fn verify(&self, raw: &Value) -> Result<VerifiedResult, Refusal> {
+            verify_result(raw, self.agent, self.task, |alg, message, signature| {
+                self.verifier.verify(alg, message, signature).is_ok()
+            })
+        }
+    }
+
+    /// One row per refusal: a change to a genuine envelope, whether it is signed after the change
+    /// (else the change breaks the signature), and the code and metric reason that must come back.
+    #[test]
+    fn every_refusal_has_its_code_and_reason() {
+        let s = Signer::new();
+        let genuine = s.envelope(&s.result(true, None));
+        type Tamper = fn(&Signer, &mut Value);
+        let rows: Vec<(&str, Tamper, bool, &str, &str)> = vec![
+            (
+                "content changed after signing",
+                |_, e| e["message"] = "donf".into(),
+                false,
+                "SIGNATURE_INVALID",
+                "bad_signature",
+            ),
+            (
+                "signature not base64",
+                |_, e| e["signature"] = "***".into(),
+                false,
+                "SIGNATURE_INVALID",
+                "bad_signature",
+            ),
+            (
+                "claims rsa for an ecdsa signature",
+                |_, e| e["signatureAlgorithm"] = "rsa-sha256".into(),
+                true,
+                "SIGNATURE_INVALID",
+                "bad_signature",
+            ),
+            (
+                "unknown algorithm",
+                |_, e| e["signatureAlgorithm"] = "none".into(),
+                true,
+                "UNSUPPORTED_SIGNATURE_ALGORITHM",
+                "bad_signature",
+            ),
+            (
+                "other contract",
+                |_, e| e["contractVersion"] = "agent-task-transport/v2".into(),
+                true,
+                "UNSUPPORTED_CONTRACT_VERSION",
+                "unsupported_contract_version",
+            ),
+            (
+                "other task in the envelope",
+                |_, e| e["taskId"] = TaskId::new().to_string().into(),
+                true,
+                "TASK_ID_MISMATCH",
+                "task_id_mismatch",
+            ),
+            (
+                "other agent in the envelope",
+                |_, e| e["agentId"] = AgentId::new().to_string().into(),
+                true,
+                "AGENT_ID_MISMATCH",
+                "agent_id_mismatch",
+            ),
+            (
+                "other task in resultData",
+                |s, e| {
+                    let mut r = s.result(true, None);
+                    r.task_id = TaskId::new();
+                    e["resultData"] = serde_json::to_string(&r).unwrap().into();
+                },
+                true,
+                "TASK_ID_MISMATCH",
+                "task_id_mismatch",
+            ),
+            (
+                "resultData disagrees on success",
+                |s, e| {
+                    e["resultData"] = serde_json::to_string(&s.result(false, Some("X")))
+                        .unwrap()
+                        .into()
+                },
+                true,
+                "INVALID_REQUEST",
+                "malformed",
+            ),
+            (
+                "resultData not a TaskResult",
+                |_, e| e["resultData"] = "{\"outputs\": {}}".into(),
+                true,
+                "INVALID_REQUEST",
+                "malformed",
+            ),
+            (
+                "envelope missing a field",
+                |_, e| {
+                    e.as_object_mut().unwrap().remove("duration");
+                },
+                true,
+                "INVALID_REQUEST",
+                "malformed",
+            ),
+        ];
+        for (name, tamper, resign, code, reason) in rows {
+            let mut envelope = if resign {
+                genuine.clone()
+            } else {
+                s.sign(genuine.clone())
+            };
+            tamper(&s, &mut envelope);
+            if resign {
+                envelope = s.sign(envelope);
+            }
+            let refusal = s.verify(&envelope).expect_err(name);
+            assert_eq!(
+                (refusal.code, refusal.reason),
+                (code, reason),
+                "{name}: {}",
+                refusal.detail
+            );
+        }
+        let unsigned = s.verify(&genuine).unwrap_err();
+        assert_eq!(
+            (unsigned.code, unsigned.reason),
+            ("SIGNATURE_MISSING", "no_signature")
+        );
+        // Signed by another key: a valid signature, but not the certificate's.
+        let stranger = Signer {
+            key: AgentKey::generate().unwrap(),
+            ..Signer::new()
+        };
+        let forged = stranger.sign(genuine.clone());
+        assert_eq!(s.verify(&forged).unwrap_err().code, "SIGNATURE_INVALID");
+    }
+
+    #[test]
+    fn verified_results_say_how_the_attempt_ended() {
+        let s = Signer::new();
+        let cases = [
+            (s.result(true, None), AttemptResult::Succeeded),
+            (s.result(false, Some("CANCELLED")), AttemptResult::Cancelled),
+            (
+                s.result(false, Some("FLAKY")),
+                AttemptResult::Failed {
+                    error_code: "FLAKY".into(),
+                    retriable: true,
+                },
+            ),
+            (
+                s.result(false, None),
+                AttemptResult::Failed {
+                    error_code: "FAILED".into(),
+                    retriable: false,
+                },
+            ),
+        ];
+        for (result, expected) in cases {
+            let verified = s.verify(&s.sign(s.envelope(&result))).unwrap();
+            assert_eq!(verified.attempt, expected);
+            assert_eq!(verified.result.as_ref(), Some(&result));
+        }
+        // No resultData at all: a success is a success, a failure is FAILED.
+        let mut bare = s.envelope(&s.result(false, None));
+        bare.as_object_mut().unwrap().remove("resultData");
+        let verified = s.verify(&s.sign(bare)).unwrap();
+        assert!(verified.result.is_none());
+        assert_eq!(
+            verified.attempt,
+            AttemptResult::Failed {
+                error_code: "FAILED".into(),
+                retriable: false
+            }
+        );
+    }
 
     #[test]
     fn poll_hold_is_jittered_within_three_quarters_and_all_of_the_wait() {

@@ -10,9 +10,10 @@ use berth_client::{Client, ClientConfig, Identity, Trust};
 use berth_crypto::AgentKey;
 use berth_proto::admin::CreateAgentToken;
 use berth_proto::agent::RegisterAgent;
+use berth_proto::result::TaskResult;
 use berth_proto::transport::{
-    AcquireSession, AgentTaskPollRequest, AgentTaskPollResponse, ResultAck, SubmitResult,
-    CONTRACT_VERSION, GENERATION_HEADER,
+    AcquireSession, AgentTaskPollRequest, AgentTaskPollResponse, AgentTaskResultEnvelope,
+    ResultAck, ALG_ECDSA_SHA256, CONTRACT_VERSION, GENERATION_HEADER,
 };
 use berth_proto::AgentId;
 use berth_proto::{AssignmentId, TaskId};
@@ -25,7 +26,7 @@ pub struct TestServer {
     pub ca_fingerprint: String,
     pub admin_token: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    task: Option<tokio::task::JoinHandle<Result<(), berth_server::ServerError>>>,
     pub dir: tempfile::TempDir,
 }
 
@@ -206,26 +207,23 @@ impl TestAgent {
             .await
     }
 
-    /// An unsigned envelope for a finished assignment.
-    pub fn envelope(
-        &self,
-        task: TaskId,
-        assignment: AssignmentId,
-        success: bool,
-        result_data: serde_json::Value,
-    ) -> serde_json::Value {
-        serde_json::json!({
-            "contractVersion": CONTRACT_VERSION,
-            "agentId": self.id,
-            "taskId": task,
-            "assignmentId": assignment,
-            "success": success,
-            "message": "done",
-            "resultData": result_data.to_string(),
-            "duration": "00:00:01",
-            "completedAt": "2026-11-30T12:00:00Z",
-            "signatureAlgorithm": "ecdsa-sha256",
+    /// The typed, unsigned envelope of a finished assignment, as the JSON that is sent (tests
+    /// that tamper with it edit this).
+    pub fn envelope(&self, assignment: AssignmentId, result: TaskResult) -> serde_json::Value {
+        serde_json::to_value(AgentTaskResultEnvelope {
+            contract_version: CONTRACT_VERSION.into(),
+            agent_id: self.id,
+            task_id: result.task_id,
+            assignment_id: Some(assignment),
+            success: result.success,
+            message: Some("done".into()),
+            result_data: Some(serde_json::to_string(&result).expect("result data")),
+            duration: "00:00:01".into(),
+            completed_at: result.completed_at,
+            signature_algorithm: ALG_ECDSA_SHA256.into(),
+            signature: None,
         })
+        .expect("envelope")
     }
 
     /// Signs an envelope with this agent's key (JCS of everything but `signature`).
@@ -241,8 +239,56 @@ impl TestAgent {
     ) -> Result<ResultAck, berth_client::ClientError> {
         let g = generation.to_string();
         self.client
-            .send_with(&SubmitResult(envelope), &[(GENERATION_HEADER, &g)], None)
+            .send_with(&RawResult(envelope), &[(GENERATION_HEADER, &g)], None)
             .await
+    }
+}
+
+/// Seed 000's `TaskResult` of a task that succeeded.
+pub fn ok(task: TaskId) -> TaskResult {
+    let now = time::OffsetDateTime::now_utc();
+    TaskResult {
+        task_id: task,
+        success: true,
+        started_at: now,
+        completed_at: now,
+        outputs: Default::default(),
+        artifacts: vec![],
+        error: None,
+        error_type: None,
+        retriable: false,
+        logs: String::new(),
+        metrics: Default::default(),
+    }
+}
+
+/// ... and of one that failed.
+pub fn failure(task: TaskId, error_type: &str, retriable: bool) -> TaskResult {
+    TaskResult {
+        success: false,
+        error: Some("nope".into()),
+        error_type: Some(error_type.into()),
+        retriable,
+        ..ok(task)
+    }
+}
+
+/// A result envelope sent as the JSON given, to the path its own ids name: the typed
+/// `SubmitResult` cannot carry a tampered envelope.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(transparent)]
+pub struct RawResult(pub serde_json::Value);
+
+impl berth_proto::Request for RawResult {
+    type Response = ResultAck;
+    const METHOD: berth_proto::Method = berth_proto::Method::Post;
+    fn path(&self) -> String {
+        let id = |name: &str| self.0[name].as_str().unwrap_or_default().to_string();
+        format!(
+            "/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
+            id("agentId"),
+            id("taskId")
+        )
     }
 }
 
