@@ -158,6 +158,7 @@ impl FromRequestParts<SharedState> for AgentCaller {
                 ));
             }
         };
+        crate::routes::record("agent_id", id);
         Ok(AgentCaller { id, peer })
     }
 }
@@ -175,6 +176,7 @@ impl FromRequestParts<SharedState> for FencedAgent {
             .ok_or_else(|| {
                 ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation")
             })?;
+        crate::routes::record("generation", generation);
         Ok(FencedAgent {
             id,
             peer,

@@ -1,9 +1,13 @@
 //! The HTTP surface: one router, JSON errors everywhere (including unknown routes and methods).
 
 use axum::extract::DefaultBodyLimit;
+use axum::extract::{MatchedPath, Request};
 use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::Response;
 use axum::Router;
 use berth_proto::error::codes;
+use tracing::Instrument;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -53,7 +57,34 @@ pub fn router(state: SharedState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn(request_span))
         .with_state(state)
+}
+
+/// One span per request. Its agent, task, assignment and generation fields start empty; the
+/// extractors and handlers record them as they learn them ([`record`]), so with `RUST_LOG=info`
+/// every line about one task delivery carries its ids.
+async fn request_span(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_string();
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        route,
+        agent_id = tracing::field::Empty,
+        generation = tracing::field::Empty,
+        task_id = tracing::field::Empty,
+        assignment_id = tracing::field::Empty,
+    );
+    next.run(request).instrument(span).await
+}
+
+/// Records one of the request span's ids (`agent_id`, `generation`, `task_id`, `assignment_id`).
+pub(crate) fn record(field: &'static str, value: impl std::fmt::Display) {
+    tracing::Span::current().record(field, tracing::field::display(value));
 }
 
 async fn not_found() -> ApiError {

@@ -203,6 +203,9 @@ pub async fn poll(
             ClaimOutcome::Revoked => return Err(agent_revoked(&state)),
             ClaimOutcome::Claimed(task, attempt) => {
                 state.metrics.task_assigned();
+                crate::routes::record("task_id", task.id);
+                crate::routes::record("assignment_id", attempt.assignment_id);
+                tracing::info!(task_type = %task.task_type, expires_at = %attempt.lease_expires_at, "task assigned");
                 let assignment = assignment(&state, &task, attempt)?;
                 return Ok(Json(AgentTaskPollResponse {
                     contract_version: CONTRACT_VERSION.into(),
@@ -457,6 +460,7 @@ pub async fn submit_result(
     ApiPath((agent_id, task_id)): ApiPath<(AgentId, TaskId)>,
     ApiJson(raw): ApiJson<serde_json::Value>,
 ) -> ApiResult<Json<ResultAck>> {
+    crate::routes::record("task_id", task_id);
     transport_enabled(&state)?;
     let FencedAgent {
         peer, generation, ..
@@ -476,6 +480,7 @@ pub async fn submit_result(
             .is_ok()
     })
     .map_err(|refusal| {
+        tracing::warn!(code = refusal.code, detail = %refusal.detail, "result refused");
         state.metrics.result_rejected(refusal.reason);
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -483,6 +488,9 @@ pub async fn submit_result(
             refusal.detail,
         )
     })?;
+    if let Some(assignment) = verified.envelope.assignment_id {
+        crate::routes::record("assignment_id", assignment);
+    }
     let result_data = verified
         .result
         .as_ref()
@@ -509,6 +517,7 @@ pub async fn submit_result(
     match outcome {
         CompleteOutcome::Recorded(task) => {
             state.metrics.result_accepted(task.state.as_str());
+            tracing::info!(state = %task.state, "result recorded");
             after_result(&state, &task).await;
             Ok(Json(ResultAck {
                 accepted: true,
@@ -522,6 +531,7 @@ pub async fn submit_result(
             state: task.state,
         })),
         CompleteOutcome::Fenced => {
+            tracing::warn!("result refused: the generation or the assignment is no longer current");
             state.metrics.result_rejected("fenced");
             Err(fenced(
                 "the generation or the assignment is no longer current",
