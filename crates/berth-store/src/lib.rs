@@ -14,6 +14,7 @@ use berth_proto::{AgentId, AssignmentId, TaskId, TenantId, TokenId};
 use time::OffsetDateTime;
 
 pub mod conformance;
+mod lifecycle;
 mod postgres;
 mod rows;
 mod sqlite;

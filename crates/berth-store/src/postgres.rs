@@ -15,6 +15,7 @@ use time::OffsetDateTime;
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
+use crate::lifecycle;
 use crate::rows::{
     self, agent_columns, attempt_columns, db_error, get, millis, task_columns, ColumnReader,
 };
@@ -549,7 +550,7 @@ impl Store for PostgresStore {
         .bind(tenant.0)
         .bind(id.0)
         .bind(now)
-        .bind(rows::AGENT_DELETED)
+        .bind(lifecycle::AGENT_DELETED)
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;
@@ -560,7 +561,7 @@ impl Store for PostgresStore {
         )
         .bind(id.0)
         .bind(now)
-        .bind(rows::AGENT_DELETED)
+        .bind(lifecycle::AGENT_DELETED)
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;
@@ -976,7 +977,7 @@ impl Store for PostgresStore {
             }
         }
         let assignment = AssignmentId::new();
-        let lease_expires_at = rows::lease_deadline(now, head.timeout_seconds, lease_grace);
+        let lease_expires_at = lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
         // Conditional: an operator may have cancelled the head since we read it.
         let claimed = sqlx::query(concat!(
             "UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
@@ -1093,11 +1094,12 @@ impl Store for PostgresStore {
         .map(|row| rows::read_attempt(&row))
         .transpose()?;
         let now = millis(completion.now);
-        let attempt = match rows::accept_completion(&task, attempt, &completion.envelope, now) {
+        let attempt = match lifecycle::accept_completion(&task, attempt, &completion.envelope, now)
+        {
             Ok(attempt) => attempt,
             Err(refused) => return Ok(refused.outcome(task)),
         };
-        let next = rows::completion_transition(
+        let next = lifecycle::completion_transition(
             &completion.result,
             task.attempts,
             task.cancel_requested,
@@ -1265,7 +1267,7 @@ impl Store for PostgresStore {
         let mut sweep = LeaseSweep::default();
         let mut agents = BTreeSet::new();
         for task in expired {
-            let next = rows::expiry_transition(
+            let next = lifecycle::expiry_transition(
                 task.side_effects,
                 task.attempts,
                 task.cancel_requested,

@@ -17,6 +17,7 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
+use crate::lifecycle;
 use crate::rows::{
     self, agent_columns, attempt_columns, db_error, millis, task_columns, unix_millis, ColumnReader,
 };
@@ -659,13 +660,13 @@ impl Store for SqliteStore {
                      lease_expires_at = NULL, updated_at = ?3 \
                      WHERE tenant_id = ?1 AND agent_id = ?2 \
                      AND state IN ('pending', 'retry_wait', 'leased')",
-                    params![tenant, id, now, rows::AGENT_DELETED],
+                    params![tenant, id, now, lifecycle::AGENT_DELETED],
                 )?;
                 // Tasks before their attempts, the lock order of every other writer.
                 tx.execute(
                     "UPDATE task_attempts SET state = 'expired', finished_at = ?2, \
                      error_code = ?3 WHERE agent_id = ?1 AND state = 'leased'",
-                    params![id, now, rows::AGENT_DELETED],
+                    params![id, now, lifecycle::AGENT_DELETED],
                 )?;
                 Ok(true)
             })
@@ -1112,7 +1113,8 @@ impl Store for SqliteStore {
                     }
                 }
                 let assignment = AssignmentId::new();
-                let lease_expires_at = rows::lease_deadline(now, head.timeout_seconds, lease_grace);
+                let lease_expires_at =
+                    lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
                 // Conditional all the same, as on every backend: the lease is taken only from
                 // a task that is still waiting.
                 let task = tx.optional(
@@ -1243,11 +1245,11 @@ impl Store for SqliteStore {
                 };
                 let now = millis(completion.now);
                 let attempt =
-                    match rows::accept_completion(&task, attempt, &completion.envelope, now) {
+                    match lifecycle::accept_completion(&task, attempt, &completion.envelope, now) {
                         Ok(attempt) => attempt,
                         Err(refused) => return Ok(refused.outcome(task)),
                     };
-                let next = rows::completion_transition(
+                let next = lifecycle::completion_transition(
                     &completion.result,
                     task.attempts,
                     task.cancel_requested,
@@ -1394,7 +1396,7 @@ impl Store for SqliteStore {
                 let mut sweep = LeaseSweep::default();
                 let mut agents = BTreeSet::new();
                 for task in expired {
-                    let next = rows::expiry_transition(
+                    let next = lifecycle::expiry_transition(
                         task.side_effects,
                         task.attempts,
                         task.cancel_requested,
