@@ -26,7 +26,7 @@ async fn sqlite_reopen_keeps_data_and_migrations_are_idempotent() {
     let now = time::OffsetDateTime::now_utc();
     let tenant = {
         let store = SqliteStore::open(&path).await.expect("open sqlite");
-        berth_store::Store::ensure_tenant(&store, "default", now)
+        berth_store::TenantStore::ensure_tenant(&store, "default", now)
             .await
             .expect("ensure")
     };
