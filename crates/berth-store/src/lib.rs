@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+#[cfg(feature = "conformance")]
 pub mod conformance;
 mod domain;
 mod lifecycle;
