@@ -107,6 +107,36 @@ macro_rules! conformance_tests {
 
 berth_store::conformance_cases!(conformance_tests);
 
+/// The names `conformance_cases!` lists, for [`every_case_is_listed`].
+macro_rules! case_names {
+    ($($case:ident),* $(,)?) => {
+        [$(stringify!($case)),*]
+    };
+}
+
+/// A case written but not listed in `conformance_cases!` would never run: every
+/// `pub async fn <case>(store: &DynStore)` of the suite's sources must be listed, once.
+#[test]
+fn every_case_is_listed() {
+    let listed: Vec<&str> = berth_store::conformance_cases!(case_names).to_vec();
+    let unique: BTreeSet<&str> = listed.iter().copied().collect();
+    assert_eq!(unique.len(), listed.len(), "a case is listed twice");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/conformance");
+    let mut defined = BTreeSet::new();
+    for entry in std::fs::read_dir(&dir).expect("read src/conformance") {
+        let source = std::fs::read_to_string(entry.expect("dir entry").path()).expect("read");
+        for line in source.lines() {
+            if let Some(rest) = line.strip_prefix("pub async fn ") {
+                if let Some(name) = rest.strip_suffix("(store: &DynStore) {") {
+                    defined.insert(name.to_string());
+                }
+            }
+        }
+    }
+    let listed: BTreeSet<String> = unique.iter().map(|s| s.to_string()).collect();
+    assert_eq!(defined, listed);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_reopen_keeps_data_and_migrations_are_idempotent() {
     let dir = tempfile::tempdir().expect("temp dir");

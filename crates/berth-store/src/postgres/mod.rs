@@ -1,6 +1,9 @@
 //! The PostgreSQL backend, for several `berth server` replicas on one database. Every
 //! check-and-change is one conditional statement or a row lock inside one transaction; it must
 //! never rely on a process-local lock, because other replicas do not share it.
+//!
+//! One file per domain (`tenants.rs`, `agents.rs`, `tasks.rs`) implements that domain's trait;
+//! this one connects, forwards task events and holds what the domains share.
 
 use std::time::Duration;
 

@@ -1,6 +1,9 @@
 //! The embedded SQLite backend: one file in WAL mode; one writer thread that owns the only
 //! read-write connection, a few reader threads with read-only connections, and a checkpointer
 //! (see [`threads`]). It must never write through a reader.
+//!
+//! One file per domain (`tenants.rs`, `agents.rs`, `tasks.rs`) implements that domain's trait;
+//! this one opens the connections and holds what the domains share.
 
 use std::path::Path;
 use std::sync::{mpsc, Arc};
