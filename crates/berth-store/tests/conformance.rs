@@ -1,22 +1,140 @@
-//! Runs the Store conformance suite on both backends: SQLite in a temp dir always, PostgreSQL
-//! when `BERTH_TEST_POSTGRES_URL` names an admin URL (each run gets its own throwaway database).
-//! Under `CI=true` a missing PostgreSQL is a failure, never a silent skip.
+//! Runs the Store conformance suite on both backends, one test per case per backend
+//! (`sqlite::<case>`, `postgres::<case>`), each on a store of its own: SQLite in a temp dir,
+//! PostgreSQL in a throwaway database on the server `BERTH_TEST_POSTGRES_URL` names (an admin
+//! URL). Without that variable the PostgreSQL tests skip, except under `CI=true` or
+//! `BERTH_REQUIRE_SERVICES=1`, where they fail.
+//!
+//! One case on one backend: `cargo test -p berth-store --test conformance -- --exact
+//! postgres::task_cancel`.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::sync::Arc;
 
-use berth_store::{conformance, DynStore, PostgresStore, SqliteStore};
+use berth_store::{DynStore, PostgresStore, SqliteStore};
 use sqlx::{Connection, Executor, PgConnection};
 
 const POSTGRES_URL_VAR: &str = "BERTH_TEST_POSTGRES_URL";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_conformance() {
+/// Runs `test` on a fresh SQLite store in a temp dir.
+async fn on_sqlite<F, Fut>(test: F)
+where
+    F: FnOnce(DynStore) -> Fut,
+    Fut: Future<Output = ()>,
+{
     let dir = tempfile::tempdir().expect("temp dir");
     let store = SqliteStore::open(&dir.path().join("berth.db"))
         .await
         .expect("open sqlite");
-    conformance::run_all(Arc::new(store)).await;
+    test(Arc::new(store)).await;
+}
+
+/// The admin URL of the PostgreSQL server to test on, or `None` to skip. A missing URL is a
+/// failure where services are required: under `CI=true`, or with `BERTH_REQUIRE_SERVICES=1`.
+fn postgres_admin_url() -> Option<String> {
+    if let Ok(url) = std::env::var(POSTGRES_URL_VAR) {
+        return Some(url);
+    }
+    let required = std::env::var("CI").is_ok_and(|v| v == "true")
+        || std::env::var("BERTH_REQUIRE_SERVICES").is_ok_and(|v| v == "1");
+    if required {
+        panic!(
+            "{POSTGRES_URL_VAR} is not set, and CI=true or BERTH_REQUIRE_SERVICES=1 requires \
+             PostgreSQL: start it with `bash scripts/postgres.sh` and export its last line as \
+             {POSTGRES_URL_VAR}"
+        );
+    }
+    eprintln!("skipped: {POSTGRES_URL_VAR} is not set");
+    None
+}
+
+/// Runs `test` on a fresh PostgreSQL store in a database of its own, dropped afterwards even
+/// when the test fails. `test` also gets the database's URL.
+async fn on_postgres<F, Fut>(test: F)
+where
+    F: FnOnce(DynStore, String) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let Some(admin_url) = postgres_admin_url() else {
+        return;
+    };
+    let database = TestDatabase::create(&admin_url).await;
+    let url = database.url.clone();
+    // Run in a task so a failing case (a panic) still lets us drop the database below.
+    let outcome = tokio::spawn(async move {
+        let store: DynStore = Arc::new(
+            PostgresStore::connect(&url)
+                .await
+                .expect("connect postgres"),
+        );
+        test(store, url).await;
+    })
+    .await;
+    database.drop().await;
+    if let Err(failure) = outcome {
+        std::panic::resume_unwind(failure.into_panic());
+    }
+}
+
+/// One test per case on each backend.
+macro_rules! conformance_tests {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::on_sqlite(|store| async move {
+                        berth_store::conformance::$case(&store).await
+                    })
+                    .await;
+                }
+            )*
+        }
+
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::on_postgres(|store, _| async move {
+                        berth_store::conformance::$case(&store).await
+                    })
+                    .await;
+                }
+            )*
+        }
+    };
+}
+
+berth_store::conformance_cases!(conformance_tests);
+
+/// The names `conformance_cases!` lists, for [`every_case_is_listed`].
+macro_rules! case_names {
+    ($($case:ident),* $(,)?) => {
+        [$(stringify!($case)),*]
+    };
+}
+
+/// A case written but not listed in `conformance_cases!` would never run: every
+/// `pub async fn <case>(store: &DynStore)` of the suite's sources must be listed, once.
+#[test]
+fn every_case_is_listed() {
+    let listed: Vec<&str> = berth_store::conformance_cases!(case_names).to_vec();
+    let unique: BTreeSet<&str> = listed.iter().copied().collect();
+    assert_eq!(unique.len(), listed.len(), "a case is listed twice");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/conformance");
+    let mut defined = BTreeSet::new();
+    for entry in std::fs::read_dir(&dir).expect("read src/conformance") {
+        let source = std::fs::read_to_string(entry.expect("dir entry").path()).expect("read");
+        for line in source.lines() {
+            if let Some(rest) = line.strip_prefix("pub async fn ") {
+                if let Some(name) = rest.strip_suffix("(store: &DynStore) {") {
+                    defined.insert(name.to_string());
+                }
+            }
+        }
+    }
+    let listed: BTreeSet<String> = unique.iter().map(|s| s.to_string()).collect();
+    assert_eq!(defined, listed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -26,7 +144,7 @@ async fn sqlite_reopen_keeps_data_and_migrations_are_idempotent() {
     let now = time::OffsetDateTime::now_utc();
     let tenant = {
         let store = SqliteStore::open(&path).await.expect("open sqlite");
-        berth_store::Store::ensure_tenant(&store, "default", now)
+        berth_store::TenantStore::ensure_tenant(&store, "default", now)
             .await
             .expect("ensure")
     };
@@ -41,38 +159,22 @@ async fn sqlite_reopen_keeps_data_and_migrations_are_idempotent() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_conformance() {
-    let Ok(admin_url) = std::env::var(POSTGRES_URL_VAR) else {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            panic!(
-                "{POSTGRES_URL_VAR} is not set under CI=true: start PostgreSQL with \
-                 `bash scripts/postgres.sh` and export its last line as {POSTGRES_URL_VAR}"
-            );
-        }
-        eprintln!("postgres_conformance skipped: {POSTGRES_URL_VAR} is not set");
-        return;
-    };
-    let database = TestDatabase::create(&admin_url).await;
-    let url = database.url.clone();
-    // Run in a task so a failing case (a panic) still lets us drop the database below.
-    let outcome = tokio::spawn(async move {
-        let store: DynStore = Arc::new(
-            PostgresStore::connect(&url)
-                .await
-                .expect("connect postgres"),
-        );
-        conformance::run_all(store.clone()).await;
-        listener_survives_a_dropped_connection(&store, &url).await;
+async fn postgres_reopen_runs_migrations_again() {
+    on_postgres(|_, url| async move {
         // `open` dispatches on the URL scheme and re-running migrations is a no-op.
         let reopened = berth_store::open(&url).await.expect("reopen postgres");
         assert_eq!(reopened.backend(), "postgres");
         reopened.ping().await.expect("ping");
     })
     .await;
-    database.drop().await;
-    if let Err(failure) = outcome {
-        std::panic::resume_unwind(failure.into_panic());
-    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_listener_survives_a_dropped_connection() {
+    on_postgres(
+        |store, url| async move { listener_survives_a_dropped_connection(&store, &url).await },
+    )
+    .await;
 }
 
 /// Kills the backend of the store's LISTEN connection: the store must say "wake everyone" (the

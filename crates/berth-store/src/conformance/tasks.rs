@@ -1,0 +1,1124 @@
+//! Conformance cases of tasks: idempotent creation, claim order, fencing, results, cancellation,
+//! retry, lease expiry, deleted agents, tenant isolation, listing and wake-ups.
+
+use super::*;
+
+pub async fn task_create_idempotency(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let other = self::tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("idem")).await;
+    let elsewhere = register(store, other.id, new_agent("idem")).await;
+    let at = now();
+
+    let mut spec = deploy_task(tenant.id, agent.id, at);
+    spec.credentials_sealed = Some(vec![0, 1, 2, 255]);
+    spec.priority = -3;
+    spec.timeout_seconds = 600;
+    spec.idempotency_key = Some("deploy-42".to_string());
+    spec.request_hash = Some("hash-a".to_string());
+    let created = create(store, spec.clone()).await;
+    let expected = Task {
+        id: spec.id,
+        tenant_id: tenant.id,
+        task_type: "docker.run".to_string(),
+        agent_id: agent.id,
+        payload: spec.payload.clone(),
+        credentials_sealed: Some(vec![0, 1, 2, 255]),
+        variables: spec.variables.clone(),
+        timeout_seconds: 600,
+        priority: -3,
+        side_effects: true,
+        idempotency_key: Some("deploy-42".to_string()),
+        read_back_of: None,
+        state: TaskState::Pending,
+        attempts: 0,
+        next_attempt_at: None,
+        current_assignment: None,
+        lease_expires_at: None,
+        cancel_requested: false,
+        read_back: false,
+        error_code: None,
+        result: None,
+        created_at: millis(at),
+        updated_at: millis(at),
+        finished_at: None,
+    };
+    assert_eq!(created, expected);
+    assert_eq!(
+        store.get_task(tenant.id, spec.id).await.expect("get"),
+        Some((expected.clone(), vec![]))
+    );
+
+    // Same key, same request: the existing task, not a second one.
+    let mut replay = spec.clone();
+    replay.id = TaskId::new();
+    assert_eq!(
+        store.create_task(replay.clone()).await.expect("create"),
+        CreateTaskOutcome::Existing(expected.clone())
+    );
+    // Same key, another request: a conflict.
+    let mut clash = replay.clone();
+    clash.request_hash = Some("hash-b".to_string());
+    assert_eq!(
+        store.create_task(clash).await.expect("create"),
+        CreateTaskOutcome::KeyConflict
+    );
+    assert_eq!(
+        store.get_task(tenant.id, replay.id).await.expect("get"),
+        None
+    );
+    // Keys are per tenant.
+    let mut theirs = replay.clone();
+    theirs.id = TaskId::new();
+    theirs.tenant_id = other.id;
+    theirs.agent_id = elsewhere.id;
+    let theirs = create(store, theirs).await;
+    assert_eq!(theirs.tenant_id, other.id);
+    // Tasks without a key never collide.
+    create(store, new_task(tenant.id, agent.id, at)).await;
+    create(store, new_task(tenant.id, agent.id, at)).await;
+
+    // A read-back task points at the task it checks.
+    let mut read_back = new_task(tenant.id, agent.id, at);
+    read_back.task_type = "read-sticker".to_string();
+    read_back.read_back_of = Some(created.id);
+    assert_eq!(
+        create(store, read_back).await.read_back_of,
+        Some(created.id)
+    );
+
+    // Only the tenant's own agents take tasks.
+    assert_conflict(
+        store
+            .create_task(new_task(tenant.id, elsewhere.id, at))
+            .await,
+        "task_agent",
+    );
+    assert_conflict(
+        store
+            .create_task(new_task(tenant.id, AgentId::new(), at))
+            .await,
+        "task_agent",
+    );
+}
+
+pub async fn task_claim_order(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("ordered")).await;
+    let bystander = register(store, tenant.id, new_agent("bystander")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+
+    let low = create(store, new_task(tenant.id, agent.id, t)).await;
+    let mut high_first = new_task(tenant.id, agent.id, t);
+    high_first.priority = 10;
+    let high_first = create(store, high_first).await;
+    // Created in the same millisecond as far as timestamps go: order is still creation order.
+    let mut high_second = new_task(tenant.id, agent.id, t);
+    high_second.priority = 10;
+    let high_second = create(store, high_second).await;
+    let mut middle = new_task(tenant.id, agent.id, t);
+    middle.priority = 5;
+    let middle = create(store, middle).await;
+    create(store, new_task(tenant.id, bystander.id, t)).await;
+
+    let at = t + Duration::seconds(1);
+    let (task, attempt) = claimed(store, &agent, generation, at).await;
+    assert_eq!(task.id, high_first.id);
+    assert_eq!(task.state, TaskState::Leased);
+    assert_eq!(task.attempts, 1);
+    assert_eq!(task.current_assignment, Some(attempt.assignment_id));
+    let deadline = millis(at + Duration::seconds(60) + GRACE);
+    assert_eq!(task.lease_expires_at, Some(deadline));
+    assert_eq!(task.updated_at, millis(at));
+    assert_eq!(
+        attempt,
+        Attempt {
+            assignment_id: attempt.assignment_id,
+            task_id: high_first.id,
+            agent_id: agent.id,
+            generation,
+            state: AttemptState::Leased,
+            assigned_at: millis(at),
+            lease_expires_at: deadline,
+            finished_at: None,
+            envelope: None,
+            error_code: None,
+        }
+    );
+    assert_eq!(task_now(store, &task).await, (task.clone(), vec![attempt]));
+
+    let mut order = vec![];
+    for _ in 0..3 {
+        order.push(claimed(store, &agent, generation, at).await.0.id);
+    }
+    assert_eq!(order, vec![high_second.id, middle.id, low.id]);
+    assert_eq!(
+        claim(store, &agent, generation, at).await,
+        ClaimOutcome::Empty
+    );
+    assert!(store
+        .pending_cancellations(agent.id)
+        .await
+        .expect("pending cancellations")
+        .is_empty());
+}
+
+pub async fn task_claim_head_of_line(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let t = now();
+
+    // A retry_wait head blocks the queue until its next attempt is due.
+    let agent = register(store, tenant.id, new_agent("retrying")).await;
+    let generation = session(store, &agent, t).await;
+    let flaky = create(store, new_task(tenant.id, agent.id, t)).await;
+    let behind = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let waiting = recorded(
+        store,
+        completion(&agent, generation, &attempt, failed(true), t),
+    )
+    .await;
+    assert_eq!(waiting.state, TaskState::RetryWait);
+    let due = waiting.next_attempt_at.expect("next attempt");
+    assert_eq!(due, millis(t + Duration::seconds(1)));
+    assert_eq!(
+        claim(store, &agent, generation, due - Duration::milliseconds(1)).await,
+        ClaimOutcome::Empty,
+        "the head waits, and nothing overtakes it"
+    );
+    let (again, second) = claimed(store, &agent, generation, due).await;
+    assert_eq!(again.id, flaky.id);
+    assert_eq!(again.attempts, 2);
+    assert_eq!(again.next_attempt_at, None);
+    assert_ne!(second.assignment_id, attempt.assignment_id);
+    assert_eq!(
+        claimed(store, &agent, generation, due).await.0.id,
+        behind.id
+    );
+
+    // At most one side-effecting task per agent at a time; read-only ones are not held up.
+    let target = register(store, tenant.id, new_agent("target")).await;
+    let generation = session(store, &target, t).await;
+    let deploy_a = create(store, deploy_task(tenant.id, target.id, t)).await;
+    let (leased_a, attempt_a) = claimed(store, &target, generation, t).await;
+    assert_eq!(leased_a.id, deploy_a.id);
+    let inspect = create(store, new_task(tenant.id, target.id, t)).await;
+    assert_eq!(
+        claimed(store, &target, generation, t).await.0.id,
+        inspect.id
+    );
+    let deploy_b = create(store, deploy_task(tenant.id, target.id, t)).await;
+    let inspect_later = create(store, new_task(tenant.id, target.id, t)).await;
+    assert_eq!(
+        claim(store, &target, generation, t).await,
+        ClaimOutcome::Empty,
+        "a side-effecting head waits for the leased one, and blocks what is behind it"
+    );
+    recorded(
+        store,
+        completion(&target, generation, &attempt_a, AttemptResult::Succeeded, t),
+    )
+    .await;
+    assert_eq!(
+        claimed(store, &target, generation, t).await.0.id,
+        deploy_b.id
+    );
+    assert_eq!(
+        claimed(store, &target, generation, t).await.0.id,
+        inspect_later.id
+    );
+}
+
+pub async fn task_claim_fencing(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("claim-fencing")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    create(store, new_task(tenant.id, agent.id, t)).await;
+
+    assert_eq!(
+        claim(store, &agent, generation - 1, t).await,
+        ClaimOutcome::Fenced
+    );
+    assert_eq!(
+        store
+            .claim_task(agent.id, generation, &fingerprint(), t, GRACE)
+            .await
+            .expect("claim"),
+        ClaimOutcome::Revoked
+    );
+    assert_eq!(
+        store
+            .claim_task(AgentId::new(), generation, &bound(&agent), t, GRACE)
+            .await
+            .expect("claim"),
+        ClaimOutcome::Revoked
+    );
+    // A newer session fences the older one.
+    let newer = session(store, &agent, t).await;
+    assert_eq!(
+        claim(store, &agent, generation, t).await,
+        ClaimOutcome::Fenced
+    );
+    let (_, attempt) = claimed(store, &agent, newer, t).await;
+    assert_eq!(attempt.generation, newer);
+}
+
+/// A result that arrives after its lease ran out is refused even though no sweep has moved the
+/// task yet: being on time must not depend on the sweeper's pace.
+pub async fn task_result_after_lease_deadline(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("lease-deadline")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let late = attempt.lease_expires_at + time::Duration::milliseconds(1);
+    let outcome = store
+        .complete_attempt(
+            completion(&agent, generation, &attempt, AttemptResult::Succeeded, late),
+            &RetryPolicy::default(),
+        )
+        .await
+        .expect("complete");
+    assert_eq!(outcome, CompleteOutcome::Fenced);
+    let (still, _) = task_now(store, &task).await;
+    assert_eq!(
+        still.state,
+        TaskState::Leased,
+        "the refused result changed nothing"
+    );
+    // At the deadline itself the result still counts.
+    let on_time = store
+        .complete_attempt(
+            completion(
+                &agent,
+                generation,
+                &attempt,
+                AttemptResult::Succeeded,
+                attempt.lease_expires_at,
+            ),
+            &RetryPolicy::default(),
+        )
+        .await
+        .expect("complete");
+    assert!(
+        matches!(on_time, CompleteOutcome::Recorded(ref t) if t.state == TaskState::Succeeded),
+        "{on_time:?}"
+    );
+}
+
+pub async fn task_claim_concurrent(store: &DynStore) {
+    const TASKS: usize = 12;
+    const CLAIMERS: usize = 4;
+    let tenant = tenant(store).await;
+    let t = now();
+    let mut agents = vec![];
+    let mut expected = BTreeMap::new();
+    for name in ["racer-a", "racer-b"] {
+        let agent = register(store, tenant.id, new_agent(name)).await;
+        let generation = session(store, &agent, t).await;
+        let mut ids = vec![];
+        for _ in 0..TASKS {
+            ids.push(create(store, new_task(tenant.id, agent.id, t)).await.id);
+        }
+        expected.insert(agent.id, ids);
+        agents.push((agent, generation));
+    }
+    let mut handles = vec![];
+    for (agent, generation) in &agents {
+        for _ in 0..CLAIMERS {
+            let store = store.clone();
+            let agent = agent.clone();
+            let generation = *generation;
+            handles.push(tokio::spawn(async move {
+                let mut got = vec![];
+                loop {
+                    match store
+                        .claim_task(agent.id, generation, &bound(&agent), now(), GRACE)
+                        .await
+                        .expect("claim without a database error")
+                    {
+                        ClaimOutcome::Claimed(task, attempt) => {
+                            assert_eq!(task.agent_id, agent.id, "claims never cross agents");
+                            assert_eq!(attempt.task_id, task.id);
+                            got.push((agent.id, task.id));
+                        }
+                        ClaimOutcome::Empty => return got,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+            }));
+        }
+    }
+    let mut seen: BTreeMap<AgentId, Vec<TaskId>> = BTreeMap::new();
+    for handle in handles {
+        for (agent, task) in handle.await.expect("claimer ran") {
+            seen.entry(agent).or_default().push(task);
+        }
+    }
+    for (agent, ids) in &expected {
+        let mut got = seen.remove(agent).unwrap_or_default();
+        got.sort();
+        let mut want = ids.clone();
+        want.sort();
+        assert_eq!(got, want, "each task claimed exactly once");
+    }
+    assert!(seen.is_empty());
+}
+
+pub async fn task_complete_transitions(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("completing")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+
+    // Success: the result and the envelope are kept; a replay is a duplicate, never a change.
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let done_at = t + Duration::seconds(5);
+    let success = completion(
+        &agent,
+        generation,
+        &attempt,
+        AttemptResult::Succeeded,
+        done_at,
+    );
+    let done = recorded(store, success.clone()).await;
+    assert_eq!(done.id, task.id);
+    assert_eq!(done.state, TaskState::Succeeded);
+    assert_eq!(done.result, Some(serde_json::json!({"ok": true})));
+    assert_eq!(done.finished_at, Some(millis(done_at)));
+    assert_eq!(
+        (done.current_assignment, done.lease_expires_at),
+        (None, None)
+    );
+    let (_, attempts) = task_now(store, &done).await;
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].state, AttemptState::Succeeded);
+    assert_eq!(attempts[0].envelope.as_ref(), Some(&success.envelope));
+    assert_eq!(attempts[0].finished_at, Some(millis(done_at)));
+    assert_eq!(
+        complete(store, success.clone()).await,
+        CompleteOutcome::Duplicate(done.clone())
+    );
+    let mut without_id = success.clone();
+    without_id.assignment_id = None;
+    assert_eq!(
+        complete(store, without_id).await,
+        CompleteOutcome::Duplicate(done.clone())
+    );
+    let mut altered = success.clone();
+    altered.envelope["result"] = serde_json::json!("Failed");
+    assert_eq!(complete(store, altered).await, CompleteOutcome::Fenced);
+
+    // A failure that is not retriable is final; no assignment id means the current one.
+    create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let mut fail = completion(&agent, generation, &attempt, failed(false), t);
+    fail.assignment_id = None;
+    let final_failure = recorded(store, fail).await;
+    assert_eq!(final_failure.state, TaskState::Failed);
+    assert_eq!(
+        final_failure.error_code.as_deref(),
+        Some("HEALTH_CHECK_FAILED")
+    );
+    assert!(final_failure.finished_at.is_some());
+
+    // Reported cancelled.
+    create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let cancelled = recorded(
+        store,
+        completion(&agent, generation, &attempt, AttemptResult::Cancelled, t),
+    )
+    .await;
+    assert_eq!(cancelled.state, TaskState::Cancelled);
+
+    // Retriable failures back off per the policy; the fifth delivery's failure dead-letters.
+    let policy = RetryPolicy::default();
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let mut at = t;
+    for delivery in 1..=policy.max_attempts {
+        let (leased, attempt) = claimed(store, &agent, generation, at).await;
+        assert_eq!((leased.id, leased.attempts), (task.id, delivery));
+        let after = recorded(
+            store,
+            completion(&agent, generation, &attempt, failed(true), at),
+        )
+        .await;
+        assert_eq!(after.error_code.as_deref(), Some("HEALTH_CHECK_FAILED"));
+        if delivery < policy.max_attempts {
+            assert_eq!(after.state, TaskState::RetryWait);
+            assert_eq!(
+                after.next_attempt_at,
+                Some(millis(at + policy.delay_after(delivery)))
+            );
+            assert_eq!(after.finished_at, None);
+            at = after.next_attempt_at.expect("next attempt");
+        } else {
+            assert_eq!(after.state, TaskState::DeadLetter);
+            assert_eq!(after.next_attempt_at, None);
+            assert_eq!(after.finished_at, Some(millis(at)));
+        }
+    }
+    let (dead, attempts) = task_now(store, &task).await;
+    assert_eq!(dead.attempts, policy.max_attempts);
+    assert_eq!(attempts.len(), policy.max_attempts as usize);
+    assert!(attempts.iter().all(|a| a.state == AttemptState::Failed));
+    assert_eq!(
+        claim(store, &agent, generation, at).await,
+        ClaimOutcome::Empty
+    );
+
+    // Stale generation, another certificate, another agent's or an unknown task.
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, at).await;
+    let ok = completion(&agent, generation, &attempt, AttemptResult::Succeeded, at);
+    let mut wrong_cert = ok.clone();
+    wrong_cert.certificate_fingerprint = fingerprint();
+    assert_eq!(complete(store, wrong_cert).await, CompleteOutcome::Revoked);
+    let mut unknown = ok.clone();
+    unknown.task_id = TaskId::new();
+    assert_eq!(complete(store, unknown).await, CompleteOutcome::NotFound);
+    let stranger = register(store, tenant.id, new_agent("stranger")).await;
+    let stranger_generation = session(store, &stranger, t).await;
+    let mut theirs = completion(
+        &stranger,
+        stranger_generation,
+        &attempt,
+        AttemptResult::Succeeded,
+        at,
+    );
+    theirs.task_id = task.id;
+    assert_eq!(complete(store, theirs).await, CompleteOutcome::NotFound);
+    let mut bogus = ok.clone();
+    bogus.assignment_id = Some(AssignmentId::new());
+    assert_eq!(complete(store, bogus).await, CompleteOutcome::Fenced);
+    let newer = session(store, &agent, at).await;
+    assert_eq!(complete(store, ok.clone()).await, CompleteOutcome::Fenced);
+    assert_eq!(
+        task_now(store, &task).await.0.state,
+        TaskState::Leased,
+        "fenced changes nothing"
+    );
+    // The current generation may finish the delivery that is still current.
+    let mut current = ok;
+    current.generation = newer;
+    assert_eq!(recorded(store, current).await.state, TaskState::Succeeded);
+}
+
+pub async fn task_stale_assignment(store: &DynStore) {
+    // Far-past epoch: see `sweep`.
+    let t = datetime!(1999-06-01 00:00:00.123_456 UTC);
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("redelivered")).await;
+    let generation = session(store, &agent, now()).await;
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, first) = claimed(store, &agent, generation, t).await;
+    let swept = sweep(store, first.lease_expires_at).await;
+    let (waiting, _) = task_now(store, &task).await;
+    assert_eq!(
+        swept,
+        LeaseSweep {
+            unknown: vec![],
+            requeued: vec![waiting.clone()],
+            dead_lettered: 0
+        }
+    );
+    assert_eq!(waiting.state, TaskState::RetryWait);
+    let (_, second) = claimed(
+        store,
+        &agent,
+        generation,
+        waiting.next_attempt_at.expect("due"),
+    )
+    .await;
+    // The lost delivery reports late: fenced, whatever it says.
+    assert_eq!(
+        complete(
+            store,
+            completion(&agent, generation, &first, AttemptResult::Succeeded, t)
+        )
+        .await,
+        CompleteOutcome::Fenced
+    );
+    let done = recorded(
+        store,
+        completion(&agent, generation, &second, AttemptResult::Succeeded, t),
+    )
+    .await;
+    assert_eq!(done.state, TaskState::Succeeded);
+    let (_, attempts) = task_now(store, &task).await;
+    assert_eq!(
+        attempts
+            .iter()
+            .map(|a| (a.assignment_id, a.state))
+            .collect::<Vec<_>>(),
+        vec![
+            (first.assignment_id, AttemptState::Expired),
+            (second.assignment_id, AttemptState::Succeeded)
+        ]
+    );
+    assert_eq!(attempts[0].error_code.as_deref(), Some("LEASE_EXPIRED"));
+}
+
+pub async fn task_cancel(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let intruder = self::tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("cancelling")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+
+    // Leased: requested, delivered with the next poll, ended by the agent's report.
+    let leased = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let pending = create(store, new_task(tenant.id, agent.id, t)).await;
+
+    assert_eq!(
+        store
+            .cancel_task(intruder.id, leased.id, t)
+            .await
+            .expect("cancel"),
+        None
+    );
+    assert_eq!(
+        store
+            .cancel_task(tenant.id, TaskId::new(), t)
+            .await
+            .expect("cancel"),
+        None
+    );
+
+    let at = t + Duration::seconds(1);
+    let Some(CancelOutcome::Requested(requested)) = store
+        .cancel_task(tenant.id, leased.id, at)
+        .await
+        .expect("cancel")
+    else {
+        panic!("a leased task is only asked to cancel");
+    };
+    assert!(requested.cancel_requested);
+    assert_eq!(requested.state, TaskState::Leased);
+    assert_eq!(requested.updated_at, millis(at));
+    assert_eq!(
+        store
+            .pending_cancellations(agent.id)
+            .await
+            .expect("pending"),
+        vec![(leased.id, attempt.assignment_id)]
+    );
+    assert!(matches!(
+        store
+            .cancel_task(tenant.id, leased.id, at)
+            .await
+            .expect("cancel"),
+        Some(CancelOutcome::Requested(_))
+    ));
+
+    // Pending: cancelled at once.
+    let Some(CancelOutcome::Cancelled(cancelled)) = store
+        .cancel_task(tenant.id, pending.id, at)
+        .await
+        .expect("cancel")
+    else {
+        panic!("a pending task is cancelled at once");
+    };
+    assert_eq!(cancelled.state, TaskState::Cancelled);
+    assert_eq!(cancelled.finished_at, Some(millis(at)));
+
+    let reported = recorded(
+        store,
+        completion(&agent, generation, &attempt, AttemptResult::Cancelled, at),
+    )
+    .await;
+    assert_eq!(reported.state, TaskState::Cancelled);
+    assert!(store
+        .pending_cancellations(agent.id)
+        .await
+        .expect("pending")
+        .is_empty());
+
+    // Terminal: unchanged.
+    assert_eq!(
+        store
+            .cancel_task(tenant.id, leased.id, at)
+            .await
+            .expect("cancel"),
+        Some(CancelOutcome::AlreadyFinished(reported))
+    );
+
+    // A requested cancellation is never requeued by a retriable failure.
+    let flaky = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    store
+        .cancel_task(tenant.id, flaky.id, at)
+        .await
+        .expect("cancel");
+    let ended = recorded(
+        store,
+        completion(&agent, generation, &attempt, failed(true), at),
+    )
+    .await;
+    assert_eq!(ended.state, TaskState::Cancelled);
+
+    // retry_wait: cancelled at once, and the queue behind it is free.
+    let waiting = create(store, new_task(tenant.id, agent.id, t)).await;
+    let behind = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    recorded(
+        store,
+        completion(&agent, generation, &attempt, failed(true), t),
+    )
+    .await;
+    assert!(matches!(
+        store
+            .cancel_task(tenant.id, waiting.id, at)
+            .await
+            .expect("cancel"),
+        Some(CancelOutcome::Cancelled(_))
+    ));
+    assert_eq!(claimed(store, &agent, generation, t).await.0.id, behind.id);
+}
+
+pub async fn task_retry(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let intruder = self::tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("retried")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let once = RetryPolicy {
+        backoff: vec![std::time::Duration::from_secs(1)],
+        max_attempts: 1,
+    };
+
+    let dead = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    let outcome = store
+        .complete_attempt(
+            completion(&agent, generation, &attempt, failed(true), t),
+            &once,
+        )
+        .await
+        .expect("complete");
+    assert!(
+        matches!(outcome, CompleteOutcome::Recorded(ref task) if task.state == TaskState::DeadLetter)
+    );
+
+    assert_eq!(
+        store
+            .retry_task(intruder.id, dead.id, t)
+            .await
+            .expect("retry"),
+        None
+    );
+    let at = t + Duration::seconds(3);
+    let Some(RetryOutcome::Requeued(requeued)) = store
+        .retry_task(tenant.id, dead.id, at)
+        .await
+        .expect("retry")
+    else {
+        panic!("dead_letter is retriable");
+    };
+    assert_eq!(requeued.state, TaskState::Pending);
+    assert_eq!(requeued.attempts, 0, "a fresh attempt budget");
+    assert_eq!(
+        (requeued.finished_at, requeued.next_attempt_at),
+        (None, None)
+    );
+    assert_eq!(requeued.updated_at, millis(at));
+    // Pending is not retriable; neither is leased nor succeeded.
+    assert_eq!(
+        store
+            .retry_task(tenant.id, dead.id, at)
+            .await
+            .expect("retry"),
+        Some(RetryOutcome::NotRetriable(requeued))
+    );
+    let (leased, attempt) = claimed(store, &agent, generation, at).await;
+    assert_eq!((leased.id, leased.attempts), (dead.id, 1));
+    assert!(matches!(
+        store
+            .retry_task(tenant.id, dead.id, at)
+            .await
+            .expect("retry"),
+        Some(RetryOutcome::NotRetriable(_))
+    ));
+    recorded(
+        store,
+        completion(&agent, generation, &attempt, AttemptResult::Succeeded, at),
+    )
+    .await;
+    assert!(matches!(
+        store.retry_task(tenant.id, dead.id, at).await.expect("retry"),
+        Some(RetryOutcome::NotRetriable(ref task)) if task.state == TaskState::Succeeded
+    ));
+
+    // Unknown (its agent vanished mid-deploy): an operator may run it again.
+    let doomed = register(store, tenant.id, new_agent("doomed")).await;
+    let doomed_generation = session(store, &doomed, t).await;
+    let deploy = create(store, deploy_task(tenant.id, doomed.id, t)).await;
+    claimed(store, &doomed, doomed_generation, t).await;
+    assert!(store
+        .delete_agent(tenant.id, doomed.id)
+        .await
+        .expect("delete"));
+    assert_eq!(task_now(store, &deploy).await.0.state, TaskState::Unknown);
+    assert!(matches!(
+        store.retry_task(tenant.id, deploy.id, at).await.expect("retry"),
+        Some(RetryOutcome::Requeued(ref task)) if task.state == TaskState::Pending
+    ));
+}
+
+pub async fn lease_expiry(store: &DynStore) {
+    // Far-past epoch, earlier than task_stale_assignment's: see `sweep`.
+    let t = datetime!(1998-03-01 00:00:00 UTC);
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("expiring")).await;
+    let generation = session(store, &agent, now()).await;
+    let policy = RetryPolicy::default();
+
+    let mut deploy = deploy_task(tenant.id, agent.id, t);
+    deploy.timeout_seconds = 10;
+    let deploy = create(store, deploy).await;
+    let mut inspect = new_task(tenant.id, agent.id, t);
+    inspect.timeout_seconds = 10;
+    let inspect = create(store, inspect).await;
+    let (_, deploy_attempt) = claimed(store, &agent, generation, t).await;
+    let (_, inspect_attempt) = claimed(store, &agent, generation, t).await;
+    let deadline = millis(t + Duration::seconds(10) + GRACE);
+    assert_eq!(inspect_attempt.lease_expires_at, deadline);
+
+    assert_eq!(
+        sweep(store, deadline - Duration::milliseconds(1)).await,
+        LeaseSweep::default()
+    );
+    let swept = sweep(store, deadline).await;
+    assert_eq!(swept.requeued.len(), 1);
+    assert_eq!(swept.dead_lettered, 0);
+    assert_eq!(swept.unknown.len(), 1);
+    let unknown = &swept.unknown[0];
+    assert_eq!(unknown.id, deploy.id);
+    assert_eq!(unknown.state, TaskState::Unknown);
+    assert_eq!(unknown.error_code.as_deref(), Some("LEASE_EXPIRED"));
+    assert_eq!(
+        (unknown.current_assignment, unknown.lease_expires_at),
+        (None, None)
+    );
+    let (_, attempts) = task_now(store, unknown).await;
+    assert_eq!(attempts[0].assignment_id, deploy_attempt.assignment_id);
+    assert_eq!(attempts[0].state, AttemptState::Expired);
+    assert_eq!(attempts[0].finished_at, Some(deadline));
+    assert_eq!(
+        sweep(store, deadline).await,
+        LeaseSweep::default(),
+        "nothing twice"
+    );
+
+    // The read-only task goes round the backoff and dead-letters after max_attempts.
+    let mut due = deadline;
+    for delivery in 1..=policy.max_attempts {
+        let (task, _) = task_now(store, &inspect).await;
+        assert_eq!(task.attempts, delivery);
+        assert_eq!(task.error_code.as_deref(), Some("LEASE_EXPIRED"));
+        if delivery == policy.max_attempts {
+            assert_eq!(task.state, TaskState::DeadLetter);
+            break;
+        }
+        assert_eq!(task.state, TaskState::RetryWait);
+        assert_eq!(
+            task.next_attempt_at,
+            Some(due + policy.delay_after(delivery))
+        );
+        due = task.next_attempt_at.expect("due");
+        let (_, attempt) = claimed(store, &agent, generation, due).await;
+        due = attempt.lease_expires_at;
+        let swept = sweep(store, due).await;
+        let last = delivery + 1 == policy.max_attempts;
+        assert_eq!(
+            (
+                swept.requeued.len() as u64,
+                swept.dead_lettered,
+                swept.unknown.len()
+            ),
+            if last { (0, 1, 0) } else { (1, 0, 0) }
+        );
+    }
+
+    // Read-back: not found keeps it unknown with the evidence; found makes it succeed.
+    let evidence = serde_json::json!({"sticker": null});
+    let still = store
+        .resolve_read_back(deploy.id, false, evidence.clone(), t)
+        .await
+        .expect("read back")
+        .expect("unknown task");
+    assert_eq!(still.state, TaskState::Unknown);
+    assert_eq!(still.result, Some(evidence));
+    assert!(!still.read_back);
+    let sticker = serde_json::json!({"sticker": {"releaseId": "r-1"}});
+    let found = store
+        .resolve_read_back(deploy.id, true, sticker.clone(), t + Duration::seconds(1))
+        .await
+        .expect("read back")
+        .expect("unknown task");
+    assert_eq!(found.state, TaskState::Succeeded);
+    assert!(found.read_back);
+    assert_eq!(found.result, Some(sticker.clone()));
+    assert_eq!(found.finished_at, Some(millis(t + Duration::seconds(1))));
+    assert_eq!(
+        store
+            .resolve_read_back(deploy.id, true, sticker.clone(), t)
+            .await
+            .expect("read back"),
+        None,
+        "only an unknown task is read back"
+    );
+    assert_eq!(
+        store
+            .resolve_read_back(TaskId::new(), true, sticker, t)
+            .await
+            .expect("read back"),
+        None
+    );
+
+    // A requested cancellation is honoured when the lease of a read-only task runs out.
+    let cancel_me = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    store
+        .cancel_task(tenant.id, cancel_me.id, t)
+        .await
+        .expect("cancel");
+    let swept = sweep(store, attempt.lease_expires_at).await;
+    assert_eq!(swept, LeaseSweep::default());
+    assert_eq!(
+        task_now(store, &cancel_me).await.0.state,
+        TaskState::Cancelled
+    );
+}
+
+pub async fn delete_agent_tasks(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("retiring")).await;
+    let keep = register(store, tenant.id, new_agent("staying")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+
+    let inspect = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, inspect_attempt) = claimed(store, &agent, generation, t).await;
+    let deploy = create(store, deploy_task(tenant.id, agent.id, t)).await;
+    let (_, deploy_attempt) = claimed(store, &agent, generation, t).await;
+    let waiting = create(store, new_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    recorded(
+        store,
+        completion(&agent, generation, &attempt, failed(true), t),
+    )
+    .await;
+    let pending = create(store, new_task(tenant.id, agent.id, t)).await;
+    let finished = create(store, new_task(tenant.id, keep.id, t)).await;
+    let other = create(store, new_task(tenant.id, keep.id, t)).await;
+    let _ = finished;
+
+    assert!(store
+        .delete_agent(tenant.id, agent.id)
+        .await
+        .expect("delete"));
+
+    let state = |task: Task| (task.state, task.error_code);
+    let deleted = Some("AGENT_DELETED".to_string());
+    let (task, attempts) = task_now(store, &inspect).await;
+    assert_eq!(state(task), (TaskState::Expired, deleted.clone()));
+    assert_eq!(attempts[0].assignment_id, inspect_attempt.assignment_id);
+    assert_eq!(attempts[0].state, AttemptState::Expired);
+    let (task, attempts) = task_now(store, &deploy).await;
+    assert_eq!(task.current_assignment, None);
+    assert_eq!(task.finished_at, None, "unknown is not final");
+    assert_eq!(state(task), (TaskState::Unknown, deleted.clone()));
+    assert_eq!(attempts[0].assignment_id, deploy_attempt.assignment_id);
+    assert_eq!(attempts[0].state, AttemptState::Expired);
+    let (task, _) = task_now(store, &waiting).await;
+    assert!(task.finished_at.is_some());
+    assert_eq!(state(task), (TaskState::Expired, deleted.clone()));
+    assert_eq!(
+        state(task_now(store, &pending).await.0),
+        (TaskState::Expired, deleted)
+    );
+    // Another agent's tasks are untouched; the history of the deleted one is still listed.
+    assert_eq!(task_now(store, &other).await.0.state, TaskState::Pending);
+    let listed = store
+        .list_tasks(
+            tenant.id,
+            &TaskFilter {
+                agent_id: Some(agent.id),
+                ..TaskFilter::default()
+            },
+            None,
+            100,
+        )
+        .await
+        .expect("list");
+    assert_eq!(listed.items.len(), 4);
+}
+
+pub async fn task_tenant_isolation(store: &DynStore) {
+    let owner = tenant(store).await;
+    let intruder = tenant(store).await;
+    let agent = register(store, owner.id, new_agent("private")).await;
+    let task = create(store, new_task(owner.id, agent.id, now())).await;
+
+    assert_eq!(
+        store.get_task(intruder.id, task.id).await.expect("get"),
+        None
+    );
+    let everything = TaskFilter::default();
+    assert!(store
+        .list_tasks(intruder.id, &everything, None, 100)
+        .await
+        .expect("list")
+        .items
+        .is_empty());
+    let by_agent = TaskFilter {
+        agent_id: Some(agent.id),
+        ..TaskFilter::default()
+    };
+    assert!(store
+        .list_tasks(intruder.id, &by_agent, None, 100)
+        .await
+        .expect("list")
+        .items
+        .is_empty());
+    assert_eq!(
+        store
+            .cancel_task(intruder.id, task.id, now())
+            .await
+            .expect("cancel"),
+        None
+    );
+    assert_eq!(
+        store
+            .retry_task(intruder.id, task.id, now())
+            .await
+            .expect("retry"),
+        None
+    );
+    assert_eq!(task_now(store, &task).await.0, task, "unchanged");
+}
+
+pub async fn list_tasks(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let a = register(store, tenant.id, new_agent("list-a")).await;
+    let b = register(store, tenant.id, new_agent("list-b")).await;
+    let t = now();
+    let generation = session(store, &a, t).await;
+    let first = create(store, new_task(tenant.id, a.id, t)).await;
+    let second = create(store, deploy_task(tenant.id, a.id, t)).await;
+    let third = create(store, new_task(tenant.id, b.id, t)).await;
+    let fourth = create(store, deploy_task(tenant.id, b.id, t)).await;
+    claimed(store, &a, generation, t).await;
+
+    let ids = |page: Page<Task>| page.items.into_iter().map(|t| t.id).collect::<Vec<_>>();
+    let list = |filter: TaskFilter| async move {
+        store
+            .list_tasks(tenant.id, &filter, None, 100)
+            .await
+            .expect("list")
+    };
+    assert_eq!(
+        ids(list(TaskFilter::default()).await),
+        vec![first.id, second.id, third.id, fourth.id]
+    );
+    let leased = TaskFilter {
+        state: Some(TaskState::Leased),
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(list(leased).await), vec![first.id]);
+    let of_b = TaskFilter {
+        agent_id: Some(b.id),
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(list(of_b).await), vec![third.id, fourth.id]);
+    let deploys = TaskFilter {
+        task_type: Some("docker.run".to_string()),
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(list(deploys).await), vec![second.id, fourth.id]);
+    let pending_deploys_of_a = TaskFilter {
+        state: Some(TaskState::Pending),
+        agent_id: Some(a.id),
+        task_type: Some("docker.run".to_string()),
+    };
+    assert_eq!(ids(list(pending_deploys_of_a).await), vec![second.id]);
+
+    // Pages of 3: the cursor is the last id, and a short page ends the listing.
+    let page = store
+        .list_tasks(tenant.id, &TaskFilter::default(), None, 3)
+        .await
+        .expect("list");
+    assert_eq!(page.next, Some(third.id.0));
+    let rest = store
+        .list_tasks(tenant.id, &TaskFilter::default(), page.next.map(TaskId), 3)
+        .await
+        .expect("list");
+    assert_eq!(ids(rest.clone()), vec![fourth.id]);
+    assert_eq!(rest.next, None);
+}
+
+pub async fn task_events(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("woken")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let mut events = store.task_events();
+
+    // Other writers may share the channel: wait for this agent's event, with a deadline.
+    async fn woken(events: &mut tokio::sync::broadcast::Receiver<AgentId>, agent: AgentId) {
+        let deadline = std::time::Duration::from_secs(10);
+        tokio::time::timeout(deadline, async {
+            loop {
+                match events.recv().await {
+                    Ok(id) if id == agent || id.0.is_nil() => return,
+                    Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(e) => panic!("task events closed: {e}"),
+                }
+            }
+        })
+        .await
+        .expect("a task event for the agent in time");
+    }
+
+    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    woken(&mut events, agent.id).await;
+    claimed(store, &agent, generation, t).await;
+    store
+        .cancel_task(tenant.id, task.id, t)
+        .await
+        .expect("cancel");
+    woken(&mut events, agent.id).await;
+}
+
+/// Open tasks are the ones an agent still has to run: pending, leased and retry_wait.
+pub async fn open_task_counts(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let busy = register(store, tenant.id, new_agent("busy")).await;
+    let idle = register(store, tenant.id, new_agent("idle")).await;
+    let t = now();
+    let generation = session(store, &busy, t).await;
+    for _ in 0..4 {
+        create(store, new_task(tenant.id, busy.id, t)).await;
+    }
+    // One leased, one finished, two pending: three open.
+    let (_, attempt) = claimed(store, &busy, generation, t).await;
+    recorded(
+        store,
+        completion(&busy, generation, &attempt, AttemptResult::Succeeded, t),
+    )
+    .await;
+    claimed(store, &busy, generation, t).await;
+    let counts = store
+        .open_task_counts(&[idle.id, busy.id])
+        .await
+        .expect("counts");
+    assert_eq!(counts, vec![(idle.id, 0), (busy.id, 3)]);
+    assert_eq!(store.open_task_counts(&[]).await.expect("none"), vec![]);
+}

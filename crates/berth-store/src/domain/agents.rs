@@ -1,0 +1,204 @@
+//! Agents and their sessions: registration (which consumes a registration token), the
+//! certificate binding, heartbeats and staleness, and the session lease that fences a paused
+//! or cloned agent process.
+
+use std::collections::BTreeMap;
+
+use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
+use berth_proto::{AgentId, TenantId};
+use time::OffsetDateTime;
+
+use crate::{Page, Result};
+
+/// Everything the server decided about a registering agent before it is stored.
+#[derive(Debug, Clone)]
+pub struct NewAgent {
+    pub id: AgentId,
+    pub name: String,
+    pub version: String,
+    pub capabilities: Vec<Capability>,
+    /// Labels the agent asked for; the token's labels are merged over them by the store.
+    pub labels: BTreeMap<String, String>,
+    pub certificate_fingerprint: String,
+    pub certificate_expires_at: OffsetDateTime,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Agent {
+    pub id: AgentId,
+    pub tenant_id: TenantId,
+    pub name: String,
+    pub version: String,
+    pub capabilities: Vec<Capability>,
+    pub labels: BTreeMap<String, String>,
+    pub status: AgentStatus,
+    /// What the agent last said of itself (`online` or `degraded`); `status` also reflects lateness.
+    pub reported_status: AgentStatus,
+    pub environment: Option<String>,
+    pub last_heartbeat: Option<OffsetDateTime>,
+    pub resource_usage: Option<ResourceUsage>,
+    pub certificate_fingerprint: Option<String>,
+    pub certificate_expires_at: Option<OffsetDateTime>,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegisterError {
+    /// Unknown, expired or already used token. One answer for all three, on purpose.
+    TokenInvalid,
+    /// Another agent of the tenant has this name; the token is not consumed.
+    NameTaken,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct AgentFilter {
+    pub status: Option<AgentStatus>,
+    /// An agent matches when it has a capability of this name.
+    pub capability: Option<String>,
+    /// An agent matches when it has this label with this value.
+    pub label: Option<(String, String)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AgentUpdate {
+    pub labels: Option<BTreeMap<String, String>>,
+    pub capabilities: Option<Vec<Capability>>,
+}
+
+/// One heartbeat, applied with others in a single transaction (group commit).
+#[derive(Debug, Clone)]
+pub struct HeartbeatRecord {
+    pub agent_id: AgentId,
+    /// The certificate the heartbeat came with; it applies only while this is still the binding.
+    pub certificate_fingerprint: String,
+    /// The session generation the agent holds (`X-Berth-Generation`); a stale one is fenced.
+    pub generation: i64,
+    /// The renewed session lease: `session_expires_at` is set to this.
+    pub session_expires_at: OffsetDateTime,
+    pub reported_status: AgentStatus,
+    pub resource_usage: ResourceUsage,
+    pub capabilities: Vec<Capability>,
+    pub at: OffsetDateTime,
+}
+
+/// How many agents a staleness sweep moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StaleSweep {
+    pub degraded: u64,
+    pub offline: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatOutcome {
+    Applied,
+    Fenced,
+    Revoked,
+}
+
+/// The session lease of an agent process (seed 003 fencing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionOutcome {
+    /// Acquired: `generation` was incremented and is now the only one accepted.
+    Acquired {
+        generation: i64,
+        lease_expires_at: OffsetDateTime,
+    },
+    /// Another live instance holds the lease.
+    Held {
+        holder_instance: String,
+        lease_expires_at: OffsetDateTime,
+    },
+    /// The agent is gone or the certificate is not its binding.
+    Revoked,
+}
+
+/// Agents, their certificate binding, heartbeats and session leases. Part of [`crate::Store`].
+#[async_trait::async_trait]
+pub trait AgentStore: Send + Sync {
+    /// Atomically consumes the registration token (unused, not expired at `now`) and inserts the
+    /// agent into the token's tenant with its labels (token labels win) and environment.
+    /// Exactly one of any number of concurrent calls with one token succeeds.
+    async fn register_agent(
+        &self,
+        token_hash: &str,
+        agent: NewAgent,
+        now: OffsetDateTime,
+    ) -> Result<std::result::Result<Agent, RegisterError>>;
+
+    async fn get_agent(&self, tenant: TenantId, id: AgentId) -> Result<Option<Agent>>;
+    /// Looks an agent up by id alone: only for agent-runtime routes, which then prove the
+    /// caller's identity by certificate binding.
+    async fn get_agent_for_runtime(&self, id: AgentId) -> Result<Option<Agent>>;
+    /// Ordered by id; `after` is the previous page's `next`. `limit` is at least 1.
+    async fn list_agents(
+        &self,
+        tenant: TenantId,
+        filter: &AgentFilter,
+        after: Option<AgentId>,
+        limit: u32,
+    ) -> Result<Page<Agent>>;
+    async fn update_agent(
+        &self,
+        tenant: TenantId,
+        id: AgentId,
+        update: AgentUpdate,
+        now: OffsetDateTime,
+    ) -> Result<Option<Agent>>;
+    /// True when the agent existed. Its certificate binding goes with it. In the same
+    /// transaction its `pending`/`retry_wait` tasks become `expired` (`AGENT_DELETED`), and its
+    /// `leased` ones `unknown` if they have side effects, else `expired` (attempts `expired`).
+    async fn delete_agent(&self, tenant: TenantId, id: AgentId) -> Result<bool>;
+
+    /// Replaces the certificate binding only while `old_fingerprint` is still bound.
+    async fn rebind_certificate(
+        &self,
+        id: AgentId,
+        old_fingerprint: &str,
+        new_fingerprint: &str,
+        new_expires_at: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<bool>;
+
+    /// Applies a batch of heartbeats in one transaction. Per record: `Revoked` when the agent is
+    /// gone or the certificate is no longer its binding, `Fenced` when `generation` is not the
+    /// agent's current generation, else `Applied`: sets `status` and `reported_status` to the
+    /// reported status, `last_heartbeat` to `at`, and renews `session_expires_at`.
+    async fn record_heartbeats(&self, batch: &[HeartbeatRecord]) -> Result<Vec<HeartbeatOutcome>>;
+
+    /// Marks agents whose last heartbeat is older than `offline_before` (or never came and were
+    /// created before it) `offline`, and online agents older than `degraded_before` `degraded`.
+    async fn sweep_stale_agents(
+        &self,
+        degraded_before: OffsetDateTime,
+        offline_before: OffsetDateTime,
+    ) -> Result<StaleSweep>;
+
+    // --- sessions (fencing) ---
+
+    /// Acquires the agent's session lease for `instance_id` when it is free, expired at `now`,
+    /// or already held by `instance_id`; acquiring increments `generation`. Checks the
+    /// certificate binding in the same transaction.
+    async fn acquire_session(
+        &self,
+        agent: AgentId,
+        certificate_fingerprint: &str,
+        instance_id: &str,
+        now: OffsetDateTime,
+        lease_expires_at: OffsetDateTime,
+    ) -> Result<SessionOutcome>;
+
+    /// Ends the lease early (graceful stop) when `generation` is still current. True if released.
+    async fn release_session(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        now: OffsetDateTime,
+    ) -> Result<bool>;
+
+    /// Marks the agent `degraded` because a second live process claims its identity, and keeps
+    /// it so until `until`: heartbeats before then record what the agent reports but leave the
+    /// status `degraded`. A new session acquisition (a takeover) clears the mark.
+    async fn mark_agent_degraded(&self, agent: AgentId, until: OffsetDateTime) -> Result<()>;
+}

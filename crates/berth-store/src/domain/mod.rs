@@ -1,0 +1,6 @@
+//! The domains of the store, one module each: its types and the trait of its operations.
+//! A backend implements every domain trait; [`crate::Store`] is all of them together.
+
+pub mod agents;
+pub mod tasks;
+pub mod tenants;

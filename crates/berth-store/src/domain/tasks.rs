@@ -1,0 +1,311 @@
+//! Tasks and their deliveries (attempts): creation with idempotency keys, the claim order,
+//! verified results, cancellation, retry, lease expiry and read-back. Where a task goes when a
+//! delivery ends is decided in `lifecycle.rs`.
+
+use std::collections::BTreeMap;
+
+use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
+use time::OffsetDateTime;
+
+use crate::{Page, Result};
+
+/// Task and attempt states are wire types; the store persists them by `as_str`.
+pub use berth_proto::task::{AttemptState, TaskState};
+
+/// Delivery policy (seed 003): requeue after `backoff[attempt-1]` (the last entry repeats),
+/// dead-letter once `max_attempts` deliveries failed.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    pub backoff: Vec<std::time::Duration>,
+    pub max_attempts: u32,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> RetryPolicy {
+        use std::time::Duration;
+        RetryPolicy {
+            backoff: vec![
+                Duration::from_secs(1),
+                Duration::from_secs(8),
+                Duration::from_secs(64),
+                Duration::from_secs(300),
+            ],
+            max_attempts: 5,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Delay before the next delivery after `attempts` failed deliveries (attempts >= 1).
+    pub fn delay_after(&self, attempts: u32) -> std::time::Duration {
+        let i = (attempts.max(1) as usize - 1).min(self.backoff.len().saturating_sub(1));
+        self.backoff.get(i).copied().unwrap_or_default()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct NewTask {
+    pub id: TaskId,
+    pub tenant_id: TenantId,
+    pub task_type: String,
+    /// The agent that will run it (a label selector is resolved by the server before this).
+    pub agent_id: AgentId,
+    pub payload: serde_json::Value,
+    /// Credentials sealed with the master key (AEAD, aad = task id); never stored in clear.
+    pub credentials_sealed: Option<Vec<u8>>,
+    pub variables: BTreeMap<String, String>,
+    pub timeout_seconds: u32,
+    /// Higher runs first among an agent's queued tasks.
+    pub priority: i32,
+    pub side_effects: bool,
+    /// `Idempotency-Key` of the create request, unique per tenant, with the hash of the request
+    /// body: the same key with the same hash returns the existing task, another hash conflicts.
+    pub idempotency_key: Option<String>,
+    pub request_hash: Option<String>,
+    /// A read-back task points at the `unknown` task it checks.
+    pub read_back_of: Option<TaskId>,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    pub id: TaskId,
+    pub tenant_id: TenantId,
+    pub task_type: String,
+    pub agent_id: AgentId,
+    pub payload: serde_json::Value,
+    pub credentials_sealed: Option<Vec<u8>>,
+    pub variables: BTreeMap<String, String>,
+    pub timeout_seconds: u32,
+    pub priority: i32,
+    pub side_effects: bool,
+    pub idempotency_key: Option<String>,
+    pub read_back_of: Option<TaskId>,
+    pub state: TaskState,
+    /// Deliveries so far.
+    pub attempts: u32,
+    /// For `retry_wait`: not before this.
+    pub next_attempt_at: Option<OffsetDateTime>,
+    /// The current delivery, while `leased`.
+    pub current_assignment: Option<AssignmentId>,
+    pub lease_expires_at: Option<OffsetDateTime>,
+    /// An operator asked to cancel a leased task; delivered to the agent with its next poll.
+    pub cancel_requested: bool,
+    /// The task succeeded because read-back found its intended state, not through a result.
+    pub read_back: bool,
+    /// Stable code of the last failure (`TIMEOUT`, `HEALTH_CHECK_FAILED`, `LEASE_EXPIRED`, …).
+    pub error_code: Option<String>,
+    /// The verified `resultData` of the deciding attempt, decoded.
+    pub result: Option<serde_json::Value>,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+/// One delivery, with the signed result that ended it (stored as received, for audit).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attempt {
+    pub assignment_id: AssignmentId,
+    pub task_id: TaskId,
+    pub agent_id: AgentId,
+    /// The agent's session generation when the assignment was made.
+    pub generation: i64,
+    pub state: AttemptState,
+    pub assigned_at: OffsetDateTime,
+    pub lease_expires_at: OffsetDateTime,
+    pub finished_at: Option<OffsetDateTime>,
+    /// The verified result envelope, as JSON, including its signature.
+    pub envelope: Option<serde_json::Value>,
+    pub error_code: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CreateTaskOutcome {
+    Created(Task),
+    /// Same idempotency key, same request: the existing task.
+    Existing(Task),
+    /// Same idempotency key, different request.
+    KeyConflict,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct TaskFilter {
+    pub state: Option<TaskState>,
+    pub agent_id: Option<AgentId>,
+    pub task_type: Option<String>,
+}
+
+// One value per poll, moved once: boxing would only add an allocation and clumsier matches.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClaimOutcome {
+    /// The next task for the agent, now leased under a fresh assignment.
+    Claimed(Task, Attempt),
+    /// Nothing claimable now.
+    Empty,
+    /// `generation` is not the agent's current generation.
+    Fenced,
+    /// The agent is gone or the certificate is not its binding.
+    Revoked,
+}
+
+/// How an attempt ended, as the verified result says.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttemptResult {
+    Succeeded,
+    Failed { error_code: String, retriable: bool },
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub agent_id: AgentId,
+    pub generation: i64,
+    pub certificate_fingerprint: String,
+    pub task_id: TaskId,
+    /// From the envelope; `None` means "the task's current assignment".
+    pub assignment_id: Option<AssignmentId>,
+    pub result: AttemptResult,
+    /// The decoded `resultData`.
+    pub result_data: Option<serde_json::Value>,
+    /// The whole signed envelope as received.
+    pub envelope: serde_json::Value,
+    pub now: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CompleteOutcome {
+    /// Recorded; the task in its new state.
+    Recorded(Task),
+    /// This assignment already ended with an identical envelope: the task as it is.
+    Duplicate(Task),
+    /// Stale generation, or the assignment is not (or no longer) the task's current lease.
+    Fenced,
+    Revoked,
+    /// No such task for this agent.
+    NotFound,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CancelOutcome {
+    /// Pending, retry_wait or unknown: cancelled at once.
+    Cancelled(Task),
+    /// Leased: marked; the agent is told with its next poll and reports `cancelled`.
+    Requested(Task),
+    /// Already terminal: unchanged.
+    AlreadyFinished(Task),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RetryOutcome {
+    /// Unknown or dead_letter: back to pending with a fresh attempt budget.
+    Requeued(Task),
+    /// Any other state: unchanged.
+    NotRetriable(Task),
+}
+
+/// What a lease sweep did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LeaseSweep {
+    /// Tasks with side effects whose lease ran out: now `unknown`, to be read back.
+    pub unknown: Vec<Task>,
+    /// Read-only tasks requeued (`retry_wait`): the server wakes their agents at
+    /// `next_attempt_at`, since time alone makes them claimable.
+    pub requeued: Vec<Task>,
+    pub dead_lettered: u64,
+}
+
+/// Tasks, their deliveries and the wake-ups of long-polls. Part of [`crate::Store`].
+#[async_trait::async_trait]
+pub trait TaskStore: Send + Sync {
+    /// Inserts the task as `pending`, honouring the idempotency key (unique per tenant).
+    /// `Conflict { constraint: "task_agent" }` when `agent_id` is not an agent of the tenant
+    /// (checked in the same transaction, so a concurrently deleted agent gets no orphan task).
+    async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome>;
+    async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>>;
+    /// Ordered by id (creation order); `after` is the previous page's `next`.
+    async fn list_tasks(
+        &self,
+        tenant: TenantId,
+        filter: &TaskFilter,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Page<Task>>;
+
+    /// In one transaction, with the generation and certificate binding checked in it: picks the
+    /// agent's next task and leases it under a fresh assignment (attempts + 1, lease until
+    /// `now + timeout + lease_grace`).
+    ///
+    /// Order: the agent's open tasks (`pending`, `retry_wait`) are considered by priority
+    /// (higher first), then creation order. Only the FIRST of them may be claimed (strict order):
+    /// nothing is claimed when it is `retry_wait` with `next_attempt_at > now`, or when it has
+    /// side effects while another side-effecting task of the agent is `leased`.
+    async fn claim_task(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        certificate_fingerprint: &str,
+        now: OffsetDateTime,
+        lease_grace: std::time::Duration,
+    ) -> Result<ClaimOutcome>;
+
+    /// How many open tasks (pending, leased, retry_wait) each of `agents` has; a selector sends
+    /// new work to the capable agent with the fewest.
+    async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>>;
+
+    /// Leased tasks of the agent with `cancel_requested`, with their current assignment.
+    async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>>;
+
+    /// Records a verified result in one transaction that also checks generation, binding and
+    /// that the assignment is the task's current, still-leased one whose lease has not run out at
+    /// `completion.now`. Transitions: Succeeded →
+    /// `succeeded`; Cancelled → `cancelled`; Failed and retriable → `retry_wait` (next attempt
+    /// after `policy.delay_after(attempts)`) or `dead_letter` once attempts reach
+    /// `policy.max_attempts`; Failed and not retriable → `failed`. The attempt row gets the
+    /// envelope. A second submission for an already-ended assignment with an identical envelope
+    /// is `Duplicate`; a different one is `Fenced`. A task whose cancellation was requested is
+    /// never requeued: a retriable failure makes it `cancelled` instead of `retry_wait`.
+    async fn complete_attempt(
+        &self,
+        completion: Completion,
+        policy: &RetryPolicy,
+    ) -> Result<CompleteOutcome>;
+
+    async fn cancel_task(
+        &self,
+        tenant: TenantId,
+        id: TaskId,
+        now: OffsetDateTime,
+    ) -> Result<Option<CancelOutcome>>;
+    async fn retry_task(
+        &self,
+        tenant: TenantId,
+        id: TaskId,
+        now: OffsetDateTime,
+    ) -> Result<Option<RetryOutcome>>;
+
+    /// Leases that ran out at `now`: the attempt becomes `expired`; a task with side effects
+    /// becomes `unknown` (never re-run automatically), one without is requeued or dead-lettered
+    /// per `policy` (or `cancelled` if its cancellation was requested), with
+    /// `error_code = LEASE_EXPIRED`. Row locks (SKIP LOCKED on PostgreSQL)
+    /// so replicas can sweep concurrently without double transitions.
+    async fn expire_leases(&self, now: OffsetDateTime, policy: &RetryPolicy) -> Result<LeaseSweep>;
+
+    /// Resolves an `unknown` task by read-back: when `found` it becomes `succeeded` with
+    /// `read_back = true` and `result = evidence`; otherwise it stays `unknown` (the evidence is
+    /// stored as `result`). Returns the task, or None if it does not exist or is not `unknown`.
+    async fn resolve_read_back(
+        &self,
+        id: TaskId,
+        found: bool,
+        evidence: serde_json::Value,
+        now: OffsetDateTime,
+    ) -> Result<Option<Task>>;
+
+    /// Wakes long-polls: yields the agent id each time a task for it becomes claimable or a
+    /// cancellation is requested — in this process and, on PostgreSQL, in every replica
+    /// (LISTEN/NOTIFY on the channel `berth_tasks`). Lagging receivers should wake everyone.
+    /// The nil id `AgentId(Uuid::nil())` also means "wake everyone": events may have been lost
+    /// (the PostgreSQL listener connection dropped and was re-established).
+    fn task_events(&self) -> tokio::sync::broadcast::Receiver<AgentId>;
+}

@@ -1,0 +1,73 @@
+//! Tenants and their tokens: API tokens (bearer credentials of a tenant's users) and
+//! registration tokens (single-use admissions of agents into a tenant).
+
+use std::collections::BTreeMap;
+
+use berth_proto::admin::Role;
+use berth_proto::{TenantId, TokenId};
+use time::OffsetDateTime;
+
+use crate::Result;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    pub id: TenantId,
+    pub name: String,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiToken {
+    pub id: TokenId,
+    pub tenant_id: TenantId,
+    pub name: String,
+    pub role: Role,
+    /// The bootstrap admin token of the `default` tenant: the only one that may create tenants.
+    pub operator: bool,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewApiToken {
+    pub id: TokenId,
+    pub tenant_id: TenantId,
+    pub name: String,
+    pub role: Role,
+    pub operator: bool,
+    /// SHA-256 of the secret, hex. The secret itself is never stored.
+    pub token_hash: String,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewRegistrationToken {
+    pub id: TokenId,
+    pub tenant_id: TenantId,
+    pub token_hash: String,
+    pub labels: BTreeMap<String, String>,
+    pub environment: Option<String>,
+    pub expires_at: OffsetDateTime,
+    pub created_at: OffsetDateTime,
+}
+
+/// Tenants, API tokens and registration tokens. Part of [`crate::Store`].
+#[async_trait::async_trait]
+pub trait TenantStore: Send + Sync {
+    /// Creates the tenant or returns the existing one with that name (bootstrap).
+    async fn ensure_tenant(&self, name: &str, now: OffsetDateTime) -> Result<Tenant>;
+    /// `Conflict { constraint: "tenant_name" }` when the name exists.
+    async fn create_tenant(&self, id: TenantId, name: &str, now: OffsetDateTime) -> Result<Tenant>;
+    async fn get_tenant(&self, id: TenantId) -> Result<Option<Tenant>>;
+
+    // --- API tokens ---
+
+    /// `Conflict { constraint: "api_token_hash" }` on a duplicate hash.
+    async fn create_api_token(&self, token: NewApiToken) -> Result<ApiToken>;
+    async fn api_token_by_hash(&self, token_hash: &str) -> Result<Option<ApiToken>>;
+    /// Whether the tenant already has an operator token (bootstrap runs once).
+    async fn has_operator_token(&self, tenant: TenantId) -> Result<bool>;
+
+    // --- registration tokens ---
+
+    async fn create_registration_token(&self, token: NewRegistrationToken) -> Result<()>;
+}

@@ -1,0 +1,476 @@
+//! The task state machine both backends apply: whether a result may complete a delivery
+//! ([`accept_completion`]), where a task goes when a delivery ends with a result
+//! ([`completion_transition`]) or with its lease running out ([`expiry_transition`]), and the
+//! deadline of a delivery. Pure functions of a task's state: no SQL, no connection, no clock.
+
+use time::OffsetDateTime;
+
+use crate::rows::millis;
+use crate::{Attempt, AttemptResult, AttemptState, CompleteOutcome, RetryPolicy, Task, TaskState};
+
+/// Where a task goes when a delivery ends: the one decision both backends apply.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Transition {
+    pub state: TaskState,
+    pub attempt: AttemptState,
+    /// For `retry_wait`.
+    pub next_attempt_at: Option<OffsetDateTime>,
+    /// The new `error_code`; `None` keeps the previous one.
+    pub error_code: Option<String>,
+    /// `finished_at`, set when the task reaches a terminal state.
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+/// Error code of a delivery whose lease ran out before a result arrived.
+pub(crate) const LEASE_EXPIRED: &str = "LEASE_EXPIRED";
+/// Error code of the open tasks of a deleted agent.
+pub(crate) const AGENT_DELETED: &str = "AGENT_DELETED";
+
+/// A failed delivery of a task that may run again: `retry_wait` after the policy's backoff, or
+/// `dead_letter` once `attempts` reached the budget. A task an operator asked to cancel is not
+/// requeued against that wish: it becomes `cancelled`.
+fn requeue(
+    attempts: u32,
+    cancel_requested: bool,
+    policy: &RetryPolicy,
+    now: OffsetDateTime,
+    attempt: AttemptState,
+    error_code: &str,
+) -> Transition {
+    let (state, next_attempt_at) = if cancel_requested {
+        (TaskState::Cancelled, None)
+    } else if attempts >= policy.max_attempts {
+        (TaskState::DeadLetter, None)
+    } else {
+        (
+            TaskState::RetryWait,
+            Some(millis(now + policy.delay_after(attempts))),
+        )
+    };
+    Transition {
+        state,
+        attempt,
+        next_attempt_at,
+        error_code: Some(error_code.to_string()),
+        finished_at: state.is_terminal().then(|| millis(now)),
+    }
+}
+
+/// The delivery a result may complete, or the answer when it may not: no such attempt, or one
+/// already finished (the identical envelope again is a duplicate, answered idempotently; any
+/// other is fenced), or a delivery that is no longer current. The lease is the proof window:
+/// a result after its deadline is refused even before the sweep has moved the task, so "on
+/// time" never depends on the sweeper's pace. `now` is in whole milliseconds.
+pub(crate) fn accept_completion(
+    task: &Task,
+    attempt: Option<Attempt>,
+    envelope: &serde_json::Value,
+    now: OffsetDateTime,
+) -> Result<Attempt, Refused> {
+    let Some(attempt) = attempt else {
+        return Err(Refused::Fenced);
+    };
+    if attempt.state != AttemptState::Leased {
+        return Err(if attempt.envelope.as_ref() == Some(envelope) {
+            Refused::Duplicate
+        } else {
+            Refused::Fenced
+        });
+    }
+    if task.state != TaskState::Leased
+        || task.current_assignment != Some(attempt.assignment_id)
+        || attempt.lease_expires_at < now
+    {
+        return Err(Refused::Fenced);
+    }
+    Ok(attempt)
+}
+
+/// Why [`accept_completion`] refused a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    Fenced,
+    Duplicate,
+}
+
+impl Refused {
+    /// The answer for a result refused on `task`.
+    pub(crate) fn outcome(self, task: Task) -> CompleteOutcome {
+        match self {
+            Refused::Fenced => CompleteOutcome::Fenced,
+            Refused::Duplicate => CompleteOutcome::Duplicate(task),
+        }
+    }
+}
+
+/// A verified result for the task's current delivery, its `attempts`-th.
+pub(crate) fn completion_transition(
+    result: &AttemptResult,
+    attempts: u32,
+    cancel_requested: bool,
+    policy: &RetryPolicy,
+    now: OffsetDateTime,
+) -> Transition {
+    let done = |state, attempt, error_code: Option<&String>| Transition {
+        state,
+        attempt,
+        next_attempt_at: None,
+        error_code: error_code.cloned(),
+        finished_at: Some(millis(now)),
+    };
+    match result {
+        AttemptResult::Succeeded => done(TaskState::Succeeded, AttemptState::Succeeded, None),
+        AttemptResult::Cancelled => done(TaskState::Cancelled, AttemptState::Cancelled, None),
+        AttemptResult::Failed {
+            error_code,
+            retriable: false,
+        } => done(TaskState::Failed, AttemptState::Failed, Some(error_code)),
+        AttemptResult::Failed {
+            error_code,
+            retriable: true,
+        } => requeue(
+            attempts,
+            cancel_requested,
+            policy,
+            now,
+            AttemptState::Failed,
+            error_code,
+        ),
+    }
+}
+
+/// A lease that ran out: a task with side effects may have run, so it becomes `unknown` (never
+/// re-run automatically); one without is requeued like a retriable failure.
+pub(crate) fn expiry_transition(
+    side_effects: bool,
+    attempts: u32,
+    cancel_requested: bool,
+    policy: &RetryPolicy,
+    now: OffsetDateTime,
+) -> Transition {
+    if side_effects {
+        Transition {
+            state: TaskState::Unknown,
+            attempt: AttemptState::Expired,
+            next_attempt_at: None,
+            error_code: Some(LEASE_EXPIRED.to_string()),
+            finished_at: None,
+        }
+    } else {
+        requeue(
+            attempts,
+            cancel_requested,
+            policy,
+            now,
+            AttemptState::Expired,
+            LEASE_EXPIRED,
+        )
+    }
+}
+
+/// The deadline of a delivery: the task timeout plus the grace period.
+pub(crate) fn lease_deadline(
+    now: OffsetDateTime,
+    timeout_seconds: u32,
+    grace: std::time::Duration,
+) -> OffsetDateTime {
+    millis(now + std::time::Duration::from_secs(u64::from(timeout_seconds)) + grace)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every row is one explicit expectation. The policy is the default one: backoff 1 s, 8 s,
+    //! 64 s, 300 s (the last repeats), dead letter once 5 deliveries failed.
+
+    use super::*;
+    use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
+    use std::collections::BTreeMap;
+    use time::macros::datetime;
+    use time::Duration;
+
+    /// Sub-millisecond digits, so every timestamp a transition sets must be truncated.
+    const NOW: OffsetDateTime = datetime!(2030-06-01 12:00:00.123_456_789 UTC);
+    /// `NOW` in whole milliseconds.
+    const NOW_MS: OffsetDateTime = datetime!(2030-06-01 12:00:00.123 UTC);
+
+    use AttemptState as A;
+    use TaskState as T;
+
+    /// What a transition should be: `next` is the delay before the next delivery, `finished`
+    /// whether `finished_at` is set (always to `NOW_MS`).
+    fn expect(
+        state: TaskState,
+        attempt: AttemptState,
+        next: Option<Duration>,
+        error_code: Option<&str>,
+        finished: bool,
+    ) -> Transition {
+        Transition {
+            state,
+            attempt,
+            next_attempt_at: next.map(|d| NOW_MS + d),
+            error_code: error_code.map(str::to_string),
+            finished_at: finished.then_some(NOW_MS),
+        }
+    }
+
+    fn failed(retriable: bool) -> AttemptResult {
+        AttemptResult::Failed {
+            error_code: "BOOM".to_string(),
+            retriable,
+        }
+    }
+
+    #[test]
+    fn completion_transition_table() {
+        let policy = RetryPolicy::default();
+        let s = Duration::seconds;
+        #[rustfmt::skip]
+        let table: Vec<(AttemptResult, u32, bool, Transition)> = vec![
+            // (result, attempts, cancel_requested) => transition
+            (AttemptResult::Succeeded, 1, false, expect(T::Succeeded, A::Succeeded, None, None, true)),
+            (AttemptResult::Succeeded, 5, false, expect(T::Succeeded, A::Succeeded, None, None, true)),
+            // A result that arrived wins over a cancellation that was only requested.
+            (AttemptResult::Succeeded, 1, true, expect(T::Succeeded, A::Succeeded, None, None, true)),
+            (AttemptResult::Cancelled, 1, false, expect(T::Cancelled, A::Cancelled, None, None, true)),
+            (AttemptResult::Cancelled, 1, true, expect(T::Cancelled, A::Cancelled, None, None, true)),
+            (failed(false), 1, false, expect(T::Failed, A::Failed, None, Some("BOOM"), true)),
+            (failed(false), 5, false, expect(T::Failed, A::Failed, None, Some("BOOM"), true)),
+            (failed(false), 1, true, expect(T::Failed, A::Failed, None, Some("BOOM"), true)),
+            // Retriable: requeued after the backoff of its attempt, the last entry repeating...
+            (failed(true), 0, false, expect(T::RetryWait, A::Failed, Some(s(1)), Some("BOOM"), false)),
+            (failed(true), 1, false, expect(T::RetryWait, A::Failed, Some(s(1)), Some("BOOM"), false)),
+            (failed(true), 2, false, expect(T::RetryWait, A::Failed, Some(s(8)), Some("BOOM"), false)),
+            (failed(true), 3, false, expect(T::RetryWait, A::Failed, Some(s(64)), Some("BOOM"), false)),
+            (failed(true), 4, false, expect(T::RetryWait, A::Failed, Some(s(300)), Some("BOOM"), false)),
+            // ...dead-lettered once the budget is spent...
+            (failed(true), 5, false, expect(T::DeadLetter, A::Failed, None, Some("BOOM"), true)),
+            (failed(true), 6, false, expect(T::DeadLetter, A::Failed, None, Some("BOOM"), true)),
+            // ...and never requeued against a requested cancellation, budget or not.
+            (failed(true), 1, true, expect(T::Cancelled, A::Failed, None, Some("BOOM"), true)),
+            (failed(true), 5, true, expect(T::Cancelled, A::Failed, None, Some("BOOM"), true)),
+        ];
+        for (result, attempts, cancel_requested, expected) in table {
+            assert_eq!(
+                completion_transition(&result, attempts, cancel_requested, &policy, NOW),
+                expected,
+                "{result:?} after {attempts} attempts, cancel_requested={cancel_requested}"
+            );
+        }
+    }
+
+    #[test]
+    fn expiry_transition_table() {
+        let policy = RetryPolicy::default();
+        let s = Duration::seconds;
+        let lost = Some(LEASE_EXPIRED);
+        #[rustfmt::skip]
+        let table: Vec<(bool, u32, bool, Transition)> = vec![
+            // (side_effects, attempts, cancel_requested) => transition
+            // Side effects: it may have run, so unknown, whatever the budget or a cancellation.
+            (true, 1, false, expect(T::Unknown, A::Expired, None, lost, false)),
+            (true, 5, false, expect(T::Unknown, A::Expired, None, lost, false)),
+            (true, 6, false, expect(T::Unknown, A::Expired, None, lost, false)),
+            (true, 1, true, expect(T::Unknown, A::Expired, None, lost, false)),
+            (true, 5, true, expect(T::Unknown, A::Expired, None, lost, false)),
+            // Read-only: requeued like a retriable failure.
+            (false, 1, false, expect(T::RetryWait, A::Expired, Some(s(1)), lost, false)),
+            (false, 2, false, expect(T::RetryWait, A::Expired, Some(s(8)), lost, false)),
+            (false, 3, false, expect(T::RetryWait, A::Expired, Some(s(64)), lost, false)),
+            (false, 4, false, expect(T::RetryWait, A::Expired, Some(s(300)), lost, false)),
+            (false, 5, false, expect(T::DeadLetter, A::Expired, None, lost, true)),
+            (false, 6, false, expect(T::DeadLetter, A::Expired, None, lost, true)),
+            (false, 1, true, expect(T::Cancelled, A::Expired, None, lost, true)),
+            (false, 5, true, expect(T::Cancelled, A::Expired, None, lost, true)),
+        ];
+        for (side_effects, attempts, cancel_requested, expected) in table {
+            assert_eq!(
+                expiry_transition(side_effects, attempts, cancel_requested, &policy, NOW),
+                expected,
+                "side_effects={side_effects} after {attempts} attempts, \
+                 cancel_requested={cancel_requested}"
+            );
+        }
+    }
+
+    #[test]
+    fn requeue_follows_a_custom_policy() {
+        let policy = RetryPolicy {
+            backoff: vec![std::time::Duration::from_millis(1500)],
+            max_attempts: 2,
+        };
+        assert_eq!(
+            completion_transition(&failed(true), 1, false, &policy, NOW),
+            expect(
+                T::RetryWait,
+                A::Failed,
+                Some(Duration::milliseconds(1500)),
+                Some("BOOM"),
+                false
+            )
+        );
+        assert_eq!(
+            expiry_transition(false, 2, false, &policy, NOW),
+            expect(T::DeadLetter, A::Expired, None, Some(LEASE_EXPIRED), true)
+        );
+    }
+
+    /// Every terminal state a transition can reach sets `finished_at`, and no other does.
+    #[test]
+    fn finished_at_is_set_exactly_for_terminal_states() {
+        let policy = RetryPolicy::default();
+        let mut transitions = Vec::new();
+        for cancel_requested in [false, true] {
+            for attempts in 0..=6 {
+                for result in [
+                    AttemptResult::Succeeded,
+                    AttemptResult::Cancelled,
+                    failed(false),
+                    failed(true),
+                ] {
+                    transitions.push(completion_transition(
+                        &result,
+                        attempts,
+                        cancel_requested,
+                        &policy,
+                        NOW,
+                    ));
+                }
+                for side_effects in [false, true] {
+                    transitions.push(expiry_transition(
+                        side_effects,
+                        attempts,
+                        cancel_requested,
+                        &policy,
+                        NOW,
+                    ));
+                }
+            }
+        }
+        for t in transitions {
+            assert_eq!(t.finished_at.is_some(), t.state.is_terminal(), "{t:?}");
+            assert_eq!(
+                t.next_attempt_at.is_some(),
+                t.state == T::RetryWait,
+                "{t:?}"
+            );
+        }
+    }
+
+    fn leased_task(assignment: AssignmentId) -> Task {
+        Task {
+            id: TaskId::new(),
+            tenant_id: TenantId::new(),
+            task_type: "health-check".to_string(),
+            agent_id: AgentId::new(),
+            payload: serde_json::json!({}),
+            credentials_sealed: None,
+            variables: BTreeMap::new(),
+            timeout_seconds: 30,
+            priority: 0,
+            side_effects: false,
+            idempotency_key: None,
+            read_back_of: None,
+            state: T::Leased,
+            attempts: 1,
+            next_attempt_at: None,
+            current_assignment: Some(assignment),
+            lease_expires_at: Some(NOW_MS),
+            cancel_requested: false,
+            read_back: false,
+            error_code: None,
+            result: None,
+            created_at: NOW_MS,
+            updated_at: NOW_MS,
+            finished_at: None,
+        }
+    }
+
+    fn attempt_of(task: &Task, state: AttemptState, envelope: Option<&str>) -> Attempt {
+        Attempt {
+            assignment_id: task.current_assignment.expect("leased"),
+            task_id: task.id,
+            agent_id: task.agent_id,
+            generation: 1,
+            state,
+            assigned_at: NOW_MS - Duration::seconds(10),
+            lease_expires_at: NOW_MS,
+            finished_at: None,
+            envelope: envelope.map(|e| serde_json::json!({ "e": e })),
+            error_code: None,
+        }
+    }
+
+    /// (case, task, the attempt the result names, now) => accepted, or why not.
+    type AcceptCase = (
+        &'static str,
+        Task,
+        Option<Attempt>,
+        OffsetDateTime,
+        Result<(), Refused>,
+    );
+
+    #[test]
+    fn accept_completion_table() {
+        use Refused::{Duplicate, Fenced};
+        let envelope = serde_json::json!({ "e": "this" });
+        let task = leased_task(AssignmentId::new());
+        let live = attempt_of(&task, A::Leased, None);
+        let later = NOW_MS + Duration::milliseconds(1);
+        let earlier = NOW_MS - Duration::milliseconds(1);
+        let with = |f: fn(&mut Task)| {
+            let mut t = task.clone();
+            f(&mut t);
+            t
+        };
+        #[rustfmt::skip]
+        let table: Vec<AcceptCase> = vec![
+            ("the live delivery, before its deadline", task.clone(), Some(live.clone()), earlier, Ok(())),
+            ("the live delivery, at its deadline", task.clone(), Some(live.clone()), NOW_MS, Ok(())),
+            ("the live delivery, after its deadline", task.clone(), Some(live.clone()), later, Err(Fenced)),
+            ("no such delivery", task.clone(), None, earlier, Err(Fenced)),
+            // An ended delivery: the same envelope again is a duplicate, anything else fenced.
+            ("succeeded, same envelope", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), earlier, Err(Duplicate)),
+            ("failed, same envelope", task.clone(), Some(attempt_of(&task, A::Failed, Some("this"))), earlier, Err(Duplicate)),
+            ("cancelled, same envelope", task.clone(), Some(attempt_of(&task, A::Cancelled, Some("this"))), earlier, Err(Duplicate)),
+            ("same envelope, after the deadline", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), later, Err(Duplicate)),
+            ("succeeded, other envelope", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("other"))), earlier, Err(Fenced)),
+            ("expired, no envelope", task.clone(), Some(attempt_of(&task, A::Expired, None)), earlier, Err(Fenced)),
+            // A live attempt row, but the task moved on.
+            ("task no longer leased", with(|t| t.state = T::RetryWait), Some(live.clone()), earlier, Err(Fenced)),
+            ("task unknown", with(|t| t.state = T::Unknown), Some(live.clone()), earlier, Err(Fenced)),
+            ("task leased under another assignment", with(|t| t.current_assignment = Some(AssignmentId::new())), Some(live.clone()), earlier, Err(Fenced)),
+            ("task without an assignment", with(|t| t.current_assignment = None), Some(live.clone()), earlier, Err(Fenced)),
+        ];
+        for (case, task, attempt, now, expected) in table {
+            let got = accept_completion(&task, attempt.clone(), &envelope, now);
+            match (got, expected) {
+                (Ok(accepted), Ok(())) => assert_eq!(Some(accepted), attempt, "{case}"),
+                (got, expected) => assert_eq!(got.map(|_| ()), expected, "{case}"),
+            }
+        }
+    }
+
+    #[test]
+    fn refusals_answer() {
+        let task = leased_task(AssignmentId::new());
+        assert_eq!(
+            Refused::Fenced.outcome(task.clone()),
+            CompleteOutcome::Fenced
+        );
+        assert_eq!(
+            Refused::Duplicate.outcome(task.clone()),
+            CompleteOutcome::Duplicate(task)
+        );
+    }
+
+    #[test]
+    fn lease_deadline_is_timeout_plus_grace_in_whole_milliseconds() {
+        let grace = std::time::Duration::from_secs(30);
+        assert_eq!(
+            lease_deadline(NOW, 60, grace),
+            datetime!(2030-06-01 12:01:30.123 UTC)
+        );
+        assert_eq!(lease_deadline(NOW, 0, std::time::Duration::ZERO), NOW_MS);
+    }
+}

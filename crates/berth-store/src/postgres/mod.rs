@@ -1,0 +1,221 @@
+//! The PostgreSQL backend, for several `berth server` replicas on one database. Every
+//! check-and-change is one conditional statement or a row lock inside one transaction; it must
+//! never rely on a process-local lock, because other replicas do not share it.
+//!
+//! One file per domain (`tenants.rs`, `agents.rs`, `tasks.rs`) implements that domain's trait;
+//! this one connects, forwards task events and holds what the domains share.
+
+use berth_proto::error::ErrorChain;
+use std::time::Duration;
+
+use berth_proto::AgentId;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Postgres, QueryBuilder};
+use time::OffsetDateTime;
+use tokio::sync::{broadcast, oneshot};
+use uuid::Uuid;
+
+use crate::rows::{self, db_error, get, ColumnReader};
+use crate::{Page, Result, Store, StoreError};
+
+mod agents;
+mod tasks;
+mod tenants;
+
+static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
+
+const MAX_CONNECTIONS: u32 = 16;
+/// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas.
+const TASK_CHANNEL: &str = "berth_tasks";
+const EVENT_CAPACITY: usize = 1024;
+const LISTENER_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+pub struct PostgresStore {
+    pool: PgPool,
+    /// Fed only by the listener task, so every replica's writes (ours included) arrive once.
+    events: broadcast::Sender<AgentId>,
+    /// Dropping the store drops this, which stops the listener task.
+    _stop_listener: oneshot::Sender<()>,
+}
+
+impl PostgresStore {
+    /// Connects and runs the migrations (sqlx serialises concurrent migrators across replicas
+    /// with an advisory lock).
+    pub async fn connect(url: &str) -> Result<PostgresStore> {
+        let pool = PgPoolOptions::new()
+            .max_connections(MAX_CONNECTIONS)
+            .connect(url)
+            .await
+            .map_err(db_error("connect to postgres"))?;
+        MIGRATOR.run(&pool).await.map_err(StoreError::Migrate)?;
+        // LISTEN before returning, so no write after `connect` can go unnoticed.
+        let listener = listen(&pool).await?;
+        let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let (stop, stopped) = oneshot::channel();
+        tokio::spawn(forward_task_events(
+            pool.clone(),
+            listener,
+            events.clone(),
+            stopped,
+        ));
+        Ok(PostgresStore {
+            pool,
+            events,
+            _stop_listener: stop,
+        })
+    }
+}
+
+async fn listen(pool: &PgPool) -> Result<PgListener> {
+    let mut listener = PgListener::connect_with(pool)
+        .await
+        .map_err(db_error("listen for task events"))?;
+    listener
+        .listen(TASK_CHANNEL)
+        .await
+        .map_err(db_error("listen for task events"))?;
+    Ok(listener)
+}
+
+/// Forwards `berth_tasks` notifications into the in-process channel until the store is dropped.
+/// Whenever notifications may have been lost (the connection dropped), it sends the nil id,
+/// which tells every long-poll to look again.
+async fn forward_task_events(
+    pool: PgPool,
+    mut listener: PgListener,
+    events: broadcast::Sender<AgentId>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let wake_everyone = AgentId(Uuid::nil());
+    loop {
+        let received = tokio::select! {
+            _ = &mut stop => return,
+            received = listener.try_recv() => received,
+        };
+        match received {
+            Ok(Some(notification)) => match notification.payload().parse::<Uuid>() {
+                Ok(id) => {
+                    // No receivers is not an error: nobody is long-polling right now.
+                    let _ = events.send(AgentId(id));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %ErrorChain(&e), "ignoring a malformed berth_tasks payload")
+                }
+            },
+            // The connection dropped and `try_recv` re-established it (and re-LISTENed).
+            Ok(None) => {
+                let _ = events.send(wake_everyone);
+            }
+            Err(e) => {
+                tracing::warn!(error = %ErrorChain(&e), "task event listener failed; reconnecting");
+                let mut backoff = Duration::from_millis(250);
+                listener = loop {
+                    tokio::select! {
+                        _ = &mut stop => return,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    match listen(&pool).await {
+                        Ok(listener) => break listener,
+                        Err(e) => {
+                            tracing::warn!(error = %ErrorChain(&e), "task event listener reconnect failed");
+                            backoff = (backoff * 2).min(LISTENER_BACKOFF_MAX);
+                        }
+                    }
+                };
+                let _ = events.send(wake_everyone);
+            }
+        }
+    }
+}
+
+/// Tells every replica's long-polls (this one's included) that `agent` may have work. Runs
+/// inside the writing transaction: PostgreSQL delivers it only if, and when, that commits.
+async fn notify(conn: &mut PgConnection, agent: AgentId) -> Result<()> {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(TASK_CHANNEL)
+        .bind(agent.0.hyphenated().to_string())
+        .execute(conn)
+        .await
+        .map_err(db_error("notify task event"))?;
+    Ok(())
+}
+
+/// Ends a keyset-paged list query — rows after `after` in id order, at most `limit` — and
+/// reads the page.
+async fn fetch_page<T>(
+    pool: &PgPool,
+    mut query: QueryBuilder<'_, Postgres>,
+    after: Option<Uuid>,
+    limit: u32,
+    operation: &'static str,
+    read: fn(&PgRow) -> Result<T>,
+    id: fn(&T) -> Uuid,
+) -> Result<Page<T>> {
+    if let Some(after) = after {
+        query.push(" AND id > ").push_bind(after);
+    }
+    query
+        .push(" ORDER BY id LIMIT ")
+        .push_bind(i64::from(limit));
+    let items = query
+        .build()
+        .fetch_all(pool)
+        .await
+        .map_err(db_error(operation))?
+        .iter()
+        .map(read)
+        .collect::<Result<Vec<_>>>()?;
+    Ok(rows::page(items, limit, id))
+}
+
+impl ColumnReader for PgRow {
+    fn uuid(&self, column: &'static str) -> Result<Uuid> {
+        get(self, column)
+    }
+    fn time(&self, column: &'static str) -> Result<OffsetDateTime> {
+        get(self, column)
+    }
+    fn time_opt(&self, column: &'static str) -> Result<Option<OffsetDateTime>> {
+        get(self, column)
+    }
+    fn text(&self, column: &'static str) -> Result<String> {
+        get(self, column)
+    }
+    fn text_opt(&self, column: &'static str) -> Result<Option<String>> {
+        get(self, column)
+    }
+    fn flag(&self, column: &'static str) -> Result<bool> {
+        get(self, column)
+    }
+    fn json(&self, column: &'static str) -> Result<serde_json::Value> {
+        get(self, column)
+    }
+    fn json_opt(&self, column: &'static str) -> Result<Option<serde_json::Value>> {
+        get(self, column)
+    }
+    fn uuid_opt(&self, column: &'static str) -> Result<Option<Uuid>> {
+        get(self, column)
+    }
+    fn int(&self, column: &'static str) -> Result<i64> {
+        get(self, column)
+    }
+    fn bytes_opt(&self, column: &'static str) -> Result<Option<Vec<u8>>> {
+        get(self, column)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(db_error("ping"))?;
+        Ok(())
+    }
+}

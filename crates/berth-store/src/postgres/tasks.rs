@@ -1,0 +1,658 @@
+//! Tasks and their deliveries on PostgreSQL.
+
+use std::collections::BTreeSet;
+
+use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
+use sqlx::postgres::PgConnection;
+use sqlx::types::Json;
+use sqlx::{Postgres, QueryBuilder};
+use time::OffsetDateTime;
+use tokio::sync::broadcast;
+
+use super::{fetch_page, notify, PostgresStore};
+use crate::lifecycle;
+use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
+use crate::{
+    Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
+    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StoreError, Task, TaskFilter,
+    TaskState, TaskStore,
+};
+
+/// How an agent-runtime write stands against the agent's row.
+enum Binding {
+    Current,
+    Fenced,
+    Revoked,
+}
+
+/// Checks the certificate binding and the session generation under a row lock held until the
+/// transaction ends, so neither can change before the write that depends on them commits.
+/// `query` locks `FOR SHARE` (excludes generation bumps) or `FOR NO KEY UPDATE` (also
+/// serialises the callers with each other).
+async fn check_binding(
+    conn: &mut PgConnection,
+    query: &'static str,
+    agent: AgentId,
+    certificate_fingerprint: &str,
+    generation: i64,
+) -> Result<Binding> {
+    let row = sqlx::query(query)
+        .bind(agent.0)
+        .fetch_optional(conn)
+        .await
+        .map_err(db_error("check agent binding"))?;
+    let Some(row) = row else {
+        return Ok(Binding::Revoked);
+    };
+    if row.text_opt("certificate_fingerprint")?.as_deref() != Some(certificate_fingerprint) {
+        return Ok(Binding::Revoked);
+    }
+    Ok(if row.int("generation")? == generation {
+        Binding::Current
+    } else {
+        Binding::Fenced
+    })
+}
+
+const BINDING_SHARE: &str =
+    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR SHARE";
+const BINDING_EXCLUSIVE: &str =
+    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR NO KEY UPDATE";
+
+#[async_trait::async_trait]
+impl TaskStore for PostgresStore {
+    async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome> {
+        const OP: &str = "create task";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        // KEY SHARE conflicts only with deleting the agent: a concurrent delete_agent either
+        // commits first (we see no agent) or waits for us (and then expires this task).
+        let agent_ok = sqlx::query(
+            "SELECT 1 AS found FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE",
+        )
+        .bind(task.agent_id.0)
+        .bind(task.tenant_id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .is_some();
+        if agent_ok {
+            let inserted = sqlx::query(concat!(
+                "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
+                 credentials_sealed, variables, timeout_seconds, priority, side_effects, \
+                 idempotency_key, request_hash, read_back_of, state, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'pending', \
+                 $14, $14) \
+                 ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL \
+                 DO NOTHING RETURNING ",
+                task_columns!()
+            ))
+            .bind(task.id.0)
+            .bind(task.tenant_id.0)
+            .bind(&task.task_type)
+            .bind(task.agent_id.0)
+            .bind(Json(&task.payload))
+            .bind(&task.credentials_sealed)
+            .bind(Json(&task.variables))
+            .bind(i64::from(task.timeout_seconds))
+            .bind(i64::from(task.priority))
+            .bind(task.side_effects)
+            .bind(&task.idempotency_key)
+            .bind(&task.request_hash)
+            .bind(task.read_back_of.map(|t| t.0))
+            .bind(millis(task.created_at))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            if let Some(row) = inserted {
+                let created = rows::read_task(&row)?;
+                notify(&mut tx, created.agent_id).await?;
+                tx.commit().await.map_err(db_error(OP))?;
+                return Ok(CreateTaskOutcome::Created(created));
+            }
+        }
+        // The key is taken (ON CONFLICT waited for its writer to commit, so the row is visible).
+        if let Some(key) = &task.idempotency_key {
+            let existing = sqlx::query(concat!(
+                "SELECT ",
+                task_columns!(),
+                " FROM tasks WHERE tenant_id = $1 AND idempotency_key = $2"
+            ))
+            .bind(task.tenant_id.0)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            if let Some(row) = existing {
+                let same = row.text_opt("request_hash")? == task.request_hash;
+                let existing = rows::read_task(&row)?;
+                return Ok(if same {
+                    CreateTaskOutcome::Existing(existing)
+                } else {
+                    CreateTaskOutcome::KeyConflict
+                });
+            }
+        }
+        Err(StoreError::Conflict {
+            constraint: if agent_ok {
+                "task_idempotency_key"
+            } else {
+                "task_agent"
+            },
+        })
+    }
+
+    async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>> {
+        const OP: &str = "get task";
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = $1 AND id = $2"
+        ))
+        .bind(tenant.0)
+        .bind(id.0)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_error(OP))?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let task = rows::read_task(&row)?;
+        let attempts = sqlx::query(concat!(
+            "SELECT ",
+            attempt_columns!(),
+            " FROM task_attempts WHERE task_id = $1 ORDER BY assigned_at, assignment_id"
+        ))
+        .bind(id.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error(OP))?
+        .iter()
+        .map(rows::read_attempt)
+        .collect::<Result<Vec<_>>>()?;
+        Ok(Some((task, attempts)))
+    }
+
+    async fn list_tasks(
+        &self,
+        tenant: TenantId,
+        filter: &TaskFilter,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Page<Task>> {
+        let limit = limit.max(1);
+        let mut query = QueryBuilder::<Postgres>::new(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = "
+        ));
+        query.push_bind(tenant.0);
+        if let Some(state) = filter.state {
+            query.push(" AND state = ").push_bind(state.as_str());
+        }
+        if let Some(agent) = filter.agent_id {
+            query.push(" AND agent_id = ").push_bind(agent.0);
+        }
+        if let Some(task_type) = &filter.task_type {
+            query.push(" AND task_type = ").push_bind(task_type.clone());
+        }
+        fetch_page(
+            &self.pool,
+            query,
+            after.map(|id| id.0),
+            limit,
+            "list tasks",
+            rows::read_task,
+            |t| t.id.0,
+        )
+        .await
+    }
+
+    async fn claim_task(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        certificate_fingerprint: &str,
+        now: OffsetDateTime,
+        lease_grace: std::time::Duration,
+    ) -> Result<ClaimOutcome> {
+        const OP: &str = "claim task";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        // The exclusive agent-row lock serialises every claim for this agent across replicas:
+        // strict order and "one side-effecting task at a time" are decisions over several rows,
+        // which SKIP LOCKED on the task rows could not keep (it would hand out the second task
+        // while the first is being claimed). Claims for different agents never wait on each other.
+        match check_binding(
+            &mut tx,
+            BINDING_EXCLUSIVE,
+            agent,
+            certificate_fingerprint,
+            generation,
+        )
+        .await?
+        {
+            Binding::Current => {}
+            Binding::Fenced => return Ok(ClaimOutcome::Fenced),
+            Binding::Revoked => return Ok(ClaimOutcome::Revoked),
+        }
+        let head = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
+             ORDER BY priority DESC, seq LIMIT 1"
+        ))
+        .bind(agent.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_task(&row))
+        .transpose()?;
+        let Some(head) = head else {
+            return Ok(ClaimOutcome::Empty);
+        };
+        let now = millis(now);
+        if head.state == TaskState::RetryWait && head.next_attempt_at.is_some_and(|t| t > now) {
+            return Ok(ClaimOutcome::Empty);
+        }
+        if head.side_effects {
+            let busy = sqlx::query(
+                "SELECT 1 AS found FROM tasks WHERE agent_id = $1 AND state = 'leased' \
+                 AND side_effects LIMIT 1",
+            )
+            .bind(agent.0)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            if busy.is_some() {
+                return Ok(ClaimOutcome::Empty);
+            }
+        }
+        let assignment = AssignmentId::new();
+        let lease_expires_at = lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
+        // Conditional: an operator may have cancelled the head since we read it.
+        let claimed = sqlx::query(concat!(
+            "UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
+             current_assignment = $2, lease_expires_at = $3, next_attempt_at = NULL, \
+             updated_at = $4 WHERE id = $1 AND state IN ('pending', 'retry_wait') RETURNING ",
+            task_columns!()
+        ))
+        .bind(head.id.0)
+        .bind(assignment.0)
+        .bind(lease_expires_at)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let Some(claimed) = claimed else {
+            return Ok(ClaimOutcome::Empty);
+        };
+        let task = rows::read_task(&claimed)?;
+        let attempt = sqlx::query(concat!(
+            "INSERT INTO task_attempts (assignment_id, task_id, agent_id, generation, state, \
+             assigned_at, lease_expires_at) VALUES ($1, $2, $3, $4, 'leased', $5, $6) \
+             RETURNING ",
+            attempt_columns!()
+        ))
+        .bind(assignment.0)
+        .bind(task.id.0)
+        .bind(agent.0)
+        .bind(generation)
+        .bind(now)
+        .bind(lease_expires_at)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let attempt = rows::read_attempt(&attempt)?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(ClaimOutcome::Claimed(task, attempt))
+    }
+
+    async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>> {
+        let ids: Vec<uuid::Uuid> = agents.iter().map(|a| a.0).collect();
+        let counted = sqlx::query(
+            "SELECT agent_id, COUNT(*) AS n FROM tasks WHERE agent_id = ANY($1) \
+             AND state IN ('pending', 'leased', 'retry_wait') GROUP BY agent_id",
+        )
+        .bind(&ids)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error("open task counts"))?
+        .iter()
+        .map(|row| Ok((AgentId(row.uuid("agent_id")?), row.int("n")?)))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
+        Ok(agents
+            .iter()
+            .map(|a| (*a, counted.get(a).copied().unwrap_or(0)))
+            .collect())
+    }
+
+    async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
+        sqlx::query(
+            "SELECT id, current_assignment FROM tasks \
+             WHERE agent_id = $1 AND state = 'leased' AND cancel_requested ORDER BY seq",
+        )
+        .bind(agent.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error("pending cancellations"))?
+        .iter()
+        .map(|row| {
+            let assignment = row.uuid_opt("current_assignment")?.ok_or_else(|| {
+                StoreError::Corrupt("tasks.current_assignment: leased without one".to_string())
+            })?;
+            Ok((TaskId(row.uuid("id")?), AssignmentId(assignment)))
+        })
+        .collect()
+    }
+
+    async fn complete_attempt(
+        &self,
+        completion: Completion,
+        policy: &RetryPolicy,
+    ) -> Result<CompleteOutcome> {
+        const OP: &str = "complete attempt";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        // FOR SHARE: the generation cannot move (acquire_session waits) until this commits.
+        match check_binding(
+            &mut tx,
+            BINDING_SHARE,
+            completion.agent_id,
+            &completion.certificate_fingerprint,
+            completion.generation,
+        )
+        .await?
+        {
+            Binding::Current => {}
+            Binding::Fenced => return Ok(CompleteOutcome::Fenced),
+            Binding::Revoked => return Ok(CompleteOutcome::Revoked),
+        }
+        let task = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE id = $1 AND agent_id = $2 FOR UPDATE"
+        ))
+        .bind(completion.task_id.0)
+        .bind(completion.agent_id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_task(&row))
+        .transpose()?;
+        let Some(task) = task else {
+            return Ok(CompleteOutcome::NotFound);
+        };
+        // Without an assignment id: the current delivery, or (for a duplicate) the last one.
+        let attempt = match completion.assignment_id.or(task.current_assignment) {
+            Some(assignment) => sqlx::query(concat!(
+                "SELECT ",
+                attempt_columns!(),
+                " FROM task_attempts WHERE assignment_id = $1 AND task_id = $2"
+            ))
+            .bind(assignment.0)
+            .bind(task.id.0),
+            None => sqlx::query(concat!(
+                "SELECT ",
+                attempt_columns!(),
+                " FROM task_attempts WHERE task_id = $1 \
+                 ORDER BY assigned_at DESC, assignment_id DESC LIMIT 1"
+            ))
+            .bind(task.id.0),
+        }
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_attempt(&row))
+        .transpose()?;
+        let now = millis(completion.now);
+        let attempt = match lifecycle::accept_completion(&task, attempt, &completion.envelope, now)
+        {
+            Ok(attempt) => attempt,
+            Err(refused) => return Ok(refused.outcome(task)),
+        };
+        let next = lifecycle::completion_transition(
+            &completion.result,
+            task.attempts,
+            task.cancel_requested,
+            policy,
+            now,
+        );
+        sqlx::query(
+            "UPDATE task_attempts SET state = $2, finished_at = $3, envelope = $4, \
+             error_code = $5 WHERE assignment_id = $1",
+        )
+        .bind(attempt.assignment_id.0)
+        .bind(next.attempt.as_str())
+        .bind(now)
+        .bind(Json(&completion.envelope))
+        .bind(&next.error_code)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let row = sqlx::query(concat!(
+            "UPDATE tasks SET state = $2, next_attempt_at = $3, \
+             error_code = COALESCE($4, error_code), result = $5, current_assignment = NULL, \
+             lease_expires_at = NULL, updated_at = $6, finished_at = $7 \
+             WHERE id = $1 RETURNING ",
+            task_columns!()
+        ))
+        .bind(task.id.0)
+        .bind(next.state.as_str())
+        .bind(next.next_attempt_at)
+        .bind(&next.error_code)
+        .bind(completion.result_data.as_ref().map(Json))
+        .bind(now)
+        .bind(next.finished_at)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let task = rows::read_task(&row)?;
+        // The agent's queue may have unblocked (a side-effecting task ended, or the head moved).
+        notify(&mut tx, task.agent_id).await?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(CompleteOutcome::Recorded(task))
+    }
+
+    async fn cancel_task(
+        &self,
+        tenant: TenantId,
+        id: TaskId,
+        now: OffsetDateTime,
+    ) -> Result<Option<CancelOutcome>> {
+        const OP: &str = "cancel task";
+        let now = millis(now);
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let task = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = $1 AND id = $2 FOR UPDATE"
+        ))
+        .bind(tenant.0)
+        .bind(id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_task(&row))
+        .transpose()?;
+        let Some(task) = task else {
+            return Ok(None);
+        };
+        let outcome = match task.state {
+            TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
+                let task = sqlx::query(concat!(
+                    "UPDATE tasks SET state = 'cancelled', next_attempt_at = NULL, \
+                     finished_at = $2, updated_at = $2 WHERE id = $1 RETURNING ",
+                    task_columns!()
+                ))
+                .bind(id.0)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db_error(OP))?;
+                CancelOutcome::Cancelled(rows::read_task(&task)?)
+            }
+            TaskState::Leased => {
+                let task = sqlx::query(concat!(
+                    "UPDATE tasks SET cancel_requested = TRUE, updated_at = $2 \
+                     WHERE id = $1 RETURNING ",
+                    task_columns!()
+                ))
+                .bind(id.0)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db_error(OP))?;
+                CancelOutcome::Requested(rows::read_task(&task)?)
+            }
+            _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
+        };
+        // Wakes the agent's long-poll: a cancellation to deliver, or a queue head that moved.
+        notify(&mut tx, task.agent_id).await?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(Some(outcome))
+    }
+
+    async fn retry_task(
+        &self,
+        tenant: TenantId,
+        id: TaskId,
+        now: OffsetDateTime,
+    ) -> Result<Option<RetryOutcome>> {
+        const OP: &str = "retry task";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let task = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = $1 AND id = $2 FOR UPDATE"
+        ))
+        .bind(tenant.0)
+        .bind(id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_task(&row))
+        .transpose()?;
+        let Some(task) = task else {
+            return Ok(None);
+        };
+        if !matches!(task.state, TaskState::Unknown | TaskState::DeadLetter) {
+            return Ok(Some(RetryOutcome::NotRetriable(task)));
+        }
+        // A fresh attempt budget: the counter the policy compares with starts again.
+        let row = sqlx::query(concat!(
+            "UPDATE tasks SET state = 'pending', attempts = 0, next_attempt_at = NULL, \
+             cancel_requested = FALSE, finished_at = NULL, updated_at = $2 \
+             WHERE id = $1 RETURNING ",
+            task_columns!()
+        ))
+        .bind(id.0)
+        .bind(millis(now))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let task = rows::read_task(&row)?;
+        notify(&mut tx, task.agent_id).await?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(Some(RetryOutcome::Requeued(task)))
+    }
+
+    async fn expire_leases(&self, now: OffsetDateTime, policy: &RetryPolicy) -> Result<LeaseSweep> {
+        const OP: &str = "expire leases";
+        let now = millis(now);
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        // SKIP LOCKED: a row another replica sweeps, or a result being recorded, is theirs; the
+        // task is re-checked as leased under our lock, so nothing transitions twice.
+        let expired = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE state = 'leased' AND lease_expires_at <= $1 \
+             ORDER BY lease_expires_at FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .iter()
+        .map(rows::read_task)
+        .collect::<Result<Vec<_>>>()?;
+        let mut sweep = LeaseSweep::default();
+        let mut agents = BTreeSet::new();
+        for task in expired {
+            let next = lifecycle::expiry_transition(
+                task.side_effects,
+                task.attempts,
+                task.cancel_requested,
+                policy,
+                now,
+            );
+            sqlx::query(
+                "UPDATE task_attempts SET state = $2, finished_at = $3, error_code = $4 \
+                 WHERE assignment_id = $1 AND state = 'leased'",
+            )
+            .bind(task.current_assignment.map(|a| a.0))
+            .bind(next.attempt.as_str())
+            .bind(now)
+            .bind(&next.error_code)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            let row = sqlx::query(concat!(
+                "UPDATE tasks SET state = $2, next_attempt_at = $3, \
+                 error_code = COALESCE($4, error_code), current_assignment = NULL, \
+                 lease_expires_at = NULL, updated_at = $5, finished_at = $6 \
+                 WHERE id = $1 RETURNING ",
+                task_columns!()
+            ))
+            .bind(task.id.0)
+            .bind(next.state.as_str())
+            .bind(next.next_attempt_at)
+            .bind(&next.error_code)
+            .bind(now)
+            .bind(next.finished_at)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            let task = rows::read_task(&row)?;
+            agents.insert(task.agent_id);
+            match task.state {
+                TaskState::Unknown => sweep.unknown.push(task),
+                TaskState::RetryWait => sweep.requeued.push(task),
+                TaskState::DeadLetter => sweep.dead_lettered += 1,
+                _ => {}
+            }
+        }
+        // A task leaving `leased` may unblock its agent's queue.
+        for agent in agents {
+            notify(&mut tx, agent).await?;
+        }
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(sweep)
+    }
+
+    async fn resolve_read_back(
+        &self,
+        id: TaskId,
+        found: bool,
+        evidence: serde_json::Value,
+        now: OffsetDateTime,
+    ) -> Result<Option<Task>> {
+        sqlx::query(concat!(
+            "UPDATE tasks SET state = CASE WHEN $2 THEN 'succeeded' ELSE state END, \
+             read_back = $2, result = $3, updated_at = $4, \
+             finished_at = CASE WHEN $2 THEN $4 ELSE finished_at END \
+             WHERE id = $1 AND state = 'unknown' RETURNING ",
+            task_columns!()
+        ))
+        .bind(id.0)
+        .bind(found)
+        .bind(Json(&evidence))
+        .bind(millis(now))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_error("resolve read-back"))?
+        .map(|row| rows::read_task(&row))
+        .transpose()
+    }
+
+    fn task_events(&self) -> broadcast::Receiver<AgentId> {
+        self.events.subscribe()
+    }
+}

@@ -1,0 +1,669 @@
+//! Tasks and their deliveries on SQLite.
+
+use std::collections::BTreeSet;
+
+use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
+use rusqlite::params;
+use time::OffsetDateTime;
+use tokio::sync::broadcast;
+
+use super::threads::Db;
+use super::{id_text, json_text, Query, SqliteStore};
+use crate::lifecycle;
+use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
+use crate::{
+    Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
+    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StoreError, Task, TaskFilter,
+    TaskState, TaskStore,
+};
+
+/// How an agent-runtime write stands against the agent's row.
+enum Binding {
+    Current,
+    Fenced,
+    Revoked,
+}
+
+/// Reads the certificate binding and the session generation. Inside the writer's transaction
+/// neither can change before the write that depends on them commits; on a reader it is only a
+/// hint for skipping the writer, which checks again.
+fn binding(db: &Db<'_>, agent: AgentId, fingerprint: &str, generation: i64) -> Result<Binding> {
+    let stored = db.optional(
+        "SELECT certificate_fingerprint, generation FROM agents WHERE id = ?1",
+        [id_text(agent.0)],
+        |row| {
+            Ok((
+                row.text_opt("certificate_fingerprint")?,
+                row.int("generation")?,
+            ))
+        },
+    )?;
+    Ok(match stored {
+        Some((Some(bound), current)) if bound == fingerprint => {
+            if current == generation {
+                Binding::Current
+            } else {
+                Binding::Fenced
+            }
+        }
+        _ => Binding::Revoked,
+    })
+}
+
+/// The tenant's task `id`, if it has one.
+fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>> {
+    db.optional(
+        concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = ?1 AND id = ?2"
+        ),
+        [id_text(tenant.0), id_text(id.0)],
+        |row| rows::read_task(row),
+    )
+}
+
+#[async_trait::async_trait]
+impl TaskStore for SqliteStore {
+    async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome> {
+        let payload = json_text("tasks.payload", &task.payload)?;
+        let variables = json_text("tasks.variables", &task.variables)?;
+        let created = self
+            .writer
+            .write("create task", move |tx| {
+                // The writer runs one operation at a time: a delete_agent either ran before
+                // (no agent) or runs after (and expires this task).
+                let agent_ok = tx
+                    .optional(
+                        "SELECT 1 FROM agents WHERE id = ?1 AND tenant_id = ?2",
+                        params![id_text(task.agent_id.0), id_text(task.tenant_id.0)],
+                        |_| Ok(()),
+                    )?
+                    .is_some();
+                if agent_ok {
+                    let inserted = tx.optional(
+                        concat!(
+                            "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
+                             credentials_sealed, variables, timeout_seconds, priority, \
+                             side_effects, idempotency_key, request_hash, read_back_of, state, \
+                             created_at, updated_at) \
+                             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, \
+                             'pending', ?14, ?14) \
+                             ON CONFLICT (tenant_id, idempotency_key) \
+                             WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING ",
+                            task_columns!()
+                        ),
+                        params![
+                            id_text(task.id.0),
+                            id_text(task.tenant_id.0),
+                            task.task_type,
+                            id_text(task.agent_id.0),
+                            payload,
+                            task.credentials_sealed,
+                            variables,
+                            i64::from(task.timeout_seconds),
+                            i64::from(task.priority),
+                            task.side_effects,
+                            task.idempotency_key,
+                            task.request_hash,
+                            task.read_back_of.map(|t| id_text(t.0)),
+                            unix_millis(task.created_at),
+                        ],
+                        |row| rows::read_task(row),
+                    )?;
+                    if let Some(created) = inserted {
+                        return Ok(CreateTaskOutcome::Created(created));
+                    }
+                }
+                // The key is taken.
+                if let Some(key) = &task.idempotency_key {
+                    let existing = tx.optional(
+                        concat!(
+                            "SELECT ",
+                            task_columns!(),
+                            " FROM tasks WHERE tenant_id = ?1 AND idempotency_key = ?2"
+                        ),
+                        params![id_text(task.tenant_id.0), key],
+                        |row| Ok((row.text_opt("request_hash")?, rows::read_task(row)?)),
+                    )?;
+                    if let Some((request_hash, existing)) = existing {
+                        return Ok(if request_hash == task.request_hash {
+                            CreateTaskOutcome::Existing(existing)
+                        } else {
+                            CreateTaskOutcome::KeyConflict
+                        });
+                    }
+                }
+                Err(StoreError::Conflict {
+                    constraint: if agent_ok {
+                        "task_idempotency_key"
+                    } else {
+                        "task_agent"
+                    },
+                })
+            })
+            .await?;
+        if let CreateTaskOutcome::Created(task) = &created {
+            self.wake(task.agent_id);
+        }
+        Ok(created)
+    }
+
+    async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>> {
+        self.readers
+            .read("get task", move |db| {
+                let Some(task) = tenant_task(db, tenant, id)? else {
+                    return Ok(None);
+                };
+                let attempts = db.all(
+                    concat!(
+                        "SELECT ",
+                        attempt_columns!(),
+                        " FROM task_attempts WHERE task_id = ?1 ORDER BY assigned_at, assignment_id"
+                    ),
+                    [id_text(id.0)],
+                    |row| rows::read_attempt(row),
+                )?;
+                Ok(Some((task, attempts)))
+            })
+            .await
+    }
+
+    async fn list_tasks(
+        &self,
+        tenant: TenantId,
+        filter: &TaskFilter,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Page<Task>> {
+        let limit = limit.max(1);
+        let mut query = Query::new(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = "
+        ));
+        query.push_bind(id_text(tenant.0));
+        if let Some(state) = filter.state {
+            query
+                .push(" AND state = ")
+                .push_bind(state.as_str().to_string());
+        }
+        if let Some(agent) = filter.agent_id {
+            query.push(" AND agent_id = ").push_bind(id_text(agent.0));
+        }
+        if let Some(task_type) = &filter.task_type {
+            query.push(" AND task_type = ").push_bind(task_type.clone());
+        }
+        self.fetch_page(
+            "list tasks",
+            query,
+            after.map(|id| id.0),
+            limit,
+            |row| rows::read_task(row),
+            |t| t.id.0,
+        )
+        .await
+    }
+
+    async fn claim_task(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        certificate_fingerprint: &str,
+        now: OffsetDateTime,
+        lease_grace: std::time::Duration,
+    ) -> Result<ClaimOutcome> {
+        const OP: &str = "claim task";
+        let fingerprint = certificate_fingerprint.to_owned();
+        // Most polls find nothing to claim. Answer those from a reader, so that thousands of
+        // idle long-polls never queue on the single writer (and heartbeats behind them). The
+        // same binding check runs again in the writer before anything is leased.
+        let early = self
+            .readers
+            .read(OP, {
+                let fingerprint = fingerprint.clone();
+                move |db| {
+                    Ok(match binding(db, agent, &fingerprint, generation)? {
+                        Binding::Current => db
+                            .optional(
+                                "SELECT 1 FROM tasks WHERE agent_id = ?1 \
+                                 AND state IN ('pending', 'retry_wait') LIMIT 1",
+                                [id_text(agent.0)],
+                                |_| Ok(()),
+                            )?
+                            .is_none()
+                            .then_some(ClaimOutcome::Empty),
+                        Binding::Fenced => Some(ClaimOutcome::Fenced),
+                        Binding::Revoked => Some(ClaimOutcome::Revoked),
+                    })
+                }
+            })
+            .await?;
+        if let Some(outcome) = early {
+            return Ok(outcome);
+        }
+        self.writer
+            .write(OP, move |tx| {
+                match binding(tx, agent, &fingerprint, generation)? {
+                    Binding::Current => {}
+                    Binding::Fenced => return Ok(ClaimOutcome::Fenced),
+                    Binding::Revoked => return Ok(ClaimOutcome::Revoked),
+                }
+                // The writer runs one operation at a time, so the head read here is still the
+                // head when it is leased.
+                let head = tx.optional(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks WHERE agent_id = ?1 AND state IN ('pending', 'retry_wait') \
+                         ORDER BY priority DESC, seq LIMIT 1"
+                    ),
+                    [id_text(agent.0)],
+                    |row| rows::read_task(row),
+                )?;
+                let Some(head) = head else {
+                    return Ok(ClaimOutcome::Empty);
+                };
+                let now = millis(now);
+                if head.state == TaskState::RetryWait
+                    && head.next_attempt_at.is_some_and(|t| t > now)
+                {
+                    return Ok(ClaimOutcome::Empty);
+                }
+                if head.side_effects {
+                    let busy = tx.optional(
+                        "SELECT 1 FROM tasks WHERE agent_id = ?1 AND state = 'leased' \
+                         AND side_effects LIMIT 1",
+                        [id_text(agent.0)],
+                        |_| Ok(()),
+                    )?;
+                    if busy.is_some() {
+                        return Ok(ClaimOutcome::Empty);
+                    }
+                }
+                let assignment = AssignmentId::new();
+                let lease_expires_at =
+                    lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
+                // Conditional all the same, as on every backend: the lease is taken only from
+                // a task that is still waiting.
+                let task = tx.optional(
+                    concat!(
+                        "UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
+                         current_assignment = ?2, lease_expires_at = ?3, \
+                         next_attempt_at = NULL, updated_at = ?4 \
+                         WHERE id = ?1 AND state IN ('pending', 'retry_wait') RETURNING ",
+                        task_columns!()
+                    ),
+                    params![
+                        id_text(head.id.0),
+                        id_text(assignment.0),
+                        unix_millis(lease_expires_at),
+                        unix_millis(now),
+                    ],
+                    |row| rows::read_task(row),
+                )?;
+                let Some(task) = task else {
+                    return Ok(ClaimOutcome::Empty);
+                };
+                let attempt = tx.one(
+                    concat!(
+                        "INSERT INTO task_attempts (assignment_id, task_id, agent_id, \
+                         generation, state, assigned_at, lease_expires_at) \
+                         VALUES (?1, ?2, ?3, ?4, 'leased', ?5, ?6) RETURNING ",
+                        attempt_columns!()
+                    ),
+                    params![
+                        id_text(assignment.0),
+                        id_text(task.id.0),
+                        id_text(agent.0),
+                        generation,
+                        unix_millis(now),
+                        unix_millis(lease_expires_at),
+                    ],
+                    |row| rows::read_attempt(row),
+                )?;
+                Ok(ClaimOutcome::Claimed(task, attempt))
+            })
+            .await
+    }
+
+    async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>> {
+        let agents = agents.to_vec();
+        self.readers
+            .read("open task counts", move |db| {
+                agents
+                    .iter()
+                    .map(|agent| {
+                        let n = db.all(
+                            "SELECT COUNT(*) AS n FROM tasks WHERE agent_id = ?1 \
+                             AND state IN ('pending', 'leased', 'retry_wait')",
+                            [id_text(agent.0)],
+                            |row| row.int("n"),
+                        )?;
+                        Ok((*agent, n.first().copied().unwrap_or(0)))
+                    })
+                    .collect()
+            })
+            .await
+    }
+
+    async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
+        self.readers
+            .read("pending cancellations", move |db| {
+                db.all(
+                    "SELECT id, current_assignment FROM tasks \
+                     WHERE agent_id = ?1 AND state = 'leased' AND cancel_requested ORDER BY seq",
+                    [id_text(agent.0)],
+                    |row| {
+                        let assignment = row.uuid_opt("current_assignment")?.ok_or_else(|| {
+                            StoreError::Corrupt(
+                                "tasks.current_assignment: leased without one".to_string(),
+                            )
+                        })?;
+                        Ok((TaskId(row.uuid("id")?), AssignmentId(assignment)))
+                    },
+                )
+            })
+            .await
+    }
+
+    async fn complete_attempt(
+        &self,
+        completion: Completion,
+        policy: &RetryPolicy,
+    ) -> Result<CompleteOutcome> {
+        let policy = policy.clone();
+        let envelope = json_text("task_attempts.envelope", &completion.envelope)?;
+        let result_data = completion
+            .result_data
+            .as_ref()
+            .map(|data| json_text("tasks.result", data))
+            .transpose()?;
+        let outcome = self
+            .writer
+            .write("complete attempt", move |tx| {
+                // The writer runs one operation at a time: the generation stays still until
+                // this commits.
+                match binding(
+                    tx,
+                    completion.agent_id,
+                    &completion.certificate_fingerprint,
+                    completion.generation,
+                )? {
+                    Binding::Current => {}
+                    Binding::Fenced => return Ok(CompleteOutcome::Fenced),
+                    Binding::Revoked => return Ok(CompleteOutcome::Revoked),
+                }
+                let task = tx.optional(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks WHERE id = ?1 AND agent_id = ?2"
+                    ),
+                    params![
+                        id_text(completion.task_id.0),
+                        id_text(completion.agent_id.0)
+                    ],
+                    |row| rows::read_task(row),
+                )?;
+                let Some(task) = task else {
+                    return Ok(CompleteOutcome::NotFound);
+                };
+                // Without an assignment id: the current delivery, or (for a duplicate) the
+                // last one.
+                let attempt = match completion.assignment_id.or(task.current_assignment) {
+                    Some(assignment) => tx.optional(
+                        concat!(
+                            "SELECT ",
+                            attempt_columns!(),
+                            " FROM task_attempts WHERE assignment_id = ?1 AND task_id = ?2"
+                        ),
+                        params![id_text(assignment.0), id_text(task.id.0)],
+                        |row| rows::read_attempt(row),
+                    )?,
+                    None => tx.optional(
+                        concat!(
+                            "SELECT ",
+                            attempt_columns!(),
+                            " FROM task_attempts WHERE task_id = ?1 \
+                             ORDER BY assigned_at DESC, assignment_id DESC LIMIT 1"
+                        ),
+                        [id_text(task.id.0)],
+                        |row| rows::read_attempt(row),
+                    )?,
+                };
+                let now = millis(completion.now);
+                let attempt =
+                    match lifecycle::accept_completion(&task, attempt, &completion.envelope, now) {
+                        Ok(attempt) => attempt,
+                        Err(refused) => return Ok(refused.outcome(task)),
+                    };
+                let next = lifecycle::completion_transition(
+                    &completion.result,
+                    task.attempts,
+                    task.cancel_requested,
+                    &policy,
+                    now,
+                );
+                tx.execute(
+                    "UPDATE task_attempts SET state = ?2, finished_at = ?3, envelope = ?4, \
+                     error_code = ?5 WHERE assignment_id = ?1",
+                    params![
+                        id_text(attempt.assignment_id.0),
+                        next.attempt.as_str(),
+                        unix_millis(now),
+                        envelope,
+                        next.error_code,
+                    ],
+                )?;
+                let task = tx.one(
+                    concat!(
+                        "UPDATE tasks SET state = ?2, next_attempt_at = ?3, \
+                         error_code = COALESCE(?4, error_code), result = ?5, \
+                         current_assignment = NULL, lease_expires_at = NULL, updated_at = ?6, \
+                         finished_at = ?7 WHERE id = ?1 RETURNING ",
+                        task_columns!()
+                    ),
+                    params![
+                        id_text(task.id.0),
+                        next.state.as_str(),
+                        next.next_attempt_at.map(unix_millis),
+                        next.error_code,
+                        result_data,
+                        unix_millis(now),
+                        next.finished_at.map(unix_millis),
+                    ],
+                    |row| rows::read_task(row),
+                )?;
+                Ok(CompleteOutcome::Recorded(task))
+            })
+            .await?;
+        // The agent's queue may have unblocked (a side-effecting task ended, or the head moved).
+        if let CompleteOutcome::Recorded(task) = &outcome {
+            self.wake(task.agent_id);
+        }
+        Ok(outcome)
+    }
+
+    async fn cancel_task(
+        &self,
+        tenant: TenantId,
+        id: TaskId,
+        now: OffsetDateTime,
+    ) -> Result<Option<CancelOutcome>> {
+        let now = unix_millis(now);
+        let outcome = self
+            .writer
+            .write("cancel task", move |tx| {
+                let Some(task) = tenant_task(tx, tenant, id)? else {
+                    return Ok(None);
+                };
+                Ok(Some(match task.state {
+                    TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
+                        CancelOutcome::Cancelled(tx.one(
+                            concat!(
+                                "UPDATE tasks SET state = 'cancelled', next_attempt_at = NULL, \
+                                 finished_at = ?2, updated_at = ?2 WHERE id = ?1 RETURNING ",
+                                task_columns!()
+                            ),
+                            params![id_text(id.0), now],
+                            |row| rows::read_task(row),
+                        )?)
+                    }
+                    TaskState::Leased => CancelOutcome::Requested(tx.one(
+                        concat!(
+                            "UPDATE tasks SET cancel_requested = TRUE, updated_at = ?2 \
+                             WHERE id = ?1 RETURNING ",
+                            task_columns!()
+                        ),
+                        params![id_text(id.0), now],
+                        |row| rows::read_task(row),
+                    )?),
+                    _ => CancelOutcome::AlreadyFinished(task),
+                }))
+            })
+            .await?;
+        // Wakes the agent's long-poll: a cancellation to deliver, or a queue head that moved.
+        if let Some(CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task)) = &outcome {
+            self.wake(task.agent_id);
+        }
+        Ok(outcome)
+    }
+
+    async fn retry_task(
+        &self,
+        tenant: TenantId,
+        id: TaskId,
+        now: OffsetDateTime,
+    ) -> Result<Option<RetryOutcome>> {
+        let now = unix_millis(now);
+        let outcome = self
+            .writer
+            .write("retry task", move |tx| {
+                let Some(task) = tenant_task(tx, tenant, id)? else {
+                    return Ok(None);
+                };
+                if !matches!(task.state, TaskState::Unknown | TaskState::DeadLetter) {
+                    return Ok(Some(RetryOutcome::NotRetriable(task)));
+                }
+                // A fresh attempt budget: the counter the policy compares with starts again.
+                let task = tx.one(
+                    concat!(
+                        "UPDATE tasks SET state = 'pending', attempts = 0, next_attempt_at = NULL, \
+                         cancel_requested = FALSE, finished_at = NULL, updated_at = ?2 \
+                         WHERE id = ?1 RETURNING ",
+                        task_columns!()
+                    ),
+                    params![id_text(id.0), now],
+                    |row| rows::read_task(row),
+                )?;
+                Ok(Some(RetryOutcome::Requeued(task)))
+            })
+            .await?;
+        if let Some(RetryOutcome::Requeued(task)) = &outcome {
+            self.wake(task.agent_id);
+        }
+        Ok(outcome)
+    }
+
+    async fn expire_leases(&self, now: OffsetDateTime, policy: &RetryPolicy) -> Result<LeaseSweep> {
+        let now = millis(now);
+        let policy = policy.clone();
+        let (sweep, agents) = self
+            .writer
+            .write("expire leases", move |tx| {
+                let expired = tx.all(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks WHERE state = 'leased' AND lease_expires_at <= ?1 \
+                         ORDER BY lease_expires_at"
+                    ),
+                    [unix_millis(now)],
+                    |row| rows::read_task(row),
+                )?;
+                let mut sweep = LeaseSweep::default();
+                let mut agents = BTreeSet::new();
+                for task in expired {
+                    let next = lifecycle::expiry_transition(
+                        task.side_effects,
+                        task.attempts,
+                        task.cancel_requested,
+                        &policy,
+                        now,
+                    );
+                    tx.execute(
+                        "UPDATE task_attempts SET state = ?2, finished_at = ?3, error_code = ?4 \
+                         WHERE assignment_id = ?1 AND state = 'leased'",
+                        params![
+                            task.current_assignment.map(|a| id_text(a.0)),
+                            next.attempt.as_str(),
+                            unix_millis(now),
+                            next.error_code,
+                        ],
+                    )?;
+                    let task = tx.one(
+                        concat!(
+                            "UPDATE tasks SET state = ?2, next_attempt_at = ?3, \
+                             error_code = COALESCE(?4, error_code), current_assignment = NULL, \
+                             lease_expires_at = NULL, updated_at = ?5, finished_at = ?6 \
+                             WHERE id = ?1 RETURNING ",
+                            task_columns!()
+                        ),
+                        params![
+                            id_text(task.id.0),
+                            next.state.as_str(),
+                            next.next_attempt_at.map(unix_millis),
+                            next.error_code,
+                            unix_millis(now),
+                            next.finished_at.map(unix_millis),
+                        ],
+                        |row| rows::read_task(row),
+                    )?;
+                    agents.insert(task.agent_id);
+                    match task.state {
+                        TaskState::Unknown => sweep.unknown.push(task),
+                        TaskState::RetryWait => sweep.requeued.push(task),
+                        TaskState::DeadLetter => sweep.dead_lettered += 1,
+                        _ => {}
+                    }
+                }
+                Ok((sweep, agents))
+            })
+            .await?;
+        // A task leaving `leased` may unblock its agent's queue.
+        for agent in agents {
+            self.wake(agent);
+        }
+        Ok(sweep)
+    }
+
+    async fn resolve_read_back(
+        &self,
+        id: TaskId,
+        found: bool,
+        evidence: serde_json::Value,
+        now: OffsetDateTime,
+    ) -> Result<Option<Task>> {
+        let evidence = json_text("tasks.result", &evidence)?;
+        self.writer
+            .write("resolve read-back", move |tx| {
+                tx.optional(
+                    concat!(
+                        "UPDATE tasks SET state = CASE WHEN ?2 THEN 'succeeded' ELSE state END, \
+                         read_back = ?2, result = ?3, updated_at = ?4, \
+                         finished_at = CASE WHEN ?2 THEN ?4 ELSE finished_at END \
+                         WHERE id = ?1 AND state = 'unknown' RETURNING ",
+                        task_columns!()
+                    ),
+                    params![id_text(id.0), found, evidence, unix_millis(now)],
+                    |row| rows::read_task(row),
+                )
+            })
+            .await
+    }
+
+    fn task_events(&self) -> broadcast::Receiver<AgentId> {
+        self.events.subscribe()
+    }
+}
