@@ -909,3 +909,29 @@ async fn a_selector_picks_the_capable_agent_with_the_fewest_open_tasks() {
     assert_eq!(open(incapable.id).await, 0);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_poll_without_the_capability_fails_the_task_closed_instead_of_running_it() {
+    let server = start().await;
+    let agent = server.agent("lost-docker").await;
+    equip(&server, &agent, &["docker"], "web").await;
+    let generation = agent.session().await;
+    let deploy = create(
+        &server,
+        task(
+            agent.id,
+            "docker.run",
+            json!({"config": {"containerName": "web"}}),
+        ),
+    )
+    .await;
+    let check = create(&server, task(agent.id, "inspect", json!({}))).await;
+    // The agent's poll no longer lists docker (its engine was removed since the create).
+    let a = assignment(&agent, generation).await;
+    assert_eq!(a.task_id, check.id, "the next runnable task is handed out");
+    let shown = show(&server, &deploy).await;
+    assert_eq!(shown.state, TaskState::Failed);
+    assert_eq!(shown.error_code.as_deref(), Some("CAPABILITY_MISSING"));
+    assert!(shown.attempts.is_empty(), "never delivered");
+    server.stop().await;
+}

@@ -177,6 +177,18 @@ pub(crate) fn lease_deadline(
     millis(now + std::time::Duration::from_secs(u64::from(timeout_seconds)) + grace)
 }
 
+/// Why the head of an agent's queue can never run on the agent that polls, as its error code:
+/// a type no agent runs, or a capability the poll does not list. Such a task fails at once instead
+/// of being handed out (or of blocking the queue behind it).
+pub(crate) fn unrunnable(task_type: &str, capabilities: &[String]) -> Option<&'static str> {
+    use berth_proto::error::codes;
+    match berth_proto::kind::TaskKind::parse(task_type) {
+        None => Some(codes::UNSUPPORTED_TASK_TYPE),
+        Some(kind) if !kind.runs_on(capabilities) => Some(codes::CAPABILITY_MISSING),
+        Some(_) => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! Every row is one explicit expectation. The policy is the default one: backoff 1 s, 8 s,
@@ -472,5 +484,25 @@ mod tests {
             datetime!(2030-06-01 12:01:30.123 UTC)
         );
         assert_eq!(lease_deadline(NOW, 0, std::time::Duration::ZERO), NOW_MS);
+    }
+
+    #[test]
+    fn unrunnable_heads() {
+        let caps = |c: &[&str]| c.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let rows: [(&str, &[&str], Option<&str>); 6] = [
+            ("inspect", &[], None),
+            ("write-sticker", &["docker"], None),
+            ("docker.run", &["docker", "compose"], None),
+            ("docker.run", &["compose"], Some("CAPABILITY_MISSING")),
+            ("compose.up", &[], Some("CAPABILITY_MISSING")),
+            ("deploy", &["docker"], Some("UNSUPPORTED_TASK_TYPE")),
+        ];
+        for (task_type, offered, expected) in rows {
+            assert_eq!(
+                unrunnable(task_type, &caps(offered)),
+                expected,
+                "{task_type} {offered:?}"
+            );
+        }
     }
 }

@@ -181,6 +181,7 @@ pub async fn poll(
                 id,
                 generation,
                 &peer.fingerprint,
+                &req.capabilities,
                 now,
                 state.config.lease_grace,
             )

@@ -63,6 +63,7 @@ macro_rules! conformance_cases {
             heartbeat_fencing,
             task_create_idempotency,
             task_claim_order,
+            task_claim_unrunnable_heads_fail,
             open_task_counts,
             task_claim_head_of_line,
             task_claim_fencing,
@@ -380,6 +381,11 @@ async fn create(store: &DynStore, task: NewTask) -> Task {
     }
 }
 
+/// What the test agents poll with: every capability a task kind needs.
+fn all_capabilities() -> Vec<String> {
+    ["docker", "compose", "ssh"].map(String::from).to_vec()
+}
+
 async fn claim(
     store: &DynStore,
     agent: &Agent,
@@ -387,7 +393,14 @@ async fn claim(
     at: OffsetDateTime,
 ) -> ClaimOutcome {
     store
-        .claim_task(agent.id, generation, &bound(agent), at, GRACE)
+        .claim_task(
+            agent.id,
+            generation,
+            &bound(agent),
+            &all_capabilities(),
+            at,
+            GRACE,
+        )
         .await
         .expect("claim task")
 }

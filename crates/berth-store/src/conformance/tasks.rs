@@ -243,14 +243,28 @@ pub async fn task_claim_fencing(store: &DynStore) {
     );
     assert_eq!(
         store
-            .claim_task(agent.id, generation, &fingerprint(), t, GRACE)
+            .claim_task(
+                agent.id,
+                generation,
+                &fingerprint(),
+                &all_capabilities(),
+                t,
+                GRACE
+            )
             .await
             .expect("claim"),
         ClaimOutcome::Revoked
     );
     assert_eq!(
         store
-            .claim_task(AgentId::new(), generation, &bound(&agent), t, GRACE)
+            .claim_task(
+                AgentId::new(),
+                generation,
+                &bound(&agent),
+                &all_capabilities(),
+                t,
+                GRACE
+            )
             .await
             .expect("claim"),
         ClaimOutcome::Revoked
@@ -336,7 +350,14 @@ pub async fn task_claim_concurrent(store: &DynStore) {
                 let mut got = vec![];
                 loop {
                     match store
-                        .claim_task(agent.id, generation, &bound(&agent), now(), GRACE)
+                        .claim_task(
+                            agent.id,
+                            generation,
+                            &bound(&agent),
+                            &all_capabilities(),
+                            now(),
+                            GRACE,
+                        )
                         .await
                         .expect("claim without a database error")
                     {
@@ -1121,4 +1142,51 @@ pub async fn open_task_counts(store: &DynStore) {
         .expect("counts");
     assert_eq!(counts, vec![(idle.id, 0), (busy.id, 3)]);
     assert_eq!(store.open_task_counts(&[]).await.expect("none"), vec![]);
+}
+
+/// A head the polling agent cannot run fails at once, and the next task is handed out: a kind
+/// whose capability the poll does not list, or a type no agent runs.
+pub async fn task_claim_unrunnable_heads_fail(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("plain")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let deploy = create(store, deploy_task(tenant.id, agent.id, t)).await;
+    let mut legacy = new_task(tenant.id, agent.id, t);
+    legacy.task_type = "deploy".into();
+    let legacy = create(store, legacy).await;
+    let check = create(store, new_task(tenant.id, agent.id, t)).await;
+    let outcome = store
+        .claim_task(
+            agent.id,
+            generation,
+            &bound(&agent),
+            &["compose".to_string()],
+            t,
+            GRACE,
+        )
+        .await
+        .expect("claim");
+    let ClaimOutcome::Claimed(task, _) = outcome else {
+        panic!("the runnable task is handed out: {outcome:?}");
+    };
+    assert_eq!(task.id, check.id);
+    for (lost, code) in [
+        (&deploy, "CAPABILITY_MISSING"),
+        (&legacy, "UNSUPPORTED_TASK_TYPE"),
+    ] {
+        let (task, attempts) = task_now(store, lost).await;
+        assert_eq!(task.state, TaskState::Failed);
+        assert_eq!(task.error_code.as_deref(), Some(code));
+        assert!(task.finished_at.is_some());
+        assert!(attempts.is_empty(), "never delivered");
+    }
+    // With nothing runnable left, the poll is empty, and the failures stay.
+    assert_eq!(
+        store
+            .claim_task(agent.id, generation, &bound(&agent), &[], t, GRACE)
+            .await
+            .expect("claim"),
+        ClaimOutcome::Empty
+    );
 }

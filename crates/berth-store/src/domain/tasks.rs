@@ -239,12 +239,17 @@ pub trait TaskStore: Send + Sync {
     /// Order: the agent's open tasks (`pending`, `retry_wait`) are considered by priority
     /// (higher first), then creation order. Only the FIRST of them may be claimed (strict order):
     /// nothing is claimed when it is `retry_wait` with `next_attempt_at > now`, or when it has
-    /// side effects while another side-effecting task of the agent is `leased`.
+    /// side effects while another side-effecting task of the agent is `leased`. A head the agent
+    /// cannot run — a type no agent runs, or a kind whose capability is not among `capabilities`
+    /// (the poll's seed strings) — fails there and then (`UNSUPPORTED_TASK_TYPE`,
+    /// `CAPABILITY_MISSING`), and the next task is considered.
+    #[allow(clippy::too_many_arguments)]
     async fn claim_task(
         &self,
         agent: AgentId,
         generation: i64,
         certificate_fingerprint: &str,
+        capabilities: &[String],
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome>;

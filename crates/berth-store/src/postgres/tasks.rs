@@ -212,6 +212,7 @@ impl TaskStore for PostgresStore {
         agent: AgentId,
         generation: i64,
         certificate_fingerprint: &str,
+        capabilities: &[String],
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
@@ -234,23 +235,41 @@ impl TaskStore for PostgresStore {
             Binding::Fenced => return Ok(ClaimOutcome::Fenced),
             Binding::Revoked => return Ok(ClaimOutcome::Revoked),
         }
-        let head = sqlx::query(concat!(
-            "SELECT ",
-            task_columns!(),
-            " FROM tasks WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
-             ORDER BY priority DESC, seq LIMIT 1"
-        ))
-        .bind(agent.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_task(&row))
-        .transpose()?;
-        let Some(head) = head else {
-            return Ok(ClaimOutcome::Empty);
-        };
         let now = millis(now);
+        // Every answer from here commits, so that a head failed as unrunnable stays failed.
+        let head = loop {
+            let head = sqlx::query(concat!(
+                "SELECT ",
+                task_columns!(),
+                " FROM tasks WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
+                 ORDER BY priority DESC, seq LIMIT 1"
+            ))
+            .bind(agent.0)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?
+            .map(|row| rows::read_task(&row))
+            .transpose()?;
+            let Some(head) = head else {
+                tx.commit().await.map_err(db_error(OP))?;
+                return Ok(ClaimOutcome::Empty);
+            };
+            let Some(code) = lifecycle::unrunnable(&head.task_type, capabilities) else {
+                break head;
+            };
+            sqlx::query(
+                "UPDATE tasks SET state = 'failed', error_code = $2, finished_at = $3, \
+                 updated_at = $3 WHERE id = $1",
+            )
+            .bind(head.id.0)
+            .bind(code)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+        };
         if head.state == TaskState::RetryWait && head.next_attempt_at.is_some_and(|t| t > now) {
+            tx.commit().await.map_err(db_error(OP))?;
             return Ok(ClaimOutcome::Empty);
         }
         if head.side_effects {
@@ -263,6 +282,7 @@ impl TaskStore for PostgresStore {
             .await
             .map_err(db_error(OP))?;
             if busy.is_some() {
+                tx.commit().await.map_err(db_error(OP))?;
                 return Ok(ClaimOutcome::Empty);
             }
         }
@@ -283,6 +303,7 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         let Some(claimed) = claimed else {
+            tx.commit().await.map_err(db_error(OP))?;
             return Ok(ClaimOutcome::Empty);
         };
         let task = rows::read_task(&claimed)?;

@@ -210,11 +210,13 @@ impl TaskStore for SqliteStore {
         agent: AgentId,
         generation: i64,
         certificate_fingerprint: &str,
+        capabilities: &[String],
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
         const OP: &str = "claim task";
         let fingerprint = certificate_fingerprint.to_owned();
+        let capabilities = capabilities.to_vec();
         // Most polls find nothing to claim. Answer those from a reader, so that thousands of
         // idle long-polls never queue on the single writer (and heartbeats behind them). The
         // same binding check runs again in the writer before anything is leased.
@@ -249,22 +251,33 @@ impl TaskStore for SqliteStore {
                     Binding::Fenced => return Ok(ClaimOutcome::Fenced),
                     Binding::Revoked => return Ok(ClaimOutcome::Revoked),
                 }
+                let now = millis(now);
                 // The writer runs one operation at a time, so the head read here is still the
                 // head when it is leased.
-                let head = tx.optional(
-                    concat!(
-                        "SELECT ",
-                        task_columns!(),
-                        " FROM tasks WHERE agent_id = ?1 AND state IN ('pending', 'retry_wait') \
-                         ORDER BY priority DESC, seq LIMIT 1"
-                    ),
-                    [id_text(agent.0)],
-                    |row| rows::read_task(row),
-                )?;
-                let Some(head) = head else {
-                    return Ok(ClaimOutcome::Empty);
+                let head = loop {
+                    let head = tx.optional(
+                        concat!(
+                            "SELECT ",
+                            task_columns!(),
+                            " FROM tasks WHERE agent_id = ?1 \
+                             AND state IN ('pending', 'retry_wait') \
+                             ORDER BY priority DESC, seq LIMIT 1"
+                        ),
+                        [id_text(agent.0)],
+                        |row| rows::read_task(row),
+                    )?;
+                    let Some(head) = head else {
+                        return Ok(ClaimOutcome::Empty);
+                    };
+                    let Some(code) = lifecycle::unrunnable(&head.task_type, &capabilities) else {
+                        break head;
+                    };
+                    tx.execute(
+                        "UPDATE tasks SET state = 'failed', error_code = ?2, finished_at = ?3, \
+                         updated_at = ?3 WHERE id = ?1",
+                        params![id_text(head.id.0), code, unix_millis(now)],
+                    )?;
                 };
-                let now = millis(now);
                 if head.state == TaskState::RetryWait
                     && head.next_attempt_at.is_some_and(|t| t > now)
                 {
