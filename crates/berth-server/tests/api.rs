@@ -39,6 +39,25 @@ fn heartbeat(agent: AgentId, status: AgentStatus) -> Heartbeat {
 }
 
 /// Sends a heartbeat from `client` for `agent` under `generation`.
+/// `POST /api/v1/agents/{id}/certificate` with a fresh CSR, and the generation if given.
+async fn renew(
+    client: &berth_client::Client,
+    agent: AgentId,
+    key: &AgentKey,
+    generation: Option<i64>,
+) -> Result<berth_proto::agent::RenewCertificateResponse, ClientError> {
+    let request = RenewCertificate {
+        agent_id: agent,
+        csr: key.csr_pem("renewer").unwrap(),
+    };
+    let g = generation.map(|g| g.to_string());
+    let headers: Vec<(&str, &str)> = g
+        .iter()
+        .map(|g| (berth_proto::headers::GENERATION_HEADER, g.as_str()))
+        .collect();
+    client.send_with(&request, &headers, None).await
+}
+
 async fn beat(
     client: &berth_client::Client,
     agent: AgentId,
@@ -297,12 +316,7 @@ async fn renewal_rotates_the_binding_at_once() {
     let agent = server.agent("renewer").await;
     let generation = agent.session().await;
     let new_key = AgentKey::generate().unwrap();
-    let renewed = agent
-        .client
-        .send(&RenewCertificate {
-            agent_id: agent.id,
-            csr: new_key.csr_pem("renewer").unwrap(),
-        })
+    let renewed = renew(&agent.client, agent.id, &new_key, Some(generation))
         .await
         .expect("renewal");
     let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
@@ -791,5 +805,60 @@ async fn openapi_document_matches_the_committed_copy() {
     ] {
         assert!(generated.contains(path), "{path} is documented");
     }
+    server.stop().await;
+}
+
+/// A clone holding a copy of the agent's key and certificate (a copied state dir) is refused
+/// the session; it must not be able to rotate the binding either, which would lock the live
+/// process out.
+#[tokio::test]
+async fn a_refused_clone_cannot_renew_the_certificate() {
+    let server = start().await;
+    let agent = server.agent("cloned").await;
+    let stale = agent.session().await;
+    // The live process took over (a newer session); `stale` is what a paused or copied
+    // process still holds.
+    let g = stale.to_string();
+    agent
+        .client
+        .send_with(
+            &berth_proto::transport::ReleaseSession { agent_id: agent.id },
+            &[(berth_proto::headers::GENERATION_HEADER, g.as_str())],
+            None,
+        )
+        .await
+        .expect("release");
+    let live = agent.session().await;
+    assert!(live > stale);
+    let clone = server.client(None, Some(agent.identity()));
+    let err = clone
+        .send(&berth_proto::transport::AcquireSession {
+            agent_id: agent.id,
+            instance_id: "the-clone".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "SESSION_HELD".into()));
+    for generation in [None, Some(stale), Some(live + 1)] {
+        let key = AgentKey::generate().unwrap();
+        let err = renew(&clone, agent.id, &key, generation).await.unwrap_err();
+        assert_eq!(
+            code(&err),
+            (409, "FENCED".into()),
+            "generation {generation:?}"
+        );
+    }
+    // The live process still holds a working binding and can renew.
+    beat(&agent.client, agent.id, live, AgentStatus::Online)
+        .await
+        .expect("the live process is not locked out");
+    renew(
+        &agent.client,
+        agent.id,
+        &AgentKey::generate().unwrap(),
+        Some(live),
+    )
+    .await
+    .expect("the live process renews");
     server.stop().await;
 }

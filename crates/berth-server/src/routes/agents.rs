@@ -14,7 +14,8 @@ use berth_proto::agent::{
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody};
 use berth_store::{
-    AgentFilter, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, RegisterError,
+    AgentFilter, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, RebindOutcome,
+    RegisterError,
 };
 use serde_json::json;
 use time::OffsetDateTime;
@@ -380,15 +381,18 @@ pub async fn issue_jwt(
 /// Renew the calling agent's certificate with a fresh CSR (mTLS). The old certificate stops
 /// working as soon as the new binding is stored.
 #[utoipa::path(post, path = "/api/v1/agents/{id}/certificate", tag = "agent-runtime", request_body = RenewCertificate,
-    params(("id" = String, Path, format = Uuid)),
-    responses((status = 200, body = RenewCertificateResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]
+    params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
+    responses((status = 200, body = RenewCertificateResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "FENCED: a process whose session generation is not current cannot rotate the binding")))]
 pub async fn renew_certificate(
     State(state): State<SharedState>,
-    caller: AgentCaller,
+    FencedAgent {
+        id,
+        peer,
+        generation,
+    }: FencedAgent,
     ApiJson(req): ApiJson<RenewCertificate>,
 ) -> ApiResult<Json<RenewCertificateResponse>> {
-    caller.bound(&state).await?;
-    let AgentCaller { id, peer } = caller;
     let now = OffsetDateTime::now_utc();
     let validity = time::Duration::try_from(state.config.agent_cert_validity)
         .map_err(|e| ApiError::internal(&e))?;
@@ -398,18 +402,26 @@ pub async fn renew_certificate(
         .map_err(|e| {
             ApiError::bad_request(codes::INVALID_CSR, format!("the CSR was refused: {e}"))
         })?;
-    let rebound = state
+    match state
         .store
         .rebind_certificate(
             id,
+            generation,
             &peer.fingerprint,
             &issued.fingerprint,
             issued.not_after,
             now,
         )
-        .await?;
-    if !rebound {
-        return Err(agent_revoked(&state));
+        .await?
+    {
+        RebindOutcome::Rebound => {}
+        RebindOutcome::Fenced => {
+            return Err(ApiError::conflict(
+                codes::FENCED,
+                "this process's generation is no longer current; it cannot renew the certificate",
+            ))
+        }
+        RebindOutcome::Revoked => return Err(agent_revoked(&state)),
     }
     tracing::info!(agent_id = %id, expires_at = %issued.not_after, "agent certificate renewed");
     Ok(Json(RenewCertificateResponse {

@@ -571,6 +571,7 @@ pub async fn delete_agent(store: &DynStore) {
 }
 
 pub async fn rebind_certificate(store: &DynStore) {
+    use crate::RebindOutcome::{Fenced as RebindFenced, Rebound, Revoked as RebindRevoked};
     let tenant = tenant(store).await;
     let agent = register(store, tenant.id, new_agent("rotating")).await;
     let other = register(store, tenant.id, new_agent("bystander")).await;
@@ -578,19 +579,54 @@ pub async fn rebind_certificate(store: &DynStore) {
     let new = fingerprint();
     let expires = now() + Duration::days(60);
     let at = now();
+    let stale = session(store, &agent, at).await;
+    let live = session(store, &agent, at).await;
+    let rebind = |generation: i64, from: String, to: String| {
+        let store = store.clone();
+        async move {
+            store
+                .rebind_certificate(agent.id, generation, &from, &to, expires, at)
+                .await
+        }
+    };
 
-    assert!(!store
-        .rebind_certificate(agent.id, &fingerprint(), &new, expires, at)
-        .await
-        .expect("rebind"));
-    assert!(!store
-        .rebind_certificate(AgentId::new(), &old, &new, expires, at)
-        .await
-        .expect("rebind"));
-    assert!(store
-        .rebind_certificate(agent.id, &old, &new, expires, at)
-        .await
-        .expect("rebind"));
+    assert_eq!(
+        rebind(live, fingerprint(), new.clone())
+            .await
+            .expect("rebind"),
+        RebindRevoked
+    );
+    assert_eq!(
+        store
+            .rebind_certificate(AgentId::new(), live, &old, &new, expires, at)
+            .await
+            .expect("rebind"),
+        RebindRevoked
+    );
+    // A fenced process holding the bound certificate (a clone with a copied key) cannot
+    // rotate the binding away from the live one.
+    assert_eq!(
+        rebind(stale, old.clone(), new.clone())
+            .await
+            .expect("rebind"),
+        RebindFenced
+    );
+    assert_eq!(
+        store
+            .get_agent(tenant.id, agent.id)
+            .await
+            .expect("get")
+            .expect("exists")
+            .certificate_fingerprint,
+        Some(old.clone()),
+        "a fenced rebind changes nothing"
+    );
+    assert_eq!(
+        rebind(live, old.clone(), new.clone())
+            .await
+            .expect("rebind"),
+        Rebound
+    );
     let rebound = store
         .get_agent(tenant.id, agent.id)
         .await
@@ -604,10 +640,12 @@ pub async fn rebind_certificate(store: &DynStore) {
     assert_eq!(rebound.updated_at, millis(at));
 
     // The old certificate is dead at once: neither rebinding nor heartbeats accept it.
-    assert!(!store
-        .rebind_certificate(agent.id, &old, &fingerprint(), expires, at)
-        .await
-        .expect("rebind"));
+    assert_eq!(
+        rebind(live, old.clone(), fingerprint())
+            .await
+            .expect("rebind"),
+        RebindRevoked
+    );
     let applied = store
         .record_heartbeats(&[heartbeat(&agent, AgentStatus::Online, now())])
         .await
@@ -616,12 +654,7 @@ pub async fn rebind_certificate(store: &DynStore) {
 
     // One certificate binds one agent.
     let theirs = other.certificate_fingerprint.clone().expect("bound");
-    assert_conflict(
-        store
-            .rebind_certificate(agent.id, &new, &theirs, expires, at)
-            .await,
-        "agent_certificate",
-    );
+    assert_conflict(rebind(live, new.clone(), theirs).await, "agent_certificate");
 }
 
 pub async fn heartbeats(store: &DynStore) {
@@ -640,16 +673,21 @@ pub async fn heartbeats(store: &DynStore) {
         .await
         .expect("delete"));
     let rotated_fp = rotated.certificate_fingerprint.clone().expect("bound");
-    assert!(store
-        .rebind_certificate(
-            rotated.id,
-            &rotated_fp,
-            &fingerprint(),
-            now() + Duration::days(30),
-            now()
-        )
-        .await
-        .expect("rebind"));
+    // Generation 0: registered, no session yet.
+    assert_eq!(
+        store
+            .rebind_certificate(
+                rotated.id,
+                0,
+                &rotated_fp,
+                &fingerprint(),
+                now() + Duration::days(30),
+                now()
+            )
+            .await
+            .expect("rebind"),
+        crate::RebindOutcome::Rebound
+    );
 
     let at = now() + Duration::seconds(1);
     let mut sick_beat = heartbeat(&sick, AgentStatus::Degraded, at);

@@ -91,6 +91,15 @@ pub struct StaleSweep {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RebindOutcome {
+    Rebound,
+    /// `generation` is not the agent's current one.
+    Fenced,
+    /// The agent is gone or `old_fingerprint` is not its binding.
+    Revoked,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeartbeatOutcome {
     Applied,
     Fenced,
@@ -151,15 +160,19 @@ pub trait AgentStore: Send + Sync {
     /// `leased` ones `unknown` if they have side effects, else `expired` (attempts `expired`).
     async fn delete_agent(&self, tenant: TenantId, id: AgentId) -> Result<bool>;
 
-    /// Replaces the certificate binding only while `old_fingerprint` is still bound.
+    /// Replaces the certificate binding only while `old_fingerprint` is still bound and
+    /// `generation` is the agent's current session generation, checked in the same transaction:
+    /// a fenced process (a refused clone holding a copied key) cannot rotate the binding and so
+    /// lock out the live one.
     async fn rebind_certificate(
         &self,
         id: AgentId,
+        generation: i64,
         old_fingerprint: &str,
         new_fingerprint: &str,
         new_expires_at: OffsetDateTime,
         now: OffsetDateTime,
-    ) -> Result<bool>;
+    ) -> Result<RebindOutcome>;
 
     /// Applies a batch of heartbeats in one transaction. Per record: `Revoked` when the agent is
     /// gone or the certificate is no longer its binding, `Fenced` when `generation` is not the

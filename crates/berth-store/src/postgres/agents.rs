@@ -8,12 +8,12 @@ use sqlx::types::Json;
 use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 
-use super::{fetch_page, PostgresStore};
+use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE};
 use crate::lifecycle;
 use crate::rows::{self, agent_columns, db_error, millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, Page,
-    RegisterError, Result, SessionOutcome, StaleSweep,
+    RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep,
 };
 
 #[async_trait::async_trait]
@@ -221,24 +221,33 @@ impl AgentStore for PostgresStore {
     async fn rebind_certificate(
         &self,
         id: AgentId,
+        generation: i64,
         old_fingerprint: &str,
         new_fingerprint: &str,
         new_expires_at: OffsetDateTime,
         now: OffsetDateTime,
-    ) -> Result<bool> {
-        let done = sqlx::query(
+    ) -> Result<RebindOutcome> {
+        const OP: &str = "rebind certificate";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        // The row lock holds the generation and the binding until the rebind commits.
+        match check_binding(&mut tx, BINDING_EXCLUSIVE, id, old_fingerprint, generation).await? {
+            Binding::Current => {}
+            Binding::Fenced => return Ok(RebindOutcome::Fenced),
+            Binding::Revoked => return Ok(RebindOutcome::Revoked),
+        }
+        sqlx::query(
             "UPDATE agents SET certificate_fingerprint = $1, certificate_expires_at = $2, \
-             updated_at = $3 WHERE id = $4 AND certificate_fingerprint = $5",
+             updated_at = $3 WHERE id = $4",
         )
         .bind(new_fingerprint)
         .bind(millis(new_expires_at))
         .bind(millis(now))
         .bind(id.0)
-        .bind(old_fingerprint)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
-        .map_err(db_error("rebind certificate"))?;
-        Ok(done.rows_affected() > 0)
+        .map_err(db_error(OP))?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(RebindOutcome::Rebound)
     }
 
     async fn record_heartbeats(&self, batch: &[HeartbeatRecord]) -> Result<Vec<HeartbeatOutcome>> {

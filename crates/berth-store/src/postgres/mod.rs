@@ -219,3 +219,44 @@ impl Store for PostgresStore {
         Ok(())
     }
 }
+
+/// How an agent-runtime write stands against the agent's row.
+enum Binding {
+    Current,
+    Fenced,
+    Revoked,
+}
+
+/// Checks the certificate binding and the session generation under a row lock held until the
+/// transaction ends, so neither can change before the write that depends on them commits.
+/// `query` locks `FOR SHARE` (excludes generation bumps) or `FOR NO KEY UPDATE` (also
+/// serialises the callers with each other).
+async fn check_binding(
+    conn: &mut PgConnection,
+    query: &'static str,
+    agent: AgentId,
+    certificate_fingerprint: &str,
+    generation: i64,
+) -> Result<Binding> {
+    let row = sqlx::query(query)
+        .bind(agent.0)
+        .fetch_optional(conn)
+        .await
+        .map_err(db_error("check agent binding"))?;
+    let Some(row) = row else {
+        return Ok(Binding::Revoked);
+    };
+    if row.text_opt("certificate_fingerprint")?.as_deref() != Some(certificate_fingerprint) {
+        return Ok(Binding::Revoked);
+    }
+    Ok(if row.int("generation")? == generation {
+        Binding::Current
+    } else {
+        Binding::Fenced
+    })
+}
+
+const BINDING_SHARE: &str =
+    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR SHARE";
+const BINDING_EXCLUSIVE: &str =
+    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR NO KEY UPDATE";

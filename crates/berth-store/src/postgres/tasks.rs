@@ -3,13 +3,14 @@
 use std::collections::BTreeSet;
 
 use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
-use sqlx::postgres::PgConnection;
 use sqlx::types::Json;
 use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
-use super::{fetch_page, notify, PostgresStore};
+use super::{
+    check_binding, fetch_page, notify, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
+};
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
@@ -17,47 +18,6 @@ use crate::{
     LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StoreError, Task, TaskFilter,
     TaskState, TaskStore,
 };
-
-/// How an agent-runtime write stands against the agent's row.
-enum Binding {
-    Current,
-    Fenced,
-    Revoked,
-}
-
-/// Checks the certificate binding and the session generation under a row lock held until the
-/// transaction ends, so neither can change before the write that depends on them commits.
-/// `query` locks `FOR SHARE` (excludes generation bumps) or `FOR NO KEY UPDATE` (also
-/// serialises the callers with each other).
-async fn check_binding(
-    conn: &mut PgConnection,
-    query: &'static str,
-    agent: AgentId,
-    certificate_fingerprint: &str,
-    generation: i64,
-) -> Result<Binding> {
-    let row = sqlx::query(query)
-        .bind(agent.0)
-        .fetch_optional(conn)
-        .await
-        .map_err(db_error("check agent binding"))?;
-    let Some(row) = row else {
-        return Ok(Binding::Revoked);
-    };
-    if row.text_opt("certificate_fingerprint")?.as_deref() != Some(certificate_fingerprint) {
-        return Ok(Binding::Revoked);
-    }
-    Ok(if row.int("generation")? == generation {
-        Binding::Current
-    } else {
-        Binding::Fenced
-    })
-}
-
-const BINDING_SHARE: &str =
-    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR SHARE";
-const BINDING_EXCLUSIVE: &str =
-    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR NO KEY UPDATE";
 
 #[async_trait::async_trait]
 impl TaskStore for PostgresStore {

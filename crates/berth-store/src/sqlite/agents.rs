@@ -5,12 +5,12 @@ use berth_proto::{AgentId, TenantId};
 use rusqlite::params;
 use time::OffsetDateTime;
 
-use super::{id_text, json_text, Query, SqliteStore};
+use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
 use crate::lifecycle;
 use crate::rows::{self, agent_columns, millis, unix_millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, Page,
-    RegisterError, Result, SessionOutcome, StaleSweep, StoreError,
+    RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep, StoreError,
 };
 
 #[async_trait::async_trait]
@@ -239,26 +239,31 @@ impl AgentStore for SqliteStore {
     async fn rebind_certificate(
         &self,
         id: AgentId,
+        generation: i64,
         old_fingerprint: &str,
         new_fingerprint: &str,
         new_expires_at: OffsetDateTime,
         now: OffsetDateTime,
-    ) -> Result<bool> {
+    ) -> Result<RebindOutcome> {
         let (old, new) = (old_fingerprint.to_owned(), new_fingerprint.to_owned());
         self.writer
             .write("rebind certificate", move |tx| {
-                let done = tx.execute(
+                match binding(tx, id, &old, generation)? {
+                    Binding::Current => {}
+                    Binding::Fenced => return Ok(RebindOutcome::Fenced),
+                    Binding::Revoked => return Ok(RebindOutcome::Revoked),
+                }
+                tx.execute(
                     "UPDATE agents SET certificate_fingerprint = ?1, certificate_expires_at = ?2, \
-                     updated_at = ?3 WHERE id = ?4 AND certificate_fingerprint = ?5",
+                     updated_at = ?3 WHERE id = ?4",
                     params![
                         new,
                         unix_millis(new_expires_at),
                         unix_millis(now),
                         id_text(id.0),
-                        old,
                     ],
                 )?;
-                Ok(done > 0)
+                Ok(RebindOutcome::Rebound)
             })
             .await
     }

@@ -281,3 +281,41 @@ impl Store for SqliteStore {
             .await
     }
 }
+
+/// How an agent-runtime write stands against the agent's row.
+enum Binding {
+    Current,
+    Fenced,
+    Revoked,
+}
+
+/// Reads the certificate binding and the session generation. Inside the writer's transaction
+/// neither can change before the write that depends on them commits; on a reader it is only a
+/// hint for skipping the writer, which checks again.
+fn binding(
+    db: &threads::Db<'_>,
+    agent: AgentId,
+    fingerprint: &str,
+    generation: i64,
+) -> Result<Binding> {
+    let stored = db.optional(
+        "SELECT certificate_fingerprint, generation FROM agents WHERE id = ?1",
+        [id_text(agent.0)],
+        |row| {
+            Ok((
+                row.text_opt("certificate_fingerprint")?,
+                row.int("generation")?,
+            ))
+        },
+    )?;
+    Ok(match stored {
+        Some((Some(bound), current)) if bound == fingerprint => {
+            if current == generation {
+                Binding::Current
+            } else {
+                Binding::Fenced
+            }
+        }
+        _ => Binding::Revoked,
+    })
+}

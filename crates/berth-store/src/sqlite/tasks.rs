@@ -8,7 +8,7 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::threads::Db;
-use super::{id_text, json_text, Query, SqliteStore};
+use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
 use crate::{
@@ -16,39 +16,6 @@ use crate::{
     LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StoreError, Task, TaskFilter,
     TaskState, TaskStore,
 };
-
-/// How an agent-runtime write stands against the agent's row.
-enum Binding {
-    Current,
-    Fenced,
-    Revoked,
-}
-
-/// Reads the certificate binding and the session generation. Inside the writer's transaction
-/// neither can change before the write that depends on them commits; on a reader it is only a
-/// hint for skipping the writer, which checks again.
-fn binding(db: &Db<'_>, agent: AgentId, fingerprint: &str, generation: i64) -> Result<Binding> {
-    let stored = db.optional(
-        "SELECT certificate_fingerprint, generation FROM agents WHERE id = ?1",
-        [id_text(agent.0)],
-        |row| {
-            Ok((
-                row.text_opt("certificate_fingerprint")?,
-                row.int("generation")?,
-            ))
-        },
-    )?;
-    Ok(match stored {
-        Some((Some(bound), current)) if bound == fingerprint => {
-            if current == generation {
-                Binding::Current
-            } else {
-                Binding::Fenced
-            }
-        }
-        _ => Binding::Revoked,
-    })
-}
 
 /// The tenant's task `id`, if it has one.
 fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>> {
