@@ -125,10 +125,6 @@ fn run_agent(server_url: &str, state_dir: &Path, name: &str, extra: &[&str]) -> 
     )
 }
 
-fn id_of(agent: &Value) -> String {
-    agent["id"].as_str().expect("agent id").to_string()
-}
-
 fn mode(path: &Path) -> u32 {
     std::fs::metadata(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
