@@ -22,6 +22,10 @@ eval "$(grep '^export ' <<<"$registry_env")"
 say "registries for tests: $BERTH_TEST_REGISTRY, $BERTH_TEST_AUTH_REGISTRY (auth)"
 docker version --format 'Docker engine {{.Server.Version}}' >&2 || { say "the Docker engine is not reachable"; exit 1; }
 
+# Every service above is provisioned, so a test that finds one missing fails instead of printing
+# SKIP (berth_test_utils::services_required).
+export BERTH_REQUIRE_SERVICES=1
+
 say "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -2,34 +2,31 @@
 //! `berth-agent` that talks to the real Docker engine, the admin CLI (`berth … -o json`), and
 //! images pulled by digest from the local registries of `scripts/registry.sh`.
 //!
-//! The image and cleanup fixtures are the executor tests' own (`berth-exec/tests/common`): images
+//! The image and cleanup fixtures are the executor tests' own (`berth_test_utils::docker`): images
 //! made `FROM scratch` with busybox via `docker import`, pushed, and removed locally so every
 //! deployment pulls. Every name a test creates starts with its `berth-e2e-<random>` prefix and a
 //! [`Cleanup`] guard removes those containers, images, volumes and networks on every path; the
 //! agent and server are killed (guards) before that.
 //!
 //! Without an engine or the `BERTH_TEST_REGISTRY*` variables a test prints a SKIP line, except
-//! under `CI=true`, where it fails.
+//! under `CI=true` or `BERTH_REQUIRE_SERVICES=1` (`scripts/test.sh`), where it fails.
 
 #![cfg(unix)]
 
 mod common;
-#[path = "../../berth-exec/tests/common/mod.rs"]
-mod fixtures;
 
 use std::path::Path;
 use std::time::Duration;
 
+use berth_test_utils::deploy::{docker_check, http_check};
+use berth_test_utils::docker::{
+    self as fixtures, container_id, container_names, make_image, Cleanup, Env, Image, Variant,
+};
 use common::*;
-use fixtures::{container_id, container_names, make_image, Cleanup, Env, Image, Variant};
 use serde_json::{json, Value};
 
 /// How long a deployment (pull, create, health check) may take on a loaded 2-core host.
 const DEPLOY: Duration = Duration::from_secs(120);
-
-fn id_of(v: &Value) -> String {
-    str_of(v, "id").to_string()
-}
 
 fn attempts(task: &Value) -> &Vec<Value> {
     task["attempts"]
@@ -37,17 +34,9 @@ fn attempts(task: &Value) -> &Vec<Value> {
         .unwrap_or_else(|| panic!("no attempts in {task}"))
 }
 
-/// The registries and the engine, or `None` (SKIP; a failure under `CI=true`).
+/// The registries and the engine, or `None` (SKIP; a failure when services are required).
 fn docker_env(test: &str) -> Option<Env> {
     fixtures::env(test)
-}
-
-/// `berth-e2e-<10 hex>`.
-fn unique() -> String {
-    format!(
-        "berth-e2e-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..10]
-    )
 }
 
 /// The body `GET /` answers on `127.0.0.1:port` with 200, if it does.
@@ -115,7 +104,7 @@ struct World {
 impl World {
     fn start(test: &str, server_args: &[&str], agent_args: &[&str]) -> Option<World> {
         let env = docker_env(test)?;
-        let cleanup = Cleanup::new(&unique());
+        let cleanup = Cleanup::new(&fixtures::unique("berth-e2e"));
         let tmp = tempdir();
         let server = Server::start(&tmp.path().join("data"), server_args);
         let agent = register_docker_agent(&server, tmp.path(), "deployer", agent_args);
@@ -180,30 +169,6 @@ impl World {
     }
 }
 
-/// A `docker.run` payload for `image` as container `name`, published on loopback `port`.
-fn deploy(image: &Image, name: &str, port: u16, health: Value) -> Value {
-    json!({
-        "image": image.repository,
-        "digest": image.digest,
-        "config": {
-            "containerName": name,
-            "releaseId": format!("{name}-release"),
-            "releaseName": format!("{name}-1"),
-            "ports": [format!("127.0.0.1:{port}:8080/tcp")],
-            "restartPolicy": "no",
-            "healthCheck": health,
-        },
-    })
-}
-
-fn http_check(port: u16, timeout: u64) -> Value {
-    json!({"type": "http", "url": format!("http://127.0.0.1:{port}/"), "timeout": timeout, "interval": 1})
-}
-
-fn docker_check(timeout: u64) -> Value {
-    json!({"type": "docker", "timeout": timeout, "interval": 1})
-}
-
 fn sticker(agent: &Agent, name: &str) -> Option<Value> {
     let text = std::fs::read_to_string(agent.sticker_dir.join(format!("{name}.json"))).ok()?;
     serde_json::from_str(&text).ok()
@@ -226,7 +191,7 @@ fn docker_run_by_digest_succeeds_serves_and_is_inspected() {
     let name = format!("{}-web", w.prefix());
     let port = free_port();
 
-    let task = w.run_ok(&deploy(&v1, &name, port, http_check(port, 60)));
+    let task = w.run_ok(&v1.deploy(&name, port, http_check(port, 60)));
     assert_eq!(task["readBack"], false, "{task:#}");
     assert_eq!(task["sideEffects"], true, "{task:#}");
     let tries = attempts(&task);
@@ -306,10 +271,10 @@ fn upgrade_then_unhealthy_upgrade_rolls_back() {
     let name = format!("{}-web", w.prefix());
     let port = free_port();
 
-    w.run_ok(&deploy(&v1, &name, port, docker_check(60)));
+    w.run_ok(&v1.deploy(&name, port, docker_check(60)));
     assert_eq!(http_body(port).as_deref(), Some("v1"));
 
-    let task = w.run_ok(&deploy(&v2, &name, port, docker_check(60)));
+    let task = w.run_ok(&v2.deploy(&name, port, docker_check(60)));
     assert_eq!(
         task["result"]["outputs"]["previousDigest"],
         v1.digest.as_str()
@@ -320,7 +285,7 @@ fn upgrade_then_unhealthy_upgrade_rolls_back() {
 
     let id = w.create(
         "docker.run",
-        &deploy(&v3, &name, port, docker_check(60)),
+        &v3.deploy(&name, port, docker_check(60)),
         120,
         &[],
     );
@@ -375,7 +340,7 @@ fn wrong_registry_password_fails_and_registry_down_is_retried() {
     let wrong = "not-the-password-e2e-7c1d";
     let id = w.create(
         "docker.run",
-        &deploy(&v1, &name, port, docker_check(30)),
+        &v1.deploy(&name, port, docker_check(30)),
         120,
         &[
             format!("registryUsername={}", w.env.user),
@@ -399,7 +364,7 @@ fn wrong_registry_password_fails_and_registry_down_is_retried() {
     // The right password works through the server too.
     let id = w.create(
         "docker.run",
-        &deploy(&v1, &name, port, docker_check(60)),
+        &v1.deploy(&name, port, docker_check(60)),
         120,
         &[
             format!("registryUsername={}", w.env.user),
@@ -420,7 +385,7 @@ fn wrong_registry_password_fails_and_registry_down_is_retried() {
     let other = format!("{}-other", w.prefix());
     let id = w.create(
         "docker.run",
-        &deploy(&down, &other, free_port(), docker_check(10)),
+        &down.deploy(&other, free_port(), docker_check(10)),
         120,
         &[],
     );
@@ -461,7 +426,7 @@ fn agent_killed_mid_deploy_leaves_the_task_unknown_and_never_reruns_it() {
     let never = free_port();
     let id = w.create(
         "docker.run",
-        &deploy(&v1, &name, free_port(), http_check(never, 120)),
+        &v1.deploy(&name, free_port(), http_check(never, 120)),
         15,
         &[],
     );
@@ -522,7 +487,7 @@ fn late_result_is_fenced_and_read_back_proves_the_deploy() {
     let v1 = w.image(Variant::Healthy, "v1");
     let name = format!("{}-web", w.prefix());
     let port = free_port();
-    let payload = deploy(&v1, &name, port, http_check(port, 14));
+    let payload = v1.deploy(&name, port, http_check(port, 14));
 
     let mut leased = None;
     for _ in 0..3 {

@@ -125,10 +125,6 @@ fn run_agent(server_url: &str, state_dir: &Path, name: &str, extra: &[&str]) -> 
     )
 }
 
-fn id_of(agent: &Value) -> String {
-    agent["id"].as_str().expect("agent id").to_string()
-}
-
 fn mode(path: &Path) -> u32 {
     std::fs::metadata(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -736,4 +732,159 @@ fn labels_are_set_removed_and_filtered_from_the_cli() {
     for agent in &mut agents {
         agent.assert_running();
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// berth dev
+// ---------------------------------------------------------------------------------------------
+
+/// The value after `prefix` on the first line of `text` that has it (leading spaces ignored).
+fn printed<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    text.lines()
+        .find_map(|l| l.trim_start().strip_prefix(prefix))
+        .map(str::trim)
+}
+
+/// Live processes whose command line names `path`, read from /proc.
+fn processes_naming(path: &Path) -> Vec<libc::pid_t> {
+    let needle = path.as_os_str().as_encoded_bytes();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<libc::pid_t>().ok())
+        .filter(|pid| {
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                return false;
+            };
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = state
+                .rfind(')')
+                .is_some_and(|i| state[i + 1..].trim_start().starts_with(['Z', 'X']));
+            !zombie && cmdline.windows(needle.len()).any(|w| w == needle)
+        })
+        .collect()
+}
+
+#[test]
+fn berth_dev_starts_a_server_and_an_agent_that_runs_a_task() {
+    let tmp = tempdir();
+    let data = tmp.path().join("dev");
+    let mut cmd = command(BERTH);
+    cmd.arg("dev")
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--listen", "127.0.0.1:0", "--heartbeat-interval-secs", "1"])
+        // As for the harness's agents: no engine, so a slow engine cannot make it degraded.
+        .env("DOCKER_HOST", "unix:///nonexistent/berth-e2e/docker.sock");
+    let mut proc = Proc::spawn("berth dev", cmd);
+
+    // What it prints for the operator: the URL, the admin token and the CA file to use.
+    let (url, admin_token, ca_fingerprint, ca_file) = wait_for(
+        SETTLE,
+        "berth dev to print its URL, admin token and CA file",
+        || {
+            proc.assert_running();
+            let out = proc.stdout();
+            match (
+                printed(&out, "export BERTH_SERVER="),
+                printed(&out, "export BERTH_TOKEN="),
+                printed(&out, "CA fingerprint:"),
+                printed(&out, "export BERTH_CA_FILE="),
+            ) {
+                (Some(url), Some(token), Some(fingerprint), Some(ca)) => Ok((
+                    url.to_string(),
+                    token.to_string(),
+                    fingerprint.to_string(),
+                    std::path::PathBuf::from(ca),
+                )),
+                _ => Err(out),
+            }
+        },
+    );
+    let stdout = proc.stdout();
+    assert!(url.starts_with("https://127.0.0.1:"), "{stdout}");
+    assert_eq!(printed(&stdout, "URL:"), Some(url.as_str()), "{stdout}");
+    assert!(admin_token.starts_with("bat_"), "{stdout}");
+    assert!(ca_file.is_file(), "{stdout}");
+    assert!(
+        ca_file.starts_with(&data),
+        "the CA is kept in the data dir: {stdout}"
+    );
+    let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    // The harness's CLI helpers read the CA from `<data_dir>/ca.crt`.
+    let dev = Server {
+        proc,
+        url,
+        ca_fingerprint,
+        data_dir: ca_file.parent().unwrap().to_path_buf(),
+        admin_token,
+    };
+
+    // Its local agent comes online with a heartbeat, labelled as the dev agent.
+    let agent = wait_for(SETTLE, "the local agent online with a heartbeat", || {
+        let agents = dev.try_agents(&[])?;
+        match agents.as_slice() {
+            [a] if a["status"] == "online" && a["lastHeartbeat"].is_string() => Ok(a.clone()),
+            _ => Err(Value::Array(agents).to_string()),
+        }
+    });
+    assert_eq!(agent["labels"]["berth.dev"], "true", "{agent}");
+    let agent_id = id_of(&agent);
+
+    // A task runs on it and succeeds with a verified, signed result.
+    let task = dev.cli(&[
+        "task",
+        "create",
+        "--type",
+        "inspect",
+        "--agent",
+        &agent_id,
+        "--payload",
+        "{}",
+        "--timeout-secs",
+        "60",
+        "--wait",
+    ]);
+    assert_eq!(task["state"], "succeeded", "{task:#}");
+    assert_eq!(task["agentId"], agent_id.as_str(), "{task:#}");
+    assert_eq!(task["readBack"], false, "{task:#}");
+    let attempts = task["attempts"].as_array().expect("attempts");
+    assert_eq!(attempts.len(), 1, "{task:#}");
+    assert_eq!(attempts[0]["state"], "succeeded", "{task:#}");
+    let envelope = &attempts[0]["result"];
+    assert!(
+        envelope["signature"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty()),
+        "the stored envelope is signed: {task:#}"
+    );
+    assert_eq!(envelope["taskId"], task["id"], "{task:#}");
+    assert_eq!(envelope["agentId"], agent_id.as_str(), "{task:#}");
+    assert_eq!(task["result"]["success"], true, "{task:#}");
+
+    // SIGTERM stops the server and the agent: exit 0, nothing left behind, the port closed.
+    let mut proc = dev.proc;
+    assert_eq!(
+        processes_naming(&data),
+        vec![proc.pid()],
+        "berth dev is the one process running on its data dir"
+    );
+    let code = proc.terminate();
+    let stderr = proc.stderr();
+    assert_eq!(code, 0, "berth dev exit code on SIGTERM:\n{stderr}");
+    assert!(
+        !stderr.contains("the agent stopped"),
+        "the agent failed on shutdown:\n{stderr}"
+    );
+    assert_eq!(
+        processes_naming(&data),
+        Vec::<libc::pid_t>::new(),
+        "berth dev left processes behind"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "port {port} still accepts connections after berth dev exited"
+    );
 }

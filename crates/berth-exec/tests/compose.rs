@@ -2,15 +2,14 @@
 //! from the local registry of `scripts/registry.sh`. Projects are named `berth-test-…` and
 //! taken down at the end, even on failure.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use berth_exec::compose::{BACKUP_FILE, LOCK_FILE};
 use berth_exec::sticker::StickerStore;
 use berth_exec::{ComposeExecutor, Executor};
-use common::*;
+use berth_test_utils::docker::*;
+use berth_test_utils::{free_port, wait_until};
 use serde_json::json;
 
 fn lock(services: &[(&str, &Image, u16)]) -> String {
@@ -51,7 +50,7 @@ async fn two_services_up_then_an_unhealthy_upgrade_restores_the_backup() {
     let Some(env) = env("two_services_up_then_an_unhealthy_upgrade_restores_the_backup") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let mut cleanup = Cleanup::new(&prefix);
     let web1 = make_image(
         &env.registry,
@@ -141,7 +140,7 @@ async fn two_services_up_then_an_unhealthy_upgrade_restores_the_backup() {
         "the backup is restored"
     );
     assert!(dir.join(BACKUP_FILE).exists());
-    wait_for(
+    wait_until(
         Duration::from_secs(20),
         "the old stack to serve again",
         || async {
@@ -219,7 +218,7 @@ async fn pulls_with_registry_credentials_and_refuses_a_wrong_password() {
     let Some(env) = env("pulls_with_registry_credentials_and_refuses_a_wrong_password") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let mut cleanup = Cleanup::new(&prefix);
     let login = Some((env.user.as_str(), env.password.as_str()));
     let web = make_image(

@@ -2,13 +2,13 @@
 //! of `scripts/registry.sh`. Each test owns names with a unique `berth-test-…` prefix and
 //! removes them at the end, even on failure.
 
-mod common;
-
 use std::time::Duration;
 
 use berth_exec::sticker::StickerStore;
 use berth_exec::{DockerExecutor, Executor};
-use common::*;
+use berth_test_utils::deploy::{docker_check, http_check};
+use berth_test_utils::docker::*;
+use berth_test_utils::{free_port, wait_until};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -16,31 +16,15 @@ fn executor(dir: &tempfile::TempDir) -> DockerExecutor {
     DockerExecutor::new(StickerStore::new(dir.path().join("stickers")))
 }
 
-/// A `docker.run` payload for `image` as container `name`, published on `port`.
+/// A `docker.run` payload for `image` as container `name`, published on `port`, with an
+/// environment and resource limits (checked by the first test).
 fn deploy(image: &Image, name: &str, port: u16, health: serde_json::Value) -> serde_json::Value {
-    json!({
-        "image": image.repository,
-        "digest": image.digest,
-        "config": {
-            "containerName": name,
-            "releaseId": format!("{name}-release"),
-            "releaseName": format!("{name}-1"),
-            "environment": {"GREETING": "hello"},
-            "ports": [format!("127.0.0.1:{port}:8080/tcp")],
-            "restartPolicy": "no",
-            "memoryLimit": 64 * 1024 * 1024,
-            "cpuLimit": 50000,
-            "healthCheck": health,
-        },
-    })
-}
-
-fn http_check(port: u16, timeout: u64) -> serde_json::Value {
-    json!({"type": "http", "url": format!("http://127.0.0.1:{port}/"), "timeout": timeout, "interval": 1})
-}
-
-fn docker_check(timeout: u64) -> serde_json::Value {
-    json!({"type": "docker", "timeout": timeout, "interval": 1})
+    let mut payload = image.deploy(name, port, health);
+    let config = &mut payload["config"];
+    config["environment"] = json!({"GREETING": "hello"});
+    config["memoryLimit"] = json!(64 * 1024 * 1024);
+    config["cpuLimit"] = json!(50000);
+    payload
 }
 
 #[tokio::test]
@@ -48,7 +32,7 @@ async fn deploys_serves_labels_and_writes_the_sticker() {
     let Some(env) = env("deploys_serves_labels_and_writes_the_sticker") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
     let dir = tempfile::tempdir().unwrap();
@@ -118,7 +102,7 @@ async fn upgrade_keeps_previous_until_healthy_then_rolls_back_on_request() {
     let Some(env) = env("upgrade_keeps_previous_until_healthy_then_rolls_back_on_request") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
     let v2 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v2", None);
@@ -204,7 +188,7 @@ async fn unhealthy_or_crashing_upgrade_rolls_back_to_the_serving_version() {
     let Some(env) = env("unhealthy_or_crashing_upgrade_rolls_back_to_the_serving_version") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
     let sick = make_image(
@@ -251,7 +235,7 @@ async fn unhealthy_or_crashing_upgrade_rolls_back_to_the_serving_version() {
         Some(v1_id.clone()),
         "v1 is back under its name"
     );
-    wait_for(Duration::from_secs(10), "v1 to serve again", || async {
+    wait_until(Duration::from_secs(10), "v1 to serve again", || async {
         http_body(port).await.as_deref() == Some("v1")
     })
     .await;
@@ -278,7 +262,7 @@ async fn unhealthy_or_crashing_upgrade_rolls_back_to_the_serving_version() {
         outcome.logs
     );
     assert_eq!(container_id(&name), Some(v1_id));
-    wait_for(Duration::from_secs(10), "v1 to serve again", || async {
+    wait_until(Duration::from_secs(10), "v1 to serve again", || async {
         http_body(port).await.as_deref() == Some("v1")
     })
     .await;
@@ -333,7 +317,7 @@ async fn digest_mismatch_leaves_the_running_container_untouched() {
     let Some(env) = env("digest_mismatch_leaves_the_running_container_untouched") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
     let dir = tempfile::tempdir().unwrap();
@@ -410,7 +394,7 @@ async fn registry_down_is_retriable_and_unknown_images_are_not() {
     };
     let dir = tempfile::tempdir().unwrap();
     let exec = executor(&dir);
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let digest = format!("sha256:{}", "1".repeat(64));
     let name = format!("{prefix}-web");
@@ -447,7 +431,7 @@ async fn registry_credentials_work_are_checked_and_never_logged() {
     let Some(env) = env("registry_credentials_work_are_checked_and_never_logged") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let v1 = make_image(
         &env.auth_registry,
@@ -510,7 +494,7 @@ async fn hook_timeout_and_cancellation_clean_up() {
     let Some(env) = env("hook_timeout_and_cancellation_clean_up") else {
         return;
     };
-    let prefix = unique();
+    let prefix = unique("berth-test");
     let _cleanup = Cleanup::new(&prefix);
     let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
     let dir = tempfile::tempdir().unwrap();
@@ -550,7 +534,7 @@ async fn hook_timeout_and_cancellation_clean_up() {
     let cancel = task.cancel.clone();
     let watched = name.clone();
     tokio::spawn(async move {
-        wait_for(Duration::from_secs(60), "the container to exist", || {
+        wait_until(Duration::from_secs(60), "the container to exist", || {
             let n = watched.clone();
             async move { container_id(&n).is_some() }
         })

@@ -1,11 +1,9 @@
 //! An engine that cannot be reached fails retriably (`DOCKER_UNAVAILABLE`) and touches nothing.
 //! Its own test binary: it points `DOCKER_HOST` at nowhere for the whole process.
 
-mod common;
-
 use berth_exec::sticker::StickerStore;
 use berth_exec::{ComposeExecutor, DockerExecutor, Executor};
-use common::*;
+use berth_test_utils::docker::*;
 use serde_json::json;
 
 #[tokio::test]

@@ -13,7 +13,8 @@ use berth_proto::agent::{
     RenewCertificate, ResourceUsage, UpdateAgent,
 };
 use berth_proto::AgentId;
-use common::{register_request, start, wait_for};
+use berth_test_utils::wait_until;
+use common::{register_request, start};
 
 fn code(e: &ClientError) -> (u16, String) {
     match e {
@@ -478,9 +479,9 @@ async fn heartbeats_drive_status() {
     };
     assert_eq!(admin.send(&online).await.unwrap().items.len(), 1);
     // Silence: offline after three 1 s intervals.
-    wait_for(
-        "the agent to go offline",
+    wait_until(
         Duration::from_secs(30),
+        "the agent to go offline",
         || async {
             admin.send(&GetAgent { id: agent.id }).await.unwrap().status == AgentStatus::Offline
         },

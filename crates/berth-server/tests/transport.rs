@@ -14,7 +14,8 @@ use berth_proto::task::{
 };
 use berth_proto::transport::{AcquireSession, AgentTaskAssignment, GENERATION_HEADER};
 use berth_proto::AgentId;
-use common::{failure, ok, sign_with, start, start_with, wait_for, TestAgent, TestServer};
+use berth_test_utils::wait_until;
+use common::{failure, ok, sign_with, start, start_with, TestAgent, TestServer};
 use serde_json::json;
 
 fn code(e: &ClientError) -> (u16, String) {
@@ -454,7 +455,7 @@ async fn a_lost_lease_requeues_read_only_work_and_fences_the_late_result() {
     let t = create(&server, request).await;
     let first = assignment(&agent, generation).await;
     // The lease (1 s timeout, no grace) runs out; the task goes back to the queue.
-    wait_for("the lease to expire", Duration::from_secs(30), || async {
+    wait_until(Duration::from_secs(30), "the lease to expire", || async {
         matches!(
             show(&server, &t).await.state.as_str(),
             "retry_wait" | "pending"
@@ -501,9 +502,9 @@ async fn a_lost_lease_with_side_effects_is_unknown_until_read_back_proves_it() {
     request.timeout_seconds = Some(1);
     let t = create(&server, request).await;
     let lost = assignment(&agent, generation).await;
-    wait_for(
-        "the task to become unknown",
+    wait_until(
         Duration::from_secs(30),
+        "the task to become unknown",
         || async { show(&server, &t).await.state == TaskState::Unknown },
     )
     .await;
@@ -547,7 +548,7 @@ async fn read_back_without_proof_leaves_the_task_unknown_for_an_operator() {
     request.timeout_seconds = Some(1);
     let t = create(&server, request).await;
     assignment(&agent, generation).await;
-    wait_for("unknown", Duration::from_secs(30), || async {
+    wait_until(Duration::from_secs(30), "unknown", || async {
         show(&server, &t).await.state == TaskState::Unknown
     })
     .await;

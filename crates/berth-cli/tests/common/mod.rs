@@ -16,6 +16,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+#[allow(unused_imports)] // each test binary uses its own part
+pub use berth_test_utils::{free_port, id_of, str_of, try_wait_for, wait_for};
 use serde_json::Value;
 use tempfile::TempDir;
 use time::format_description::well_known::Rfc3339;
@@ -68,35 +70,6 @@ pub fn tempdir() -> TempDir {
         .prefix("berth-e2e-")
         .tempdir()
         .expect("creating a temp dir")
-}
-
-/// Polls `probe` (every 100 ms, backing off to 250 ms) until it returns `Ok`, or returns the
-/// last `Err` at the deadline.
-pub fn try_wait_for<T>(
-    timeout: Duration,
-    mut probe: impl FnMut() -> Result<T, String>,
-) -> Result<T, String> {
-    let started = Instant::now();
-    let mut pause = Duration::from_millis(100);
-    loop {
-        match probe() {
-            Ok(v) => return Ok(v),
-            Err(last) => {
-                if started.elapsed() >= timeout {
-                    return Err(last);
-                }
-                std::thread::sleep(pause);
-                pause = (pause + Duration::from_millis(50)).min(Duration::from_millis(250));
-            }
-        }
-    }
-}
-
-/// Like [`try_wait_for`], but panics at the deadline with the last observation.
-pub fn wait_for<T>(timeout: Duration, what: &str, probe: impl FnMut() -> Result<T, String>) -> T {
-    try_wait_for(timeout, probe).unwrap_or_else(|last| {
-        panic!("timed out after {timeout:?} waiting for {what}; last observation: {last}")
-    })
 }
 
 /// Copies everything read from `from` into `buf`, and each complete line into `lines` while
@@ -184,6 +157,11 @@ impl Proc {
 
     pub fn pid(&self) -> libc::pid_t {
         self.child.id() as libc::pid_t
+    }
+
+    /// Everything the process wrote to stdout so far, without terminal escapes.
+    pub fn stdout(&self) -> String {
+        strip_ansi(&String::from_utf8_lossy(&self.stdout.lock().unwrap()))
     }
 
     /// Everything the process wrote to stderr so far, without terminal escapes.
@@ -320,12 +298,6 @@ pub fn strip_ansi(s: &str) -> String {
     out
 }
 
-/// A localhost port where nothing listens right now (bound, then released).
-pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 /// Live (non-zombie) children of `pid` whose command name is `comm`, read from /proc.
 pub fn live_children(pid: libc::pid_t, comm: &str) -> Vec<libc::pid_t> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
@@ -357,12 +329,6 @@ pub fn timestamp(v: &Value) -> OffsetDateTime {
         &Rfc3339,
     )
     .unwrap_or_else(|e| panic!("{v}: {e}"))
-}
-
-pub fn str_of<'a>(v: &'a Value, field: &str) -> &'a str {
-    v[field]
-        .as_str()
-        .unwrap_or_else(|| panic!("{field} missing in {v}"))
 }
 
 /// The first program of `candidates` that exists (e.g. `/bin/echo`, `/usr/bin/echo`).

@@ -163,22 +163,6 @@ impl TestAgent {
     }
 }
 
-/// Polls `condition` until it holds or the deadline passes.
-pub async fn wait_for<F, Fut>(what: &str, deadline: Duration, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = std::time::Instant::now();
-    while !condition().await {
-        assert!(
-            start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 impl TestAgent {
     /// Acquires a session as a fresh process instance; returns the generation.
     pub async fn session(&self) -> i64 {

@@ -1,11 +1,9 @@
-//! Fixtures for the executor tests on the real Docker engine: the environment check (skip, or
-//! fail under CI), test images made from busybox-static and pushed to the local registries of
-//! `scripts/registry.sh`, free ports, HTTP reads, and a cleanup guard that removes everything a
-//! test created (by its unique `berth-test-<random>` prefix) even when the test fails.
+//! The real Docker engine and the local registries of `scripts/registry.sh`: the environment
+//! check ([`env`]: skip, or fail when services are required), test images made from
+//! busybox-static and pushed to those registries, HTTP reads, executor tasks, and a cleanup
+//! guard that removes everything a test created (by its unique prefix) even when it fails.
 //!
 //! The CLI is used freely here; the executors under test use the Engine API.
-
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -26,8 +24,8 @@ pub struct Env {
     pub password: String,
 }
 
-/// The registries and a working engine, or `None` (skip) outside CI. Under `CI=true` a missing
-/// engine or registry fails the test: CI must run `scripts/registry.sh` first.
+/// The registries and a working engine, or `None` (a SKIP line) when either is missing and
+/// services are not required; when they are ([`crate::services_required`]), a failure.
 pub fn env(test: &str) -> Option<Env> {
     let docker_ok = Command::new("docker")
         .args(["version", "--format", "{{.Server.Version}}"])
@@ -36,40 +34,31 @@ pub fn env(test: &str) -> Option<Env> {
         .status()
         .is_ok_and(|s| s.success());
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let env = match (
+    match (
         var("BERTH_TEST_REGISTRY"),
         var("BERTH_TEST_AUTH_REGISTRY"),
         var("BERTH_TEST_REGISTRY_USER"),
         var("BERTH_TEST_REGISTRY_PASSWORD"),
     ) {
-        (Some(registry), Some(auth_registry), Some(user), Some(password)) if docker_ok => {
-            Some(Env {
-                registry,
-                auth_registry,
-                user,
-                password,
-            })
-        }
-        _ => None,
-    };
-    if env.is_none() {
-        let why = if docker_ok {
-            "BERTH_TEST_REGISTRY* are not set (run: eval \"$(bash scripts/registry.sh | grep '^export ')\")"
-        } else {
-            "the docker engine is not reachable"
-        };
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{test}: CI=true but {why}");
-        }
-        eprintln!("SKIP {test}: {why}");
+        _ if !docker_ok => crate::require_service(test, "the docker engine is not reachable"),
+        (Some(registry), Some(auth_registry), Some(user), Some(password)) => Some(Env {
+            registry,
+            auth_registry,
+            user,
+            password,
+        }),
+        _ => crate::require_service(
+            test,
+            "BERTH_TEST_REGISTRY* are not set (run: eval \"$(bash scripts/registry.sh | grep '^export ')\")",
+        ),
     }
-    env
 }
 
-/// `berth-test-<10 hex>`: the prefix of every name a test creates.
-pub fn unique() -> String {
+/// `<kind>-<10 hex>` (`berth-test-…` for executor tests, `berth-e2e-…` for end-to-end tests):
+/// the prefix of every name a test creates.
+pub fn unique(kind: &str) -> String {
     format!(
-        "berth-test-{}",
+        "{kind}-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..10]
     )
 }
@@ -214,6 +203,11 @@ impl Image {
     pub fn reference(&self) -> String {
         format!("{}@{}", self.repository, self.digest)
     }
+
+    /// A `docker.run` payload of this image (see [`crate::deploy::deploy`]).
+    pub fn deploy(&self, name: &str, port: u16, health: serde_json::Value) -> serde_json::Value {
+        crate::deploy::deploy(&self.repository, &self.digest, name, port, health)
+    }
 }
 
 /// Makes a `FROM scratch` image holding `/bin/busybox` (busybox-static) and `/www/index.html`
@@ -302,15 +296,6 @@ pub fn make_image(
     Image { repository, digest }
 }
 
-/// A port nothing listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The body `GET /` answers on `127.0.0.1:port`, if it answers 200.
 pub async fn http_body(port: u16) -> Option<String> {
     let get = async {
@@ -334,25 +319,7 @@ pub async fn http_body(port: u16) -> Option<String> {
         .flatten()
 }
 
-/// Waits until `check` holds, or panics after `timeout` with `what`.
-pub async fn wait_for<F, Fut>(timeout: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
+/// An executor task of `task_type` with `payload`, no credentials and two minutes to run.
 pub fn task(task_type: &str, payload: serde_json::Value) -> Task {
     Task {
         task_id: uuid::Uuid::new_v4(),
@@ -365,6 +332,7 @@ pub fn task(task_type: &str, payload: serde_json::Value) -> Task {
     }
 }
 
+/// `task` with registry credentials.
 pub fn with_login(mut task: Task, user: &str, password: &str) -> Task {
     task.credentials
         .insert(berth_exec::CREDENTIAL_REGISTRY_USERNAME.into(), user.into());
