@@ -16,7 +16,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
+use berth_proto::kind::TaskKind;
 use berth_proto::payload::{DeployTaskPayload, HealthCheckConfig, ARTIFACT_COMPOSE_LOCK};
+use berth_proto::result::error_types;
 use bollard::query_parameters::ListContainersOptionsBuilder;
 use bollard::Docker;
 use serde::Deserialize;
@@ -118,18 +120,14 @@ fn first_line(s: &str) -> String {
 
 #[async_trait::async_trait]
 impl Executor for ComposeExecutor {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["compose.up"]
-    }
-
-    fn has_side_effects(&self, _task_type: &str) -> bool {
-        true
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::ComposeUp]
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
-        if task.task_type != "compose.up" {
+        if TaskKind::parse(&task.task_type) != Some(TaskKind::ComposeUp) {
             return Outcome::failed(
-                "UNSUPPORTED_TASK_TYPE",
+                error_types::UNSUPPORTED_TASK_TYPE,
                 format!("the compose executor does not run {}", task.task_type),
                 false,
             );
