@@ -15,7 +15,8 @@ use berth_proto::headers::{GENERATION_HEADER, KNOWN_CANCELLATIONS_HEADER};
 use berth_proto::kind::TaskKind;
 use berth_proto::result::error_types;
 use berth_proto::transport::{
-    self, AgentTaskAssignment, AgentTaskPollRequest, SubmitResult, CONTRACT_VERSION,
+    self, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest, SubmitResult,
+    CONTRACT_VERSION,
 };
 use berth_proto::{AgentId, AssignmentId};
 use time::OffsetDateTime;
@@ -135,7 +136,7 @@ impl Runner {
             })
             .await?;
             for c in &response.cancellations {
-                self.cancel(c.assignment_id);
+                self.cancel(c);
             }
             if let Some(assignment) = response.assignment {
                 // One span per delivery: with RUST_LOG=info every line of this task's path
@@ -180,14 +181,15 @@ impl Runner {
             .join(",")
     }
 
-    fn cancel(&self, assignment: AssignmentId) {
+    fn cancel(&self, c: &AgentTaskCancellation) {
+        let assignment = c.assignment_id;
         let running = self
             .shared
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(token) = running.get(&assignment) {
-            tracing::info!(%assignment, "cancelling a running task");
+            tracing::info!(task_id = %c.task_id, assignment_id = %assignment, agent_id = %self.shared.agent_id, "cancelling a running task");
             token.cancel();
             self.shared
                 .known_cancellations

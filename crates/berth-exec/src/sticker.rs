@@ -102,12 +102,18 @@ impl StickerStore {
             source,
         })?;
         let append = || -> std::io::Result<()> {
+            let created = !history.exists();
             let mut f = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(&history)?;
             f.write_all(format!("{line}\n").as_bytes())?;
-            f.sync_all()
+            f.sync_all()?;
+            if created {
+                // The new file's directory entry must be durable too.
+                berth_fs::sync_dir(&self.dir)?;
+            }
+            Ok(())
         };
         append().map_err(Self::io(&history))?;
         Ok(path)
