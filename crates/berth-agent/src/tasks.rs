@@ -141,14 +141,8 @@ impl Runner {
             if let Some(assignment) = response.assignment {
                 // One span per delivery: with RUST_LOG=info every line of this task's path
                 // (journal, executor, result) carries these fields.
-                let span = tracing::info_span!(
-                    "task",
-                    task_id = %assignment.task_id,
-                    agent_id = %self.shared.agent_id,
-                    assignment_id = %assignment.assignment_id,
-                    generation = %self.shared.generation,
-                    task_type = %assignment.task_type,
-                );
+                let span =
+                    delivery_span(self.shared.agent_id, &self.shared.generation, &assignment);
                 let shared = self.shared.clone();
                 self.tracker.spawn(
                     async move {
@@ -219,6 +213,18 @@ impl Runner {
             let _ = tokio::time::timeout(Duration::from_secs(5), self.tracker.wait()).await;
         }
     }
+}
+
+/// The span one delivery runs in.
+fn delivery_span(agent_id: AgentId, generation: &str, a: &AgentTaskAssignment) -> tracing::Span {
+    tracing::info_span!(
+        "task",
+        task_id = %a.task_id,
+        agent_id = %agent_id,
+        assignment_id = %a.assignment_id,
+        generation = %generation,
+        task_type = %a.task_type,
+    )
 }
 
 impl Shared {
@@ -337,6 +343,138 @@ impl Shared {
                 tracing::info!(state = %ack.state, duplicate = ack.duplicate, "result accepted")
             }
             Err(e) => tracing::warn!(error = %e, "result not accepted"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::Link;
+    use berth_proto::{AssignmentId, TaskId};
+    use std::io::Write;
+
+    fn runner(dir: &std::path::Path) -> Runner {
+        let client = crate::link::client(
+            "https://127.0.0.1:9",
+            berth_client::Trust::CaFingerprint(format!("sha256:{}", "0".repeat(64))),
+            None,
+        )
+        .unwrap();
+        let link = SharedLink::new(Link {
+            client,
+            key: Arc::new(berth_crypto::AgentKey::generate().unwrap()),
+        });
+        let config = AgentConfig {
+            allow_commands: vec!["/bin/sleep".into()],
+            ..AgentConfig::new(dir.to_path_buf())
+        };
+        Runner::new(
+            AgentId(uuid::Uuid::new_v4()),
+            7,
+            link,
+            &config,
+            Capabilities::default(),
+        )
+        .unwrap()
+    }
+
+    fn assignment(task_type: &str, payload: &str, timeout: &str) -> AgentTaskAssignment {
+        AgentTaskAssignment {
+            contract_version: CONTRACT_VERSION.into(),
+            assignment_id: AssignmentId(uuid::Uuid::new_v4()),
+            task_id: TaskId(uuid::Uuid::new_v4()),
+            agent_id: AgentId(uuid::Uuid::new_v4()),
+            required_capability: "agent".into(),
+            task_type: task_type.into(),
+            payload: payload.into(),
+            credentials: Default::default(),
+            variables: Default::default(),
+            assigned_at: OffsetDateTime::now_utc(),
+            timeout: timeout.into(),
+            idempotency_key: "k".into(),
+            expires_at: OffsetDateTime::now_utc(),
+            side_effects: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn dispatch_goes_through_the_kind_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let runner = runner(dir.path());
+        let shared = &runner.shared;
+        for kind in TaskKind::ALL {
+            assert!(
+                shared.executors.contains_key(&kind),
+                "no executor for {kind}"
+            );
+        }
+        let run = |a: AgentTaskAssignment| async move {
+            shared.execute(&a, CancellationToken::new()).await
+        };
+        let o = run(assignment("docker.exec", "{}", "00:00:10")).await;
+        assert_eq!(
+            o.error_type.as_deref(),
+            Some(error_types::UNSUPPORTED_TASK_TYPE)
+        );
+        let o = run(assignment("write-sticker", "{not json", "00:00:10")).await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::INVALID_PAYLOAD));
+        let o = run(assignment(
+            "write-sticker",
+            r#"{"name": "web"}"#,
+            "00:00:10",
+        ))
+        .await;
+        assert!(o.success, "{o:?}");
+        let o = run(assignment("read-sticker", r#"{"name": "web"}"#, "00:00:10")).await;
+        assert_eq!(o.outputs["sticker"]["name"], "web");
+        // A command that outlives its timeout is stopped by the agent.
+        let o = run(assignment(
+            "execute-command",
+            r#"{"command": ["/bin/sleep", "5"]}"#,
+            "00:00:00.2000000",
+        ))
+        .await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::TIMEOUT), "{o:?}");
+        assert!(o.retriable, "a read-only task that timed out may run again");
+    }
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn every_line_of_a_delivery_names_the_task() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let a = assignment("inspect", "{}", "00:00:10");
+        let agent = AgentId(uuid::Uuid::new_v4());
+        tracing::subscriber::with_default(subscriber, || {
+            let _entered = delivery_span(agent, "7", &a).entered();
+            tracing::info!("task received");
+        });
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        for field in [
+            format!("task_id={}", a.task_id),
+            format!("agent_id={agent}"),
+            format!("assignment_id={}", a.assignment_id),
+            "generation=7".to_string(),
+            "task_type=inspect".to_string(),
+        ] {
+            assert!(text.contains(&field), "{field} missing in {text}");
         }
     }
 }
