@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use berth_proto::agent::Capability;
+use berth_proto::kind::capability;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
@@ -29,13 +30,13 @@ pub async fn docker() -> Option<Capability> {
     Some(
         match tokio::time::timeout(PROBE_TIMEOUT, engine_version(&socket)).await {
             Ok(Ok(version)) => Capability {
-                name: "docker".into(),
+                name: capability::DOCKER.into(),
                 version: Some(version),
                 healthy: true,
                 detail: None,
             },
-            Ok(Err(e)) => unhealthy("docker", format!("engine not answering: {e}")),
-            Err(_) => unhealthy("docker", "engine did not answer in time".into()),
+            Ok(Err(e)) => unhealthy(capability::DOCKER, format!("engine not answering: {e}")),
+            Err(_) => unhealthy(capability::DOCKER, "engine did not answer in time".into()),
         },
     )
 }
@@ -69,6 +70,12 @@ async fn engine_version(socket: &std::path::Path) -> std::io::Result<String> {
         .ok_or_else(|| std::io::Error::other("no Version in /version"))
 }
 
+/// Docker and compose, probed together.
+pub async fn detect() -> Vec<Capability> {
+    let (docker, compose) = tokio::join!(docker(), compose());
+    docker.into_iter().chain(compose).collect()
+}
+
 /// `docker compose` (v2) when present, else `docker-compose` (v1).
 pub async fn compose() -> Option<Capability> {
     for (program, args, flavour) in [
@@ -85,7 +92,7 @@ pub async fn compose() -> Option<Capability> {
     ] {
         if let Some(version) = command_output(program, args).await {
             return Some(Capability {
-                name: "compose".into(),
+                name: capability::COMPOSE.into(),
                 version: Some(version),
                 healthy: true,
                 detail: Some(flavour.into()),

@@ -2,7 +2,6 @@
 //! answered with the recorded outcome instead of being run again. Each entry is its own file,
 //! written and fsynced before the result is sent, so a crash after the work never loses it.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
@@ -39,13 +38,8 @@ impl Journal {
 
     /// Records a completed outcome durably (temp file, fsync, rename, fsync of the directory).
     pub fn put(&self, key: &str, outcome: &Outcome) -> std::io::Result<()> {
-        let path = self.path(key);
-        let tmp = path.with_extension("tmp");
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(&serde_json::to_vec(outcome).map_err(std::io::Error::other)?)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        std::fs::File::open(&self.dir)?.sync_all()
+        let bytes = serde_json::to_vec(outcome).map_err(std::io::Error::other)?;
+        berth_fs::write_atomic(&self.path(key), &bytes, 0o600)
     }
 
     fn prune(&self) {

@@ -1,20 +1,35 @@
 //! The berth agent: enrolls with a one-time token and a locally generated key, then proves
-//! itself with its certificate on every call, heartbeats, and renews its certificate in time.
+//! itself with its certificate on every call, heartbeats, runs tasks, and renews its
+//! certificate in time.
+//!
+//! One job per module, imports only downwards: `run` (the lifetime) starts `heartbeat` (which
+//! uses `renew`) and `tasks` (which uses `report`, `journal`); all of them reach the server
+//! through `link` and `retry`; `enroll` is the first run. Exit codes come from typed errors
+//! (`retry` → `error`).
 //!
 //! Invariant: this crate never depends on the store or the server. It talks to the control plane
 //! only through `berth-client` and the wire types in `berth-proto`.
 
 mod backoff;
 mod capabilities;
+mod config;
+mod enroll;
 mod error;
+mod heartbeat;
 mod journal;
+mod link;
+mod renew;
+mod report;
 mod resources;
+mod retry;
 mod run;
 mod state;
 mod tasks;
 
+pub use config::AgentConfig;
+pub use enroll::{register, RegisterOptions, Registered};
 pub use error::AgentError;
-pub use run::{register, run, AgentConfig, RegisterOptions, Registered};
+pub use run::run;
 pub use state::StateDir;
 
 /// The agent's version, reported at registration.

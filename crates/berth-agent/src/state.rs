@@ -1,8 +1,7 @@
 //! The agent's state directory: its identity (key + certificate in one 0600 file, so a crash
 //! can never pair a new key with an old certificate), the pinned CA, and what it registered as.
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use berth_proto::AgentId;
@@ -110,14 +109,6 @@ fn split_credentials(pem: &str) -> Option<(String, String)> {
 }
 
 fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), AgentError> {
-    let tmp = path.with_extension("tmp");
-    let _ = std::fs::remove_file(&tmp);
-    let result = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .and_then(|mut f| f.write_all(contents).and_then(|_| f.sync_all()))
-        .and_then(|_| std::fs::rename(&tmp, path));
-    result.map_err(|e| AgentError::Config(format!("writing {}: {e}", path.display())))
+    berth_fs::write_atomic(path, contents, mode)
+        .map_err(|e| AgentError::Config(format!("writing {}: {e}", path.display())))
 }

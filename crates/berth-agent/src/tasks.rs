@@ -8,22 +8,28 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
-use berth_exec::{ComposeExecutor, DockerExecutor, Executor, Outcome, Task};
+use berth_exec::{Capabilities, ComposeExecutor, DockerExecutor, Executor, Outcome, Task};
+use berth_proto::headers::{GENERATION_HEADER, KNOWN_CANCELLATIONS_HEADER};
+use berth_proto::kind::TaskKind;
+use berth_proto::result::error_types;
 use berth_proto::transport::{
-    self, AgentTaskAssignment, AgentTaskPollRequest, SubmitResult, CONTRACT_VERSION,
-    GENERATION_HEADER,
+    self, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest, SubmitResult,
+    CONTRACT_VERSION,
 };
 use berth_proto::{AgentId, AssignmentId};
 use time::OffsetDateTime;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
+use crate::config::AgentConfig;
 use crate::journal::Journal;
-use crate::run::{current, with_retries, AgentConfig, SharedLink};
+use crate::link::SharedLink;
+use crate::report::signed_envelope;
+use crate::retry::with_retries;
 use crate::AgentError;
 
 /// A poll waits at most 25 s on the server; the client allows a little more.
@@ -35,7 +41,10 @@ struct Shared {
     agent_id: AgentId,
     generation: String,
     link: SharedLink,
-    executors: Vec<Arc<dyn Executor>>,
+    /// The executor of each task kind this agent runs.
+    executors: HashMap<TaskKind, Arc<dyn Executor>>,
+    /// What polls offer, kept current by the heartbeat loop.
+    capabilities: Capabilities,
     journal: Journal,
     retry_budget: Duration,
     /// Running assignments and the tokens that stop them.
@@ -56,7 +65,7 @@ impl Runner {
         generation: i64,
         link: SharedLink,
         config: &AgentConfig,
-        capabilities: Arc<Mutex<serde_json::Value>>,
+        capabilities: Capabilities,
     ) -> Result<Runner, AgentError> {
         let stickers = StickerStore::new(
             config
@@ -72,19 +81,24 @@ impl Runner {
             Arc::new(ComposeExecutor::new(stickers.clone())),
             Arc::new(Inspect {
                 stickers,
-                capabilities,
+                capabilities: capabilities.clone(),
                 docker: Some(docker),
             }),
             Arc::new(ExecuteCommand {
                 allowed: config.allow_commands.clone(),
             }),
         ];
+        let executors = executors
+            .into_iter()
+            .flat_map(|e| e.task_types().iter().map(move |&kind| (kind, e.clone())))
+            .collect();
         Ok(Runner {
             shared: Arc::new(Shared {
                 agent_id,
                 generation: generation.to_string(),
                 link,
                 executors,
+                capabilities,
                 journal: Journal::open(config.state_dir.join("journal"))?,
                 retry_budget: config.retry_budget,
                 running: Mutex::new(HashMap::new()),
@@ -97,18 +111,13 @@ impl Runner {
 
     /// Polls until a failure ends the agent (fenced, revoked, retry budget spent).
     pub async fn poll_loop(&self) -> Result<(), AgentError> {
-        let capabilities: Vec<String> = self
-            .shared
-            .executors
-            .iter()
-            .flat_map(|e| e.task_types().iter().map(|t| t.to_string()))
-            .collect();
-        let request = AgentTaskPollRequest {
-            contract_version: CONTRACT_VERSION.into(),
-            agent_id: self.shared.agent_id,
-            capabilities,
-        };
         loop {
+            // Seed capability strings of what this host has (see `Capabilities::offered`).
+            let request = AgentTaskPollRequest {
+                contract_version: CONTRACT_VERSION.into(),
+                agent_id: self.shared.agent_id,
+                capabilities: self.shared.capabilities.offered(),
+            };
             let permit = self
                 .slots
                 .clone()
@@ -116,24 +125,31 @@ impl Runner {
                 .await
                 .map_err(|_| AgentError::Fatal("task slots closed".into()))?;
             let known = self.known_cancellations();
-            let client = current(&self.shared.link).client;
+            let client = self.shared.link.current().client;
             let headers = [
                 (GENERATION_HEADER, self.shared.generation.as_str()),
-                ("x-berth-known-cancellations", known.as_str()),
+                (KNOWN_CANCELLATIONS_HEADER, known.as_str()),
             ];
             let response = with_retries("task poll", self.shared.retry_budget, || {
                 client.send_with(&request, &headers, Some(POLL_TIMEOUT))
             })
             .await?;
             for c in &response.cancellations {
-                self.cancel(c.assignment_id);
+                self.cancel(c);
             }
             if let Some(assignment) = response.assignment {
+                // One span per delivery: with RUST_LOG=info every line of this task's path
+                // (journal, executor, result) carries these fields.
+                let span =
+                    delivery_span(self.shared.agent_id, &self.shared.generation, &assignment);
                 let shared = self.shared.clone();
-                self.tracker.spawn(async move {
-                    let _permit = permit;
-                    shared.handle(assignment).await;
-                });
+                self.tracker.spawn(
+                    async move {
+                        let _permit = permit;
+                        shared.handle(assignment).await;
+                    }
+                    .instrument(span),
+                );
             }
         }
     }
@@ -158,14 +174,15 @@ impl Runner {
             .join(",")
     }
 
-    fn cancel(&self, assignment: AssignmentId) {
+    fn cancel(&self, c: &AgentTaskCancellation) {
+        let assignment = c.assignment_id;
         let running = self
             .shared
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(token) = running.get(&assignment) {
-            tracing::info!(%assignment, "cancelling a running task");
+            tracing::info!(task_id = %c.task_id, assignment_id = %assignment, agent_id = %self.shared.agent_id, "cancelling a running task");
             token.cancel();
             self.shared
                 .known_cancellations
@@ -197,9 +214,23 @@ impl Runner {
     }
 }
 
+/// The span one delivery runs in.
+fn delivery_span(agent_id: AgentId, generation: &str, a: &AgentTaskAssignment) -> tracing::Span {
+    tracing::info_span!(
+        "task",
+        task_id = %a.task_id,
+        agent_id = %agent_id,
+        assignment_id = %a.assignment_id,
+        generation = %generation,
+        task_type = %a.task_type,
+    )
+}
+
 impl Shared {
     async fn handle(&self, a: AgentTaskAssignment) {
         let started = Instant::now();
+        let started_at = OffsetDateTime::now_utc();
+        tracing::info!(side_effects = a.side_effects, timeout = %a.timeout, "task received");
         let token = CancellationToken::new();
         self.running
             .lock()
@@ -207,7 +238,7 @@ impl Shared {
             .insert(a.assignment_id, token.clone());
         let outcome = match self.journal.get(&a.idempotency_key) {
             Some(recorded) => {
-                tracing::info!(task_id = %a.task_id, "redelivered task already completed; answering from the journal");
+                tracing::info!("redelivered task already completed; answering from the journal");
                 recorded
             }
             None => {
@@ -215,14 +246,15 @@ impl Shared {
                 // Retriable failures are not journaled: a redelivery must try again.
                 if outcome.success || !outcome.retriable {
                     if let Err(e) = self.journal.put(&a.idempotency_key, &outcome) {
-                        tracing::error!(task_id = %a.task_id, error = %e, "could not journal the outcome");
+                        tracing::error!(error = %e, "could not journal the outcome");
                     }
                 }
                 outcome
             }
         };
-        tracing::info!(task_id = %a.task_id, task_type = %a.task_type, success = outcome.success, error = ?outcome.error_type, "task finished");
-        self.report(&a, &outcome, started.elapsed()).await;
+        tracing::info!(success = outcome.success, error = ?outcome.error_type, "task finished");
+        self.report(&a, &outcome, started_at, started.elapsed())
+            .await;
         self.running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -234,19 +266,16 @@ impl Shared {
             Ok(p) => p,
             Err(e) => {
                 return Outcome::failed(
-                    "INVALID_PAYLOAD",
+                    error_types::INVALID_PAYLOAD,
                     format!("the payload is not JSON: {e}"),
                     false,
                 )
             }
         };
-        let Some(executor) = self
-            .executors
-            .iter()
-            .find(|e| e.task_types().contains(&a.task_type.as_str()))
+        let Some(executor) = TaskKind::parse(&a.task_type).and_then(|k| self.executors.get(&k))
         else {
             return Outcome::failed(
-                "UNSUPPORTED_TASK_TYPE",
+                error_types::UNSUPPORTED_TASK_TYPE,
                 format!("this agent has no executor for {:?}", a.task_type),
                 false,
             );
@@ -266,17 +295,17 @@ impl Shared {
         let stopped = tokio::select! {
             outcome = &mut work => return outcome,
             _ = tokio::time::sleep(timeout) => Outcome::failed(
-                "TIMEOUT",
+                error_types::TIMEOUT,
                 format!("the task ran past its timeout of {timeout:?} and was stopped"),
                 !a.side_effects,
             ),
-            _ = cancel.cancelled() => Outcome::failed("CANCELLED", "cancelled by an operator", false),
+            _ = cancel.cancelled() => Outcome::failed(error_types::CANCELLED, "cancelled by an operator", false),
         };
         // Let the executor clean up (it sees the token), then drop it: dropping kills its
         // child processes.
         cancel.cancel();
         match tokio::time::timeout(CLEANUP_GRACE, &mut work).await {
-            Ok(cleaned) if stopped.error_type.as_deref() == Some("CANCELLED") => cleaned,
+            Ok(cleaned) if stopped.error_type.as_deref() == Some(error_types::CANCELLED) => cleaned,
             Ok(cleaned) => Outcome {
                 logs: cleaned.logs,
                 ..stopped
@@ -286,43 +315,23 @@ impl Shared {
     }
 
     /// Builds, signs and sends the result envelope; retries while the server is unreachable.
-    async fn report(&self, a: &AgentTaskAssignment, outcome: &Outcome, duration: Duration) {
-        let link = current(&self.link);
-        let result_data = match serde_json::to_string(outcome) {
-            Ok(s) => s,
+    async fn report(
+        &self,
+        a: &AgentTaskAssignment,
+        outcome: &Outcome,
+        started_at: OffsetDateTime,
+        took: Duration,
+    ) {
+        let link = self.link.current();
+        let envelope = match signed_envelope(self.agent_id, a, outcome, started_at, took, &link.key)
+        {
+            Ok(envelope) => envelope,
             Err(e) => {
-                tracing::error!(error = %e, "could not encode the outcome");
+                tracing::error!(error = %e, "could not build the result");
                 return;
             }
         };
-        let mut envelope = serde_json::json!({
-            "contractVersion": CONTRACT_VERSION,
-            "agentId": self.agent_id,
-            "taskId": a.task_id,
-            "assignmentId": a.assignment_id,
-            "success": outcome.success,
-            "message": outcome.message,
-            "resultData": result_data,
-            "duration": transport::format_timespan(duration),
-            "completedAt": OffsetDateTime::now_utc()
-                .format(&time::format_description::well_known::Rfc3339)
-                .unwrap_or_default(),
-            "signatureAlgorithm": transport::ALG_ECDSA_SHA256,
-        });
-        let signature = transport::signing_input(&envelope)
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| link.key.sign(&bytes).map_err(|e| e.to_string()));
-        match signature {
-            Ok(sig) => {
-                envelope["signature"] =
-                    base64::engine::general_purpose::STANDARD.encode(sig).into();
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "could not sign the result");
-                return;
-            }
-        }
-        let submit = SubmitResult(envelope);
+        let submit = SubmitResult::new(envelope);
         let headers = [(GENERATION_HEADER, self.generation.as_str())];
         match with_retries("result", self.retry_budget, || {
             link.client.send_with(&submit, &headers, None)
@@ -330,9 +339,141 @@ impl Shared {
         .await
         {
             Ok(ack) => {
-                tracing::debug!(task_id = %a.task_id, state = %ack.state, duplicate = ack.duplicate, "result accepted")
+                tracing::info!(state = %ack.state, duplicate = ack.duplicate, "result accepted")
             }
-            Err(e) => tracing::warn!(task_id = %a.task_id, error = %e, "result not accepted"),
+            Err(e) => tracing::warn!(error = %e, "result not accepted"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::Link;
+    use berth_proto::{AssignmentId, TaskId};
+    use std::io::Write;
+
+    fn runner(dir: &std::path::Path) -> Runner {
+        let client = crate::link::client(
+            "https://127.0.0.1:9",
+            berth_client::Trust::CaFingerprint(format!("sha256:{}", "0".repeat(64))),
+            None,
+        )
+        .unwrap();
+        let link = SharedLink::new(Link {
+            client,
+            key: Arc::new(berth_crypto::AgentKey::generate().unwrap()),
+        });
+        let config = AgentConfig {
+            allow_commands: vec!["/bin/sleep".into()],
+            ..AgentConfig::new(dir.to_path_buf())
+        };
+        Runner::new(
+            AgentId(uuid::Uuid::new_v4()),
+            7,
+            link,
+            &config,
+            Capabilities::default(),
+        )
+        .unwrap()
+    }
+
+    fn assignment(task_type: &str, payload: &str, timeout: &str) -> AgentTaskAssignment {
+        AgentTaskAssignment {
+            contract_version: CONTRACT_VERSION.into(),
+            assignment_id: AssignmentId(uuid::Uuid::new_v4()),
+            task_id: TaskId(uuid::Uuid::new_v4()),
+            agent_id: AgentId(uuid::Uuid::new_v4()),
+            required_capability: "agent".into(),
+            task_type: task_type.into(),
+            payload: payload.into(),
+            credentials: Default::default(),
+            variables: Default::default(),
+            assigned_at: OffsetDateTime::now_utc(),
+            timeout: timeout.into(),
+            idempotency_key: "k".into(),
+            expires_at: OffsetDateTime::now_utc(),
+            side_effects: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn dispatch_goes_through_the_kind_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let runner = runner(dir.path());
+        let shared = &runner.shared;
+        for kind in TaskKind::ALL {
+            assert!(
+                shared.executors.contains_key(&kind),
+                "no executor for {kind}"
+            );
+        }
+        let run = |a: AgentTaskAssignment| async move {
+            shared.execute(&a, CancellationToken::new()).await
+        };
+        let o = run(assignment("docker.exec", "{}", "00:00:10")).await;
+        assert_eq!(
+            o.error_type.as_deref(),
+            Some(error_types::UNSUPPORTED_TASK_TYPE)
+        );
+        let o = run(assignment("write-sticker", "{not json", "00:00:10")).await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::INVALID_PAYLOAD));
+        let o = run(assignment(
+            "write-sticker",
+            r#"{"name": "web"}"#,
+            "00:00:10",
+        ))
+        .await;
+        assert!(o.success, "{o:?}");
+        let o = run(assignment("read-sticker", r#"{"name": "web"}"#, "00:00:10")).await;
+        assert_eq!(o.outputs["sticker"]["name"], "web");
+        // A command that outlives its timeout is stopped by the agent.
+        let o = run(assignment(
+            "execute-command",
+            r#"{"command": ["/bin/sleep", "5"]}"#,
+            "00:00:00.2000000",
+        ))
+        .await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::TIMEOUT), "{o:?}");
+        assert!(o.retriable, "a read-only task that timed out may run again");
+    }
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn every_line_of_a_delivery_names_the_task() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let a = assignment("inspect", "{}", "00:00:10");
+        let agent = AgentId(uuid::Uuid::new_v4());
+        tracing::subscriber::with_default(subscriber, || {
+            let _entered = delivery_span(agent, "7", &a).entered();
+            tracing::info!("task received");
+        });
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        for field in [
+            format!("task_id={}", a.task_id),
+            format!("agent_id={agent}"),
+            format!("assignment_id={}", a.assignment_id),
+            "generation=7".to_string(),
+            "task_type=inspect".to_string(),
+        ] {
+            assert!(text.contains(&field), "{field} missing in {text}");
         }
     }
 }

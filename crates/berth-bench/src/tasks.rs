@@ -19,15 +19,16 @@ use anyhow::{bail, Context};
 use base64::Engine;
 use berth_client::Client;
 use berth_crypto::{AgentKey, ResultVerifier};
-use berth_proto::task::CreateTask;
+use berth_proto::kind::capability;
+use berth_proto::result::TaskResult;
+use berth_proto::task::{CreateTask, TaskState};
 use berth_proto::transport::{
-    self, AcquireSession, AgentTaskAssignment, AgentTaskPollRequest, SubmitResult,
-    CONTRACT_VERSION, GENERATION_HEADER,
+    self, AcquireSession, AgentTaskAssignment, AgentTaskPollRequest, AgentTaskResultEnvelope,
+    SubmitResult, CONTRACT_VERSION, GENERATION_HEADER,
 };
 use berth_proto::{AgentId, TaskId};
 use clap::Args;
 use serde_json::json;
-use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
@@ -242,7 +243,8 @@ fn poll_request(w: &Worker) -> AgentTaskPollRequest {
     AgentTaskPollRequest {
         contract_version: CONTRACT_VERSION.into(),
         agent_id: w.id,
-        capabilities: vec!["docker".into()],
+        // Seed capability strings, as berth-agent offers them on a host with Docker.
+        capabilities: vec![capability::AGENT.into(), capability::DOCKER.into()],
     }
 }
 
@@ -287,13 +289,13 @@ async fn task_agent(
         let sent = Instant::now();
         match w
             .client
-            .send_with(&SubmitResult(envelope), &headers, None)
+            .send_with(&SubmitResult::new(envelope), &headers, None)
             .await
         {
             Ok(ack) => {
                 let now = Instant::now();
                 log.submit_us.push(micros(now - sent));
-                let ok = ack.state == "succeeded";
+                let ok = ack.state == TaskState::Succeeded;
                 if ok {
                     completed.fetch_add(1, Ordering::Relaxed);
                 }
@@ -305,29 +307,48 @@ async fn task_agent(
     log
 }
 
+/// What an `inspect` on a host without containers reports.
+fn inspected(task_id: TaskId, at: OffsetDateTime) -> TaskResult {
+    TaskResult {
+        task_id,
+        success: true,
+        started_at: at,
+        completed_at: at,
+        outputs: serde_json::Map::from_iter([(
+            "containers".to_string(),
+            serde_json::Value::Array(Vec::new()),
+        )]),
+        artifacts: Vec::new(),
+        error: None,
+        error_type: None,
+        retriable: false,
+        logs: String::new(),
+        metrics: Default::default(),
+    }
+}
+
 /// A success envelope for `assignment`, signed with the agent's key like berth-agent does.
 fn signed_envelope(
     w: &Worker,
     assignment: &AgentTaskAssignment,
     took: Duration,
-) -> anyhow::Result<serde_json::Value> {
-    let mut envelope = json!({
-        "contractVersion": CONTRACT_VERSION,
-        "agentId": w.id,
-        "taskId": assignment.task_id,
-        "assignmentId": assignment.assignment_id,
-        "success": true,
-        "message": "inspected",
-        "resultData": "{\"outputs\":{\"containers\":[]}}",
-        "duration": transport::format_timespan(took),
-        "completedAt": OffsetDateTime::now_utc().format(&Rfc3339)?,
-        "signatureAlgorithm": transport::ALG_ECDSA_SHA256,
-    });
-    let bytes = transport::signing_input(&envelope)?;
-    let signature = w.key.sign(&bytes)?;
-    envelope["signature"] = base64::engine::general_purpose::STANDARD
-        .encode(signature)
-        .into();
+) -> anyhow::Result<AgentTaskResultEnvelope> {
+    let now = OffsetDateTime::now_utc();
+    let mut envelope = AgentTaskResultEnvelope {
+        contract_version: CONTRACT_VERSION.into(),
+        agent_id: w.id,
+        task_id: assignment.task_id,
+        assignment_id: Some(assignment.assignment_id),
+        success: true,
+        message: Some("inspected".into()),
+        result_data: Some(serde_json::to_string(&inspected(assignment.task_id, now))?),
+        duration: transport::format_timespan(took),
+        completed_at: now,
+        signature_algorithm: transport::ALG_ECDSA_SHA256.into(),
+        signature: None,
+    };
+    let signature = w.key.sign(&envelope.signing_input()?)?;
+    envelope.signature = Some(base64::engine::general_purpose::STANDARD.encode(signature));
     Ok(envelope)
 }
 
@@ -709,21 +730,24 @@ pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
     let b64 = base64::engine::general_purpose::STANDARD;
     let mut envelopes = Vec::with_capacity(args.envelopes);
     for i in 0..args.envelopes {
-        let mut e = json!({
-            "contractVersion": CONTRACT_VERSION,
-            "agentId": agent,
-            "taskId": uuid::Uuid::new_v4(),
-            "assignmentId": uuid::Uuid::new_v4(),
-            "success": true,
-            "message": format!("inspected {i}"),
-            "resultData": "{\"outputs\":{\"containers\":[]}}",
-            "duration": "00:00:00.0012000",
-            "completedAt": now.format(&Rfc3339)?,
-            "signatureAlgorithm": transport::ALG_ECDSA_SHA256,
-        });
-        let sig = key.sign(&transport::signing_input(&e)?)?;
-        e["signature"] = b64.encode(&sig).into();
-        envelopes.push((e, sig));
+        let task_id = TaskId(uuid::Uuid::new_v4());
+        let mut e = AgentTaskResultEnvelope {
+            contract_version: CONTRACT_VERSION.into(),
+            agent_id: AgentId(agent),
+            task_id,
+            assignment_id: Some(berth_proto::AssignmentId(uuid::Uuid::new_v4())),
+            success: true,
+            message: Some(format!("inspected {i}")),
+            result_data: Some(serde_json::to_string(&inspected(task_id, now))?),
+            duration: "00:00:00.0012000".into(),
+            completed_at: now,
+            signature_algorithm: transport::ALG_ECDSA_SHA256.into(),
+            signature: None,
+        };
+        let sig = key.sign(&e.signing_input()?)?;
+        e.signature = Some(b64.encode(&sig));
+        // The server verifies the JSON it received, parsed: measure on that form.
+        envelopes.push((serde_json::to_value(&e)?, sig));
     }
     let inputs: Vec<Vec<u8>> = envelopes
         .iter()

@@ -185,7 +185,7 @@ fn state_label(t: &TaskView) -> String {
     if t.read_back {
         format!("{} (read-back)", t.state)
     } else {
-        t.state.clone()
+        t.state.to_string()
     }
 }
 

@@ -352,7 +352,7 @@ fn wrong_registry_password_fails_and_registry_down_is_retried() {
     assert_eq!(task["errorCode"], "REGISTRY_AUTH_FAILED", "{task:#}");
     assert_eq!(task["result"]["retriable"], false, "{task:#}");
     assert!(
-        task["result"]["message"]
+        task["result"]["error"]
             .as_str()
             .is_some_and(|m| m.contains("registryPassword")),
         "says what to fix: {task:#}"

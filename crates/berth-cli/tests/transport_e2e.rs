@@ -414,9 +414,13 @@ fn server_kill_9_loses_no_task_and_runs_none_twice() {
         // A read-back's verdict is recorded right after its result.
         let verdicts_due = all
             .iter()
-            .filter(|rb| rb.read_back_of.is_some() && rb.state == "succeeded")
+            .filter(|rb| {
+                rb.read_back_of.is_some() && rb.state == berth_proto::task::TaskState::Succeeded
+            })
             .filter_map(|rb| all.iter().find(|t| Some(t.id) == rb.read_back_of))
-            .filter(|parent| parent.state == "unknown" && parent.result.is_none())
+            .filter(|parent| {
+                parent.state == berth_proto::task::TaskState::Unknown && parent.result.is_none()
+            })
             .count();
         if verdicts_due > 0 {
             return Err(format!("{verdicts_due} read-back verdicts pending"));

@@ -83,7 +83,65 @@ impl ClientError {
             _ => None,
         }
     }
+
+    /// Why the TLS handshake failed, when it failed for a certificate reason, read from the typed
+    /// `rustls::Error` in the transport error's source chain.
+    pub fn tls_failure(&self) -> Option<TlsFailure> {
+        let ClientError::Transport { source, .. } = self else {
+            return None;
+        };
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source);
+        while let Some(e) = next {
+            if let Some(tls) = as_rustls(e) {
+                return TlsFailure::of(tls);
+            }
+            next = e.source();
+        }
+        None
+    }
 }
+
+/// A handshake failure about certificates; retrying the same call cannot fix either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsFailure {
+    /// This client refused the server: its certificate does not verify against the trusted CA,
+    /// or the server did not present the pinned CA.
+    ServerNotTrusted,
+    /// The server refused this client's certificate (a fatal `bad_certificate`,
+    /// `certificate_expired` or `unknown_ca` alert).
+    ClientCertificateRefused,
+}
+
+impl TlsFailure {
+    fn of(e: &rustls::Error) -> Option<TlsFailure> {
+        use rustls::AlertDescription as Alert;
+        match e {
+            rustls::Error::InvalidCertificate(_) => Some(TlsFailure::ServerNotTrusted),
+            rustls::Error::Other(other) if other.0.downcast_ref::<PinnedCaMissing>().is_some() => {
+                Some(TlsFailure::ServerNotTrusted)
+            }
+            rustls::Error::AlertReceived(
+                Alert::BadCertificate | Alert::CertificateExpired | Alert::UnknownCA,
+            ) => Some(TlsFailure::ClientCertificateRefused),
+            _ => None,
+        }
+    }
+}
+
+/// A `rustls::Error` itself, or inside the `io::Error`s the TLS stream wraps it in (an
+/// `io::Error`'s `source()` skips its payload, so it is unwrapped here).
+fn as_rustls<'e>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e rustls::Error> {
+    if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+        return Some(tls);
+    }
+    let inner = e.downcast_ref::<std::io::Error>()?.get_ref()?;
+    as_rustls(inner)
+}
+
+/// The server's chain does not contain the CA pinned by fingerprint.
+#[derive(Debug, thiserror::Error)]
+#[error("server did not present the pinned CA {0}")]
+struct PinnedCaMissing(String);
 
 #[derive(Clone)]
 pub struct Client {
@@ -298,10 +356,9 @@ impl ServerCertVerifier for PinnedCaVerifier {
             .iter()
             .find(|c| berth_crypto::fingerprint(c) == self.fingerprint)
             .ok_or_else(|| {
-                rustls::Error::General(format!(
-                    "server did not present the pinned CA {}",
-                    self.fingerprint
-                ))
+                rustls::Error::Other(rustls::OtherError(Arc::new(PinnedCaMissing(
+                    self.fingerprint.clone(),
+                ))))
             })?;
         let verifier = webpki_verifier(ca.clone().into_owned())
             .map_err(|e| rustls::Error::General(e.to_string()))?;
@@ -338,5 +395,39 @@ impl ServerCertVerifier for PinnedCaVerifier {
         provider()
             .signature_verification_algorithms
             .supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure_of(e: &(dyn std::error::Error + 'static)) -> Option<TlsFailure> {
+        as_rustls(e).and_then(TlsFailure::of)
+    }
+
+    #[test]
+    fn certificate_failures_are_read_from_the_typed_rustls_error() {
+        let pinned = rustls::Error::Other(rustls::OtherError(Arc::new(PinnedCaMissing(
+            "sha256:00".into(),
+        ))));
+        assert!(pinned.to_string().contains("did not present the pinned CA"));
+        // hyper hands rustls errors up inside an io::Error.
+        let wrapped = std::io::Error::other(pinned);
+        assert_eq!(failure_of(&wrapped), Some(TlsFailure::ServerNotTrusted));
+        let invalid = rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        assert_eq!(failure_of(&invalid), Some(TlsFailure::ServerNotTrusted));
+        for alert in [
+            rustls::AlertDescription::BadCertificate,
+            rustls::AlertDescription::CertificateExpired,
+            rustls::AlertDescription::UnknownCA,
+        ] {
+            let e = std::io::Error::other(rustls::Error::AlertReceived(alert));
+            assert_eq!(failure_of(&e), Some(TlsFailure::ClientCertificateRefused));
+        }
+        let other = rustls::Error::General("boom".into());
+        assert_eq!(failure_of(&other), None);
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(failure_of(&reset), None);
     }
 }

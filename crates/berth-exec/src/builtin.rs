@@ -2,46 +2,30 @@
 //! `write-sticker`, `inspect` and `execute-command` (off unless the agent was started with an
 //! allow-list of programs; an argument vector, never a shell).
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use berth_proto::agent::Capability;
+use berth_proto::kind::{capability, TaskKind};
+use berth_proto::payload::{
+    CommandPayload, HealthCheckPayload, InspectPayload, ReadStickerPayload, WriteStickerPayload,
+};
+use berth_proto::result::{error_types, TaskMetrics};
 use serde_json::json;
 
 use crate::redact::redact;
 use crate::sticker::{Sticker, StickerStore};
-use crate::{parse_payload, probe, Executor, Outcome, PhaseMetrics, Task};
+use crate::{parse_payload, probe, Executor, Outcome, Task};
 
 const MAX_OUTPUT: usize = 64 * 1024;
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct HealthCheckPayload {
-    /// `http` or `tcp`.
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(default)]
-    url: Option<String>,
-    #[serde(default)]
-    host: Option<String>,
-    #[serde(default)]
-    port: Option<u16>,
-    /// Seconds for one probe; default 5.
-    #[serde(default)]
-    timeout: Option<u64>,
-}
 
 pub struct HealthCheck;
 
 #[async_trait::async_trait]
 impl Executor for HealthCheck {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["health-check"]
-    }
-
-    fn has_side_effects(&self, _: &str) -> bool {
-        false
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::HealthCheck]
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
@@ -56,20 +40,20 @@ impl Executor for HealthCheck {
                 Ok(target) => probe::http_get(&target, timeout)
                     .await
                     .map(|s| json!({ "status": s })),
-                Err(e) => return Outcome::failed("INVALID_PAYLOAD", e, false),
+                Err(e) => return Outcome::failed(error_types::INVALID_PAYLOAD, e, false),
             },
             ("tcp", _, Some(host), Some(port)) => probe::tcp_connect(host, port, timeout)
                 .await
                 .map(|_| json!({})),
             _ => {
                 return Outcome::failed(
-                    "INVALID_PAYLOAD",
+                    error_types::INVALID_PAYLOAD,
                     "health-check needs type http with url, or type tcp with host and port",
                     false,
                 )
             }
         };
-        let metrics = PhaseMetrics {
+        let metrics = TaskMetrics {
             health_check_duration_ms: Some(started.elapsed().as_millis() as u64),
             ..Default::default()
         };
@@ -81,32 +65,10 @@ impl Executor for HealthCheck {
             Err(e) => Outcome {
                 metrics,
                 // A probe can pass later; the task is read-only, so retrying is safe.
-                ..Outcome::failed("HEALTH_CHECK_FAILED", e, true)
+                ..Outcome::failed(error_types::HEALTH_CHECK_FAILED, e, true)
             },
         }
     }
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct ReadStickerPayload {
-    name: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct WriteStickerPayload {
-    name: String,
-    #[serde(default)]
-    release_id: Option<String>,
-    #[serde(default)]
-    release_name: Option<String>,
-    #[serde(default)]
-    image: Option<String>,
-    #[serde(default)]
-    digest: Option<String>,
-    #[serde(default)]
-    extra: serde_json::Map<String, serde_json::Value>,
 }
 
 /// `read-sticker` and `write-sticker`.
@@ -114,16 +76,13 @@ pub struct Stickers(pub StickerStore);
 
 #[async_trait::async_trait]
 impl Executor for Stickers {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["read-sticker", "write-sticker"]
-    }
-
-    fn has_side_effects(&self, task_type: &str) -> bool {
-        task_type == "write-sticker"
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::ReadSticker, TaskKind::WriteSticker]
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
-        if task.task_type == "read-sticker" {
+        let kind = TaskKind::parse(&task.task_type);
+        if kind == Some(TaskKind::ReadSticker) {
             let p: ReadStickerPayload = match parse_payload(task) {
                 Ok(p) => p,
                 Err(o) => return *o,
@@ -133,8 +92,15 @@ impl Executor for Stickers {
                     .with_output("sticker", json!(s)),
                 Ok(None) => Outcome::ok(format!("no sticker named {}", p.name))
                     .with_output("sticker", serde_json::Value::Null),
-                Err(e) => Outcome::failed("STICKER_UNREADABLE", e.to_string(), false),
+                Err(e) => Outcome::failed(error_types::STICKER_UNREADABLE, e.to_string(), false),
             };
+        }
+        if kind != Some(TaskKind::WriteSticker) {
+            return Outcome::failed(
+                error_types::UNSUPPORTED_TASK_TYPE,
+                format!("the sticker executor does not run {}", task.task_type),
+                false,
+            );
         }
         let p: WriteStickerPayload = match parse_payload(task) {
             Ok(p) => p,
@@ -153,8 +119,44 @@ impl Executor for Stickers {
         match self.0.write(&sticker) {
             Ok(path) => Outcome::ok(format!("sticker written to {}", path.display()))
                 .with_output("sticker", json!(sticker)),
-            Err(e) => Outcome::failed("STICKER_WRITE_FAILED", e.to_string(), false),
+            Err(e) => Outcome::failed(error_types::STICKER_WRITE_FAILED, e.to_string(), false),
         }
+    }
+}
+
+/// The agent's capabilities as its latest heartbeat reported them, shared between the heartbeat
+/// loop (which detects them), the poll (which offers them) and `inspect`.
+#[derive(Debug, Clone, Default)]
+pub struct Capabilities(Arc<RwLock<Vec<Capability>>>);
+
+impl Capabilities {
+    pub fn new(detected: Vec<Capability>) -> Capabilities {
+        Capabilities(Arc::new(RwLock::new(detected)))
+    }
+
+    pub fn set(&self, detected: Vec<Capability>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = detected;
+    }
+
+    pub fn get(&self) -> Vec<Capability> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// What a poll offers: seed 000's capability strings, [`capability::AGENT`] (every agent runs
+    /// the built-in kinds) and then the name of each capability the host has, healthy or not. The
+    /// server fails a task whose capability a poll does not offer (`CAPABILITY_MISSING`, for
+    /// good), while an engine that is down for a while only fails a delivery retriably
+    /// (`DOCKER_UNAVAILABLE`): so a broken capability is still offered.
+    pub fn offered(&self) -> Vec<String> {
+        let detected = self.0.read().unwrap_or_else(|e| e.into_inner());
+        std::iter::once(capability::AGENT.to_string())
+            .chain(
+                detected
+                    .iter()
+                    .filter(|c| c.name != capability::AGENT)
+                    .map(|c| c.name.clone()),
+            )
+            .collect()
     }
 }
 
@@ -162,22 +164,21 @@ impl Executor for Stickers {
 pub struct Inspect {
     pub stickers: StickerStore,
     /// Filled in by the agent: its capabilities as it reports them in heartbeats.
-    pub capabilities: std::sync::Arc<std::sync::Mutex<serde_json::Value>>,
+    pub capabilities: Capabilities,
     /// Lists berth-managed containers, when the host has Docker.
     pub docker: Option<std::sync::Arc<crate::DockerExecutor>>,
 }
 
 #[async_trait::async_trait]
 impl Executor for Inspect {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["inspect"]
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::Inspect]
     }
 
-    fn has_side_effects(&self, _: &str) -> bool {
-        false
-    }
-
-    async fn execute(&self, _task: &Task) -> Outcome {
+    async fn execute(&self, task: &Task) -> Outcome {
+        if let Err(o) = parse_payload::<InspectPayload>(task) {
+            return *o;
+        }
         let read = |p: &str| {
             std::fs::read_to_string(p)
                 .map(|s| s.trim().to_string())
@@ -192,13 +193,9 @@ impl Executor for Inspect {
             .unwrap_or_default();
         let stickers = match self.stickers.list() {
             Ok(s) => s,
-            Err(e) => return Outcome::failed("STICKER_UNREADABLE", e.to_string(), true),
+            Err(e) => return Outcome::failed(error_types::STICKER_UNREADABLE, e.to_string(), true),
         };
-        let capabilities = self
-            .capabilities
-            .lock()
-            .map(|c| c.clone())
-            .unwrap_or(serde_json::Value::Null);
+        let capabilities = self.capabilities.get();
         let containers = match &self.docker {
             None => serde_json::Value::Null,
             Some(docker) => match docker.inspect_containers().await {
@@ -218,20 +215,9 @@ impl Executor for Inspect {
                     "cpuCores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
                 }),
             )
-            .with_output("capabilities", capabilities)
+            .with_output("capabilities", json!(capabilities))
             .with_output("stickers", json!(stickers))
     }
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct CommandPayload {
-    /// Program (absolute path, on the allow-list) and its arguments.
-    command: Vec<String>,
-    #[serde(default)]
-    working_directory: Option<PathBuf>,
-    #[serde(default)]
-    environment: BTreeMap<String, String>,
 }
 
 /// `execute-command`: only programs on the allow-list the agent was started with.
@@ -241,12 +227,8 @@ pub struct ExecuteCommand {
 
 #[async_trait::async_trait]
 impl Executor for ExecuteCommand {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["execute-command"]
-    }
-
-    fn has_side_effects(&self, _: &str) -> bool {
-        true
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::ExecuteCommand]
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
@@ -255,11 +237,15 @@ impl Executor for ExecuteCommand {
             Err(o) => return *o,
         };
         let Some(program) = p.command.first() else {
-            return Outcome::failed("INVALID_PAYLOAD", "command must name a program", false);
+            return Outcome::failed(
+                error_types::INVALID_PAYLOAD,
+                "command must name a program",
+                false,
+            );
         };
         if self.allowed.is_empty() {
             return Outcome::failed(
-                "COMMAND_NOT_ALLOWED",
+                error_types::COMMAND_NOT_ALLOWED,
                 "execute-command is off: start the agent with --allow-command",
                 false,
             );
@@ -270,7 +256,7 @@ impl Executor for ExecuteCommand {
             .any(|a| a.as_os_str() == program.as_str())
         {
             return Outcome::failed(
-                "COMMAND_NOT_ALLOWED",
+                error_types::COMMAND_NOT_ALLOWED,
                 format!("{program} is not on this agent's allow-list"),
                 false,
             );
@@ -287,13 +273,13 @@ impl Executor for ExecuteCommand {
         let started = Instant::now();
         let output = tokio::select! {
             out = command.output() => out,
-            _ = task.cancel.cancelled() => return Outcome::failed("CANCELLED", "cancelled", false),
+            _ = task.cancel.cancelled() => return Outcome::failed(error_types::CANCELLED, "cancelled", false),
         };
         let output = match output {
             Ok(o) => o,
             Err(e) => {
                 return Outcome::failed(
-                    "COMMAND_FAILED",
+                    error_types::COMMAND_FAILED,
                     format!("{program} could not start: {e}"),
                     false,
                 )
@@ -311,7 +297,7 @@ impl Executor for ExecuteCommand {
             Outcome::ok(format!("{program} exited 0"))
         } else {
             Outcome::failed(
-                "COMMAND_FAILED",
+                error_types::COMMAND_FAILED,
                 format!(
                     "{program} exited {}",
                     code.map_or("by a signal".into(), |c| c.to_string())
@@ -320,7 +306,7 @@ impl Executor for ExecuteCommand {
             )
         };
         Outcome {
-            metrics: PhaseMetrics {
+            metrics: TaskMetrics {
                 deploy_duration_ms: Some(started.elapsed().as_millis() as u64),
                 ..Default::default()
             },
@@ -330,5 +316,81 @@ impl Executor for ExecuteCommand {
                 .with_output("stderr", stderr.clone())
                 .with_logs(format!("{stdout}{stderr}"))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(task_type: &str, payload: serde_json::Value) -> Task {
+        Task {
+            task_id: uuid::Uuid::new_v4(),
+            task_type: task_type.into(),
+            payload,
+            credentials: Default::default(),
+            variables: Default::default(),
+            timeout: Duration::from_secs(10),
+            cancel: Default::default(),
+        }
+    }
+
+    #[test]
+    fn polls_offer_agent_and_every_capability_the_host_has() {
+        let caps = Capabilities::new(vec![
+            Capability::named("docker"),
+            Capability {
+                healthy: false,
+                ..Capability::named("compose")
+            },
+        ]);
+        assert_eq!(caps.offered(), vec!["agent", "docker", "compose"]);
+        caps.set(vec![]);
+        assert_eq!(caps.offered(), vec!["agent"]);
+    }
+
+    #[tokio::test]
+    async fn builtin_payloads_decode_with_the_proto_types() {
+        let dir = tempfile::tempdir().unwrap();
+        let stickers = Stickers(StickerStore::new(dir.path()));
+        // `null` reads as `{}`, which lacks the name.
+        let o = stickers
+            .execute(&task("write-sticker", serde_json::Value::Null))
+            .await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::INVALID_PAYLOAD));
+        let o = stickers
+            .execute(&task("write-sticker", json!({"name": "web", "bogus": 1})))
+            .await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::INVALID_PAYLOAD));
+        let o = stickers
+            .execute(&task(
+                "write-sticker",
+                json!({"name": "web", "digest": "sha256:1"}),
+            ))
+            .await;
+        assert!(o.success, "{o:?}");
+        let o = stickers
+            .execute(&task("read-sticker", json!({"name": "web"})))
+            .await;
+        assert_eq!(o.outputs["sticker"]["digest"], "sha256:1");
+        let o = stickers.execute(&task("inspect", json!({}))).await;
+        assert_eq!(
+            o.error_type.as_deref(),
+            Some(error_types::UNSUPPORTED_TASK_TYPE)
+        );
+
+        let inspect = Inspect {
+            stickers: stickers.0.clone(),
+            capabilities: Capabilities::new(vec![Capability::named("docker")]),
+            docker: None,
+        };
+        let o = inspect
+            .execute(&task("inspect", serde_json::Value::Null))
+            .await;
+        assert!(o.success, "{o:?}");
+        assert_eq!(
+            o.outputs["capabilities"],
+            json!([{"name": "docker", "healthy": true}])
+        );
     }
 }

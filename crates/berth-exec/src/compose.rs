@@ -13,11 +13,12 @@
 //! project name and directory are validated first. Never a shell.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
+use berth_proto::kind::TaskKind;
 use berth_proto::payload::{DeployTaskPayload, HealthCheckConfig, ARTIFACT_COMPOSE_LOCK};
+use berth_proto::result::error_types;
 use bollard::query_parameters::ListContainersOptionsBuilder;
 use bollard::Docker;
 use serde::Deserialize;
@@ -119,18 +120,14 @@ fn first_line(s: &str) -> String {
 
 #[async_trait::async_trait]
 impl Executor for ComposeExecutor {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["compose.up"]
-    }
-
-    fn has_side_effects(&self, _task_type: &str) -> bool {
-        true
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::ComposeUp]
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
-        if task.task_type != "compose.up" {
+        if TaskKind::parse(&task.task_type) != Some(TaskKind::ComposeUp) {
             return Outcome::failed(
-                "UNSUPPORTED_TASK_TYPE",
+                error_types::UNSUPPORTED_TASK_TYPE,
                 format!("the compose executor does not run {}", task.task_type),
                 false,
             );
@@ -306,30 +303,13 @@ fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
     })
 }
 
-/// Writes `bytes` to `path` through a temp file and a rename (0600: a compose file may carry
+/// Writes `bytes` to `path` with [`berth_fs::write_atomic`], 0600 (a compose file may carry
 /// environment values), so a crash never leaves half a lock.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ExecError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let io = |source| ExecError::Io {
+    berth_fs::write_atomic(path, bytes, 0o600).map_err(|source| ExecError::Io {
         what: "cannot write",
         path: path.display().to_string(),
         source,
-    };
-    let dir = path.parent().unwrap_or(Path::new("/"));
-    let tmp = dir.join(format!(".berth-{}.tmp", uuid::Uuid::new_v4()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io(e)
     })
 }
 

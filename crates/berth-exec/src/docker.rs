@@ -13,9 +13,11 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use berth_proto::kind::TaskKind;
 use berth_proto::payload::{
     DeployTaskPayload, HealthCheckConfig, HealthCheckKind, InspectedContainer, RollbackTaskPayload,
 };
+use berth_proto::result::error_types;
 use bollard::models::{
     ContainerCreateBody, ContainerInspectResponse, HostConfig, PortBinding, RestartPolicy,
     RestartPolicyNameEnum,
@@ -70,17 +72,13 @@ impl DockerExecutor {
 
 #[async_trait::async_trait]
 impl Executor for DockerExecutor {
-    fn task_types(&self) -> &'static [&'static str] {
-        &["docker.run", "rollback"]
-    }
-
-    fn has_side_effects(&self, _task_type: &str) -> bool {
-        true
+    fn task_types(&self) -> &'static [TaskKind] {
+        &[TaskKind::DockerRun, TaskKind::Rollback]
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
-        match task.task_type.as_str() {
-            "docker.run" => {
+        match TaskKind::parse(&task.task_type) {
+            Some(TaskKind::DockerRun) => {
                 let payload: DeployTaskPayload = match parse_payload(task) {
                     Ok(p) => p,
                     Err(o) => return *o,
@@ -89,7 +87,7 @@ impl Executor for DockerExecutor {
                 let result = self.deploy(&mut run, &payload).await;
                 run.finish(result)
             }
-            "rollback" => {
+            Some(TaskKind::Rollback) => {
                 let payload: RollbackTaskPayload = match parse_payload(task) {
                     Ok(p) => p,
                     Err(o) => return *o,
@@ -98,9 +96,9 @@ impl Executor for DockerExecutor {
                 let result = self.rollback(&mut run, payload).await;
                 run.finish(result)
             }
-            other => Outcome::failed(
-                "UNSUPPORTED_TASK_TYPE",
-                format!("the docker executor does not run {other}"),
+            _ => Outcome::failed(
+                error_types::UNSUPPORTED_TASK_TYPE,
+                format!("the docker executor does not run {}", task.task_type),
                 false,
             ),
         }

@@ -2,6 +2,8 @@
 //! retry may help. Executors turn it into an [`Outcome`](crate::Outcome) in one place; messages
 //! never carry credential values (the outcome is redacted again anyway).
 
+use berth_proto::result::error_types;
+
 /// A failed step of `docker.run`, `rollback` or `compose.up`.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -69,7 +71,7 @@ impl ExecError {
     /// The stable code in `Outcome.error_type`.
     pub fn code(&self) -> &'static str {
         match self {
-            ExecError::InvalidPayload(_) => "INVALID_PAYLOAD",
+            ExecError::InvalidPayload(_) => error_types::INVALID_PAYLOAD,
             ExecError::DigestRequired(_) => "DIGEST_REQUIRED",
             ExecError::DigestMismatch(_) => "DIGEST_MISMATCH",
             ExecError::DockerUnavailable(_) => "DOCKER_UNAVAILABLE",
@@ -78,20 +80,20 @@ impl ExecError {
             ExecError::ImageNotFound { .. } => "IMAGE_NOT_FOUND",
             ExecError::PullFailed { .. } => "PULL_FAILED",
             ExecError::HealthCheckUnavailable(_) => "HEALTH_CHECK_UNAVAILABLE",
-            ExecError::HealthCheckFailed(_) => "HEALTH_CHECK_FAILED",
+            ExecError::HealthCheckFailed(_) => error_types::HEALTH_CHECK_FAILED,
             ExecError::HookFailed { .. } => "HOOK_FAILED",
             ExecError::HookTimeout { .. } => "HOOK_TIMEOUT",
             ExecError::Engine { .. } => "DOCKER_ERROR",
             ExecError::NoPreviousContainer(_) => "NO_PREVIOUS_CONTAINER",
-            ExecError::Sticker(_) => "STICKER_WRITE_FAILED",
+            ExecError::Sticker(_) => error_types::STICKER_WRITE_FAILED,
             ExecError::ComposeLockMissing => "COMPOSE_LOCK_MISSING",
             ExecError::ComposeLockInvalid(_) => "COMPOSE_LOCK_INVALID",
             ExecError::ServiceNotFound(_) => "SERVICE_NOT_FOUND",
             ExecError::ComposeUnavailable(_) => "COMPOSE_UNAVAILABLE",
             ExecError::Compose { .. } => "COMPOSE_FAILED",
             ExecError::Io { .. } => "IO_ERROR",
-            ExecError::Cancelled => "CANCELLED",
-            ExecError::TimedOut => "TIMEOUT",
+            ExecError::Cancelled => error_types::CANCELLED,
+            ExecError::TimedOut => error_types::TIMEOUT,
         }
     }
 

@@ -8,6 +8,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use berth_proto::kind::{decode_payload, TaskKind};
+use berth_proto::result::{error_types, TaskMetrics};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -24,6 +26,7 @@ mod reference;
 mod run;
 pub mod sticker;
 
+pub use builtin::Capabilities;
 pub use compose::ComposeExecutor;
 pub use docker::DockerExecutor;
 pub use engine::{
@@ -36,6 +39,8 @@ pub use error::ExecError;
 #[derive(Debug, Clone)]
 pub struct Task {
     pub task_id: uuid::Uuid,
+    /// `assignment.taskType`; an executor runs the [`TaskKind`]s it names in
+    /// [`Executor::task_types`] and refuses anything else with `UNSUPPORTED_TASK_TYPE`.
     pub task_type: String,
     /// The decoded `assignment.payload`.
     pub payload: serde_json::Value,
@@ -49,27 +54,16 @@ pub struct Task {
     pub cancel: CancellationToken,
 }
 
-/// Durations of the phases of a deployment, in milliseconds.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PhaseMetrics {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pull_duration_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub deploy_duration_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub health_check_duration_ms: Option<u64>,
-}
-
-/// What happened. Serialized (camelCase) as the `resultData` of the signed result envelope.
+/// What happened. The agent journals it as is and reports it as a
+/// [`TaskResult`](berth_proto::result::TaskResult) inside the signed result envelope.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Outcome {
     pub success: bool,
     /// One line for people.
     pub message: String,
-    /// Stable code for a failure (`DIGEST_MISMATCH`, `HEALTH_CHECK_FAILED`, `TIMEOUT`, `CANCELLED`,
-    /// `UNSUPPORTED_TASK_TYPE`, `INVALID_PAYLOAD`, …).
+    /// Stable code for a failure: one of [`error_types`] (`TIMEOUT`, `CANCELLED`,
+    /// `INVALID_PAYLOAD`, …) or an executor's own (`DIGEST_MISMATCH`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_type: Option<String>,
     /// Whether running the task again may succeed (registry down: yes; bad password: no).
@@ -81,7 +75,7 @@ pub struct Outcome {
     #[serde(default)]
     pub logs: String,
     #[serde(default)]
-    pub metrics: PhaseMetrics,
+    pub metrics: TaskMetrics,
 }
 
 impl Outcome {
@@ -117,22 +111,21 @@ impl Outcome {
 /// Does one or more task types.
 #[async_trait::async_trait]
 pub trait Executor: Send + Sync {
-    /// The task types this executor runs, e.g. `["docker.run", "rollback"]`.
-    fn task_types(&self) -> &'static [&'static str];
-
-    /// Whether this task type changes the target. A task with side effects that loses its lease
-    /// becomes `unknown` and is never re-run automatically.
-    fn has_side_effects(&self, task_type: &str) -> bool;
+    /// The task kinds this executor runs, e.g. `[DockerRun, Rollback]`. What each kind means
+    /// (side effects, capability, payload type) is [`TaskKind::spec`]'s business, not the
+    /// executor's.
+    fn task_types(&self) -> &'static [TaskKind];
 
     /// Runs the task. Never panics on bad payloads: returns `INVALID_PAYLOAD`.
     async fn execute(&self, task: &Task) -> Outcome;
 }
 
-/// Parses the payload into the executor's type, or a non-retriable `INVALID_PAYLOAD` outcome.
+/// Parses the payload into the kind's payload type with [`decode_payload`] (as the server checks
+/// it at create; `null` reads as `{}`), or a non-retriable `INVALID_PAYLOAD` outcome.
 pub fn parse_payload<T: serde::de::DeserializeOwned>(task: &Task) -> Result<T, Box<Outcome>> {
-    serde_json::from_value(task.payload.clone()).map_err(|e| {
+    decode_payload(&task.payload).map_err(|e| {
         Box::new(Outcome::failed(
-            "INVALID_PAYLOAD",
+            error_types::INVALID_PAYLOAD,
             format!("the {} payload is invalid: {e}", task.task_type),
             false,
         ))

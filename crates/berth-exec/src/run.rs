@@ -5,12 +5,13 @@
 use std::future::Future;
 use std::time::Duration;
 
+use berth_proto::result::TaskMetrics;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::ExecError;
 use crate::redact::redact;
-use crate::{Outcome, PhaseMetrics, Task};
+use crate::{Outcome, Task};
 
 /// The outcome's log is capped so a chatty hook cannot blow up the signed result.
 const MAX_LOG_BYTES: usize = 256 * 1024;
@@ -118,7 +119,7 @@ pub(crate) struct Run<'t> {
     pub task: &'t Task,
     pub log: Log,
     pub stop: Stop,
-    pub metrics: PhaseMetrics,
+    pub metrics: TaskMetrics,
     pub outputs: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -128,7 +129,7 @@ impl<'t> Run<'t> {
             task,
             log: Log::new(),
             stop: Stop::for_task(task),
-            metrics: PhaseMetrics::default(),
+            metrics: TaskMetrics::default(),
             outputs: serde_json::Map::new(),
         }
     }
@@ -180,7 +181,7 @@ fn redact_value(
     }
 }
 
-/// Milliseconds since `start`, for [`PhaseMetrics`].
+/// Milliseconds since `start`, for [`TaskMetrics`].
 pub(crate) fn millis_since(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
 }

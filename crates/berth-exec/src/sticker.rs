@@ -1,7 +1,7 @@
 //! Version stickers: a small JSON file per deployment target saying which release is there, so
-//! the control plane can read back what a lost task really did. Written atomically (temp file,
-//! fsync, rename) without a shell, and every write is appended to `history.log`, one JSON line,
-//! so repeated executions are visible.
+//! the control plane can read back what a lost task really did. Written atomically and durably
+//! (`berth_fs::write_atomic`) without a shell, and every write is appended to `history.log`, one
+//! JSON line, so repeated executions are visible.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -95,26 +95,25 @@ impl StickerStore {
             path: path.clone(),
             source,
         })?;
-        let tmp = self.dir.join(format!(".{}.tmp", sticker.name));
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&json)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        write().map_err(Self::io(&path))?;
+        berth_fs::write_atomic(&path, &json, 0o644).map_err(Self::io(&path))?;
         let history = self.dir.join("history.log");
         let line = serde_json::to_string(sticker).map_err(|source| StickerError::Corrupt {
             path: history.clone(),
             source,
         })?;
         let append = || -> std::io::Result<()> {
+            let created = !history.exists();
             let mut f = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(&history)?;
             f.write_all(format!("{line}\n").as_bytes())?;
-            f.sync_all()
+            f.sync_all()?;
+            if created {
+                // The new file's directory entry must be durable too.
+                berth_fs::sync_dir(&self.dir)?;
+            }
+            Ok(())
         };
         append().map_err(Self::io(&history))?;
         Ok(path)

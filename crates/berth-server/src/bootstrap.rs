@@ -4,8 +4,7 @@
 //! what exists. Key files are written 0600 through a temp file and a rename, so a crash never
 //! leaves a half-written key. The admin token's secret is shown once and stored only as a hash.
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Context, ServerError};
@@ -232,17 +231,6 @@ fn write_public(path: &Path, contents: &[u8]) -> Result<(), ServerError> {
 }
 
 fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), ServerError> {
-    let tmp = path.with_extension("tmp");
-    let _ = std::fs::remove_file(&tmp);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .with_context(|| format!("creating {}", tmp.display()))?;
-    file.write_all(contents)
-        .and_then(|_| file.sync_all())
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
-    Ok(())
+    berth_fs::write_atomic(path, contents, mode)
+        .with_context(|| format!("writing {}", path.display()))
 }

@@ -12,7 +12,7 @@ use berth_cli::output::{print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
-use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask};
+use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, TaskId};
 use berth_server::{Server, ServerConfig};
 use clap::{Args, Parser, Subcommand};
@@ -109,8 +109,8 @@ enum TaskCommand {
     /// List tasks (e.g. --state dead_letter).
     #[command(alias = "list")]
     Ls {
-        #[arg(long)]
-        state: Option<String>,
+        #[arg(long, value_parser = parse_task_state)]
+        state: Option<TaskState>,
         #[arg(long)]
         agent: Option<AgentId>,
         #[arg(long = "type")]
@@ -403,10 +403,15 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
             };
             let headers: Vec<(&str, &str)> = idempotency_key
                 .iter()
-                .map(|k| ("idempotency-key", k.as_str()))
+                .map(|k| (berth_proto::headers::IDEMPOTENCY_KEY_HEADER, k.as_str()))
                 .collect();
             let mut task = client.send_with(&request, &headers, None).await?;
-            while wait && matches!(task.state.as_str(), "pending" | "leased" | "retry_wait") {
+            while wait
+                && matches!(
+                    task.state,
+                    TaskState::Pending | TaskState::Leased | TaskState::RetryWait
+                )
+            {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 task = client.send(&GetTask { id: task.id }).await?;
             }
@@ -425,7 +430,7 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
             loop {
                 let page = client
                     .send(&ListTasks {
-                        state: state.clone(),
+                        state,
                         agent_id: agent,
                         task_type: task_type.clone(),
                         cursor,
@@ -486,4 +491,13 @@ async fn serve(config: ServerConfig) -> anyhow::Result<()> {
     server.run(listener, berth_cli::shutdown_signal()).await?;
     eprintln!("berth server stopped");
     Ok(())
+}
+
+fn parse_task_state(s: &str) -> Result<TaskState, String> {
+    TaskState::parse(s).ok_or_else(|| {
+        format!(
+            "unknown state {s:?}; one of {}",
+            TaskState::ALL.map(TaskState::as_str).join(", ")
+        )
+    })
 }

@@ -1,0 +1,31 @@
+//! How the agent runs: what `berth-agent` passes in after parsing its flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Overrides the server URL recorded at registration.
+    pub server: Option<String>,
+    pub state_dir: PathBuf,
+    pub retry_budget: Duration,
+    /// Programs `execute-command` may run (absolute paths); empty turns it off.
+    pub allow_commands: Vec<PathBuf>,
+    /// Where version stickers live; default `<state_dir>/stickers`.
+    pub sticker_dir: Option<PathBuf>,
+    /// Tasks run at once.
+    pub max_concurrent_tasks: usize,
+}
+
+impl AgentConfig {
+    pub fn new(state_dir: PathBuf) -> AgentConfig {
+        AgentConfig {
+            server: None,
+            state_dir,
+            retry_budget: Duration::from_secs(600),
+            allow_commands: Vec::new(),
+            sticker_dir: None,
+            max_concurrent_tasks: 8,
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! The agent's link to the control plane: the HTTPS client (pinned CA on first contact, mTLS
+//! with the agent's certificate afterwards) and the key that signs results, kept together.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use berth_client::{Client, ClientConfig, Identity as ClientIdentity, Trust};
+use berth_crypto::AgentKey;
+
+use crate::state::Identity;
+use crate::AgentError;
+
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub(crate) fn client(
+    server: &str,
+    trust: Trust,
+    identity: Option<ClientIdentity>,
+) -> Result<Client, AgentError> {
+    Client::new(ClientConfig {
+        server: server.to_string(),
+        trust,
+        identity,
+        bearer: None,
+        timeout: REQUEST_TIMEOUT,
+    })
+    .map_err(|e| AgentError::Config(e.to_string()))
+}
+
+fn mtls_client(server: &str, identity: &Identity) -> Result<Client, AgentError> {
+    client(
+        server,
+        Trust::CaPem(identity.ca_pem.clone()),
+        Some(ClientIdentity {
+            cert_pem: identity.cert_pem.clone(),
+            key_pem: identity.key_pem.clone(),
+        }),
+    )
+}
+
+/// The client and signing key in use; replaced together when the certificate is renewed, so a
+/// result is always signed with the key of the certificate its connection presents.
+#[derive(Clone)]
+pub(crate) struct Link {
+    pub client: Client,
+    pub key: Arc<AgentKey>,
+}
+
+impl Link {
+    pub fn new(server: &str, identity: &Identity) -> Result<Link, AgentError> {
+        Ok(Link {
+            client: mtls_client(server, identity)?,
+            key: Arc::new(AgentKey::from_pem(&identity.key_pem).map_err(|e| {
+                AgentError::Config(format!("agent.pem holds an unusable key: {e}"))
+            })?),
+        })
+    }
+}
+
+/// The link every loop uses; the heartbeat loop replaces it after a renewal.
+#[derive(Clone)]
+pub(crate) struct SharedLink(Arc<RwLock<Link>>);
+
+impl SharedLink {
+    pub fn new(link: Link) -> SharedLink {
+        SharedLink(Arc::new(RwLock::new(link)))
+    }
+
+    /// The link as it is now (cheap: a client handle and a key pointer).
+    pub fn current(&self) -> Link {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn replace(&self, link: Link) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = link;
+    }
+}

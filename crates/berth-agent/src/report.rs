@@ -1,0 +1,157 @@
+//! The signed result of one delivery: the executor's [`Outcome`] as a typed
+//! [`TaskResult`] (the envelope's `resultData`), inside an [`AgentTaskResultEnvelope`] signed
+//! with the agent's key over [`AgentTaskResultEnvelope::signing_input`].
+
+use std::time::Duration;
+
+use base64::Engine;
+use berth_crypto::AgentKey;
+use berth_exec::Outcome;
+use berth_proto::result::TaskResult;
+use berth_proto::transport::{
+    format_timespan, AgentTaskAssignment, AgentTaskResultEnvelope, ALG_ECDSA_SHA256,
+    CONTRACT_VERSION,
+};
+use berth_proto::AgentId;
+use time::OffsetDateTime;
+
+/// What the agent reports about one delivery.
+pub(crate) fn task_result(
+    a: &AgentTaskAssignment,
+    outcome: &Outcome,
+    started_at: OffsetDateTime,
+    completed_at: OffsetDateTime,
+) -> TaskResult {
+    TaskResult {
+        task_id: a.task_id,
+        success: outcome.success,
+        started_at,
+        completed_at,
+        outputs: outcome.outputs.clone(),
+        artifacts: Vec::new(),
+        error: (!outcome.success).then(|| outcome.message.clone()),
+        error_type: outcome.error_type.clone(),
+        retriable: outcome.retriable,
+        logs: outcome.logs.clone(),
+        metrics: outcome.metrics.clone(),
+    }
+}
+
+/// The envelope for `outcome`, signed with `key`.
+pub(crate) fn signed_envelope(
+    agent_id: AgentId,
+    a: &AgentTaskAssignment,
+    outcome: &Outcome,
+    started_at: OffsetDateTime,
+    took: Duration,
+    key: &AgentKey,
+) -> Result<AgentTaskResultEnvelope, String> {
+    let completed_at = OffsetDateTime::now_utc();
+    let result = task_result(a, outcome, started_at, completed_at);
+    let mut envelope = AgentTaskResultEnvelope {
+        contract_version: CONTRACT_VERSION.into(),
+        agent_id,
+        task_id: a.task_id,
+        assignment_id: Some(a.assignment_id),
+        success: outcome.success,
+        message: Some(outcome.message.clone()),
+        result_data: Some(
+            serde_json::to_string(&result).map_err(|e| format!("encoding the result: {e}"))?,
+        ),
+        duration: format_timespan(took),
+        completed_at,
+        signature_algorithm: ALG_ECDSA_SHA256.into(),
+        signature: None,
+    };
+    let input = envelope
+        .signing_input()
+        .map_err(|e| format!("canonicalizing the envelope: {e}"))?;
+    let signature = key
+        .sign(&input)
+        .map_err(|e| format!("signing the result: {e}"))?;
+    envelope.signature = Some(base64::engine::general_purpose::STANDARD.encode(signature));
+    Ok(envelope)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use berth_proto::result::error_types;
+    use berth_proto::transport::signing_input;
+    use berth_proto::{AssignmentId, TaskId};
+
+    fn assignment(agent: AgentId) -> AgentTaskAssignment {
+        AgentTaskAssignment {
+            contract_version: CONTRACT_VERSION.into(),
+            assignment_id: AssignmentId(uuid::Uuid::new_v4()),
+            task_id: TaskId(uuid::Uuid::new_v4()),
+            agent_id: agent,
+            required_capability: "agent".into(),
+            task_type: "health-check".into(),
+            payload: "{}".into(),
+            credentials: Default::default(),
+            variables: Default::default(),
+            assigned_at: OffsetDateTime::now_utc(),
+            timeout: "00:05:00".into(),
+            idempotency_key: "k".into(),
+            expires_at: OffsetDateTime::now_utc(),
+            side_effects: false,
+        }
+    }
+
+    #[test]
+    fn the_envelope_carries_a_typed_result_and_a_signature_the_server_verifies() {
+        let now = OffsetDateTime::now_utc();
+        let ca = berth_crypto::Ca::generate("test CA", now).unwrap();
+        let key = AgentKey::generate().unwrap();
+        let agent = AgentId(uuid::Uuid::new_v4());
+        let cert = ca
+            .sign_agent_csr(
+                &key.csr_pem("a").unwrap(),
+                agent.0,
+                now,
+                time::Duration::days(1),
+            )
+            .unwrap();
+        let a = assignment(agent);
+        let outcome = Outcome {
+            logs: "probe refused".into(),
+            ..Outcome::failed(error_types::HEALTH_CHECK_FAILED, "connection refused", true)
+        }
+        .with_output("probe", serde_json::json!({"port": 1}));
+        let envelope =
+            signed_envelope(agent, &a, &outcome, now, Duration::from_millis(1500), &key).unwrap();
+
+        // As the server sees it: the JSON text sent, parsed back.
+        let sent: serde_json::Value = serde_json::to_value(&envelope).unwrap();
+        assert_eq!(sent["message"], "connection refused");
+        assert_eq!(sent["assignmentId"], serde_json::json!(a.assignment_id));
+        let signature = base64::engine::general_purpose::STANDARD
+            .decode(sent["signature"].as_str().unwrap())
+            .unwrap();
+        berth_crypto::verify_with_cert(
+            &cert.cert_der,
+            ALG_ECDSA_SHA256,
+            &signing_input(&sent).unwrap(),
+            &signature,
+        )
+        .unwrap();
+
+        let result: TaskResult =
+            serde_json::from_str(sent["resultData"].as_str().unwrap()).unwrap();
+        assert_eq!(result.task_id, a.task_id);
+        assert!(!result.success && result.retriable);
+        assert_eq!(result.error.as_deref(), Some("connection refused"));
+        assert_eq!(
+            result.error_type.as_deref(),
+            Some(error_types::HEALTH_CHECK_FAILED)
+        );
+        assert_eq!(result.outputs["probe"]["port"], 1);
+        assert_eq!(result.logs, "probe refused");
+        assert_eq!(result.completed_at, envelope.completed_at);
+        assert!(result.artifacts.is_empty());
+
+        let ok = task_result(&a, &Outcome::ok("healthy"), now, now);
+        assert!(ok.success && ok.error.is_none() && ok.error_type.is_none());
+    }
+}
