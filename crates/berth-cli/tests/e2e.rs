@@ -199,18 +199,20 @@ fn server_restart_keeps_ca_admin_token_and_agent_identity() {
     let data = tmp.path().join("data");
     let state = tmp.path().join("agent");
     let server = Server::start(&data, &["--heartbeat-interval-secs", "1"]);
-    assert!(
-        server.proc.stderr().contains(&format!(
-            "admin token (shown once; also in {}",
-            data.join("admin.token").display()
-        )),
-        "{}",
-        server.proc.stderr()
+    // The token line follows the address the harness waited for: wait for it too.
+    let announced = format!(
+        "admin token (shown once; also in {}): {}",
+        data.join("admin.token").display(),
+        server.admin_token
     );
-    assert!(
-        server.proc.stderr().contains(&server.admin_token),
-        "the printed token is the one in admin.token"
-    );
+    berth_test_utils::wait_for(SETTLE, "the admin token line", || {
+        let stderr = server.proc.stderr();
+        if stderr.contains(&announced) {
+            Ok(())
+        } else {
+            Err(stderr)
+        }
+    });
     let fingerprint = server.ca_fingerprint.clone();
     let admin_token = server.admin_token.clone();
 

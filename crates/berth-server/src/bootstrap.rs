@@ -79,7 +79,7 @@ pub(crate) async fn bootstrap(
         .with_context(|| format!("creating data dir {}", dir.0.display()))?;
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("restricting data dir {}", dir.0.display()))?;
-    let now = OffsetDateTime::now_utc();
+    let now = config.clock.now();
 
     let ca = match (read_opt(&dir.ca_cert())?, read_opt(&dir.ca_key())?) {
         (Some(cert), Some(key)) => Ca::from_pem(&cert, &key).context("loading the CA")?,

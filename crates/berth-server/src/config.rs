@@ -34,6 +34,8 @@ pub struct ServerConfig {
     pub lease_grace: Duration,
     /// Retry back-off and dead-letter threshold.
     pub retry_policy: berth_store::RetryPolicy,
+    /// Where every handler and reconciler reads "now" (tests inject a `ManualClock`).
+    pub clock: std::sync::Arc<dyn crate::Clock>,
 }
 
 impl ServerConfig {
@@ -53,6 +55,7 @@ impl ServerConfig {
             long_poll: Duration::from_secs(25),
             lease_grace: Duration::from_secs(30),
             retry_policy: berth_store::RetryPolicy::default(),
+            clock: std::sync::Arc::new(crate::SystemClock),
         }
     }
 

@@ -6,6 +6,7 @@
 
 mod auth;
 mod bootstrap;
+mod clock;
 mod config;
 mod error;
 mod extract;
@@ -26,6 +27,7 @@ use berth_store::DynStore;
 use tokio::net::TcpListener;
 
 pub use bootstrap::{Bootstrapped, DataDir};
+pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::ServerConfig;
 pub use error::ServerError;
 pub use openapi::openapi_json;

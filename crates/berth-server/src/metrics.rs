@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -25,6 +26,8 @@ struct Inner {
     results_accepted: Family<Labels, Counter>,
     tasks: Family<Labels, Counter>,
     sessions_held: Counter,
+    polls_parked: Gauge,
+    poll_wakeups: Counter,
 }
 
 impl Metrics {
@@ -82,7 +85,21 @@ impl Metrics {
             "Session acquisitions refused because another live process holds the identity",
             sessions_held.clone(),
         );
+        let polls_parked = Gauge::default();
+        registry.register(
+            "long_polls_parked",
+            "Task polls waiting for work right now",
+            polls_parked.clone(),
+        );
+        let poll_wakeups = Counter::default();
+        registry.register(
+            "long_poll_wakeups",
+            "Parked task polls woken by a task event, before their hold ran out",
+            poll_wakeups.clone(),
+        );
         Metrics(Arc::new(Inner {
+            polls_parked,
+            poll_wakeups,
             result_rejections,
             results_accepted,
             tasks,
@@ -176,11 +193,30 @@ impl Metrics {
         self.error("session_held");
     }
 
+    /// A poll parks until work or its deadline; the guard unparks it however the wait ends.
+    pub fn poll_parked(&self) -> ParkedPoll {
+        self.0.polls_parked.inc();
+        ParkedPoll(self.clone())
+    }
+
+    pub fn poll_woken(&self) {
+        self.0.poll_wakeups.inc();
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.0.registry).is_err() {
             out.clear();
         }
         out
+    }
+}
+
+/// Counts one parked poll in `berth_long_polls_parked` while it lives.
+pub struct ParkedPoll(Metrics);
+
+impl Drop for ParkedPoll {
+    fn drop(&mut self) {
+        self.0 .0.polls_parked.dec();
     }
 }

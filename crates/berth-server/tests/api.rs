@@ -77,7 +77,11 @@ async fn beat(
 
 #[tokio::test]
 async fn registration_token_is_single_use_and_expires() {
-    let server = start().await;
+    let clock = std::sync::Arc::new(berth_server::ManualClock::new());
+    let server = {
+        let clock = clock.clone();
+        common::start_with(move |c| c.clock = clock).await
+    };
     let admin = server.admin();
     let token = server.registration_token(&admin).await;
     server
@@ -105,11 +109,22 @@ async fn registration_token_is_single_use_and_expires() {
         })
         .await
         .unwrap();
-    let wait =
-        short.expires_at - time::OffsetDateTime::now_utc() + time::Duration::milliseconds(200);
-    tokio::time::sleep(Duration::try_from(wait).unwrap_or_default()).await;
+    // Still good a moment before it expires; refused once the server's clock passes it.
+    clock.advance(Duration::from_millis(900));
+    server
+        .agent_with_token("early", &short.token)
+        .await
+        .expect("used before it expires");
+    let later = admin
+        .send(&CreateAgentToken {
+            expires_in_seconds: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    clock.advance(Duration::from_millis(1001));
     let err = server
-        .agent_with_token("late", &short.token)
+        .agent_with_token("late", &later.token)
         .await
         .err()
         .expect("expired refused");

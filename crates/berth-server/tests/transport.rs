@@ -120,19 +120,18 @@ async fn a_long_poll_answers_within_milliseconds_of_a_new_task() {
     let generation = agent.session().await;
     let admin = server.admin();
     let agent_id = agent.id;
-    let poller = tokio::spawn(async move {
-        let started = Instant::now();
-        let response = agent.poll(generation).await.expect("poll");
-        (response, started.elapsed())
-    });
-    // Let the poll park first, then create the task.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let poller = tokio::spawn(async move { agent.poll(generation).await.expect("poll") });
+    // The poll has parked (the server says so), not merely been sent.
+    wait_until(Duration::from_secs(10), "the poll to park", || async {
+        metric(&server, "berth_long_polls_parked").await == 1.0
+    })
+    .await;
     let created_at = Instant::now();
     let task = admin
         .send(&task(agent_id, "inspect", json!({})))
         .await
         .unwrap();
-    let (response, _) = poller.await.unwrap();
+    let response = poller.await.unwrap();
     let woke_after = created_at.elapsed();
     let a = response.assignment.expect("the new task");
     assert_eq!(a.task_id, task.id);
@@ -141,12 +140,27 @@ async fn a_long_poll_answers_within_milliseconds_of_a_new_task() {
     assert_eq!(a.required_capability, "agent");
     assert!(!a.side_effects);
     assert_eq!(a.timeout, "00:05:00");
+    // The task event woke the parked poll: it did not find the task by polling again later.
+    assert_eq!(metric(&server, "berth_long_poll_wakeups_total").await, 1.0);
+    assert_eq!(metric(&server, "berth_long_polls_parked").await, 0.0);
     // Generous bound for a loaded 2-core machine; the benchmark measures the real figure.
     assert!(
         woke_after < Duration::from_secs(2),
         "woke after {woke_after:?}"
     );
     server.stop().await;
+}
+
+/// One unlabelled sample from `/metrics`.
+async fn metric(server: &TestServer, name: &str) -> f64 {
+    let text = server
+        .client(None, None)
+        .get_text("/metrics")
+        .await
+        .expect("metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
 }
 
 #[tokio::test]

@@ -12,7 +12,6 @@ use berth_proto::admin::{
 use berth_proto::error::codes;
 use berth_proto::{ErrorBody, TenantId, TokenId};
 use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
-use time::OffsetDateTime;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
@@ -37,7 +36,7 @@ pub async fn create_tenant(
 ) -> ApiResult<(StatusCode, Json<CreateTenantResponse>)> {
     caller.require_operator()?;
     validate_name("tenant name", &req.name)?;
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let tenant = match state
         .store
         .create_tenant(TenantId::new(), &req.name, now)
@@ -109,7 +108,7 @@ async fn issue_api_token(
             role,
             operator: false,
             token_hash: berth_crypto::hash_token(&token),
-            created_at: OffsetDateTime::now_utc(),
+            created_at: state.config.clock.now(),
         })
         .await?;
     Ok(token)
@@ -142,7 +141,7 @@ pub async fn create_agent_token(
     if let Some(env) = &req.environment {
         validate_name("environment", env)?;
     }
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let expires_at = now + time::Duration::seconds(ttl as i64);
     let token = berth_crypto::random_token("reg_");
     state

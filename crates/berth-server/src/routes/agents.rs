@@ -18,7 +18,6 @@ use berth_store::{
     RegisterError,
 };
 use serde_json::json;
-use time::OffsetDateTime;
 
 use crate::auth::{agent_revoked, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
@@ -117,7 +116,7 @@ pub async fn register(
     validate_labels(&req.labels)?;
     validate_capabilities(&req.capabilities)?;
 
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let id = AgentId::new();
     let validity = time::Duration::try_from(state.config.agent_cert_validity)
         .map_err(|e| ApiError::internal(&e))?;
@@ -257,7 +256,7 @@ pub async fn update(
     };
     match state
         .store
-        .update_agent(caller.tenant(), id, update, OffsetDateTime::now_utc())
+        .update_agent(caller.tenant(), id, update, state.config.clock.now())
         .await?
     {
         Some(a) => Ok(Json(to_wire(a))),
@@ -310,7 +309,7 @@ pub async fn heartbeat(
         ));
     }
     validate_capabilities(&req.capabilities)?;
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     // The binding is checked inside the heartbeat transaction, so a heartbeat racing a delete
     // or a renewal cannot resurrect the old certificate.
     let outcome = state
@@ -354,7 +353,7 @@ pub async fn issue_jwt(
 ) -> ApiResult<Json<AgentJwt>> {
     let agent = caller.bound(&state).await?;
     let ttl: Duration = state.config.agent_jwt_ttl;
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let claims = json!({
         "iss": state.config.jwt_issuer,
         "aud": "berth-agent",
@@ -393,7 +392,7 @@ pub async fn renew_certificate(
     }: FencedAgent,
     ApiJson(req): ApiJson<RenewCertificate>,
 ) -> ApiResult<Json<RenewCertificateResponse>> {
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let validity = time::Duration::try_from(state.config.agent_cert_validity)
         .map_err(|e| ApiError::internal(&e))?;
     let issued = state

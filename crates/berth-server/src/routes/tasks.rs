@@ -13,7 +13,6 @@ use berth_proto::{AgentId, ErrorBody, TaskId, TenantId};
 use berth_store::{
     AgentFilter, Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task, TaskFilter,
 };
-use time::OffsetDateTime;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
@@ -240,7 +239,7 @@ pub async fn create(
             idempotency_key,
             request_hash: Some(request_hash),
             read_back_of: None,
-            created_at: OffsetDateTime::now_utc(),
+            created_at: state.config.clock.now(),
         })
         .await?;
     match outcome {
@@ -321,7 +320,7 @@ pub async fn cancel(
     caller.require_deployer()?;
     match state
         .store
-        .cancel_task(caller.tenant(), id, OffsetDateTime::now_utc())
+        .cancel_task(caller.tenant(), id, state.config.clock.now())
         .await?
     {
         Some(
@@ -345,7 +344,7 @@ pub async fn retry(
     caller.require_deployer()?;
     match state
         .store
-        .retry_task(caller.tenant(), id, OffsetDateTime::now_utc())
+        .retry_task(caller.tenant(), id, state.config.clock.now())
         .await?
     {
         Some(RetryOutcome::Requeued(t)) => Ok(Json(to_view(t, vec![]))),

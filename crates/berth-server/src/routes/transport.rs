@@ -21,7 +21,6 @@ use berth_proto::transport::{
 };
 use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, Task};
-use time::OffsetDateTime;
 
 use crate::auth::{agent_revoked, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
@@ -65,7 +64,7 @@ pub async fn acquire_session(
             "instanceId must be 1-128 characters",
         ));
     }
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let lease_expires_at = now + state.config.heartbeat_interval * 3;
     match state
         .store
@@ -126,7 +125,7 @@ pub async fn release_session(
 ) -> ApiResult<Json<Released>> {
     let released = state
         .store
-        .release_session(id, generation, OffsetDateTime::now_utc())
+        .release_session(id, generation, state.config.clock.now())
         .await?;
     if released {
         Ok(Json(Released { released }))
@@ -174,7 +173,7 @@ pub async fn poll(
         tokio::pin!(notified);
         notified.as_mut().enable();
 
-        let now = OffsetDateTime::now_utc();
+        let now = state.config.clock.now();
         let claim = state
             .store
             .claim_task(
@@ -223,8 +222,9 @@ pub async fn poll(
             }
             ClaimOutcome::Empty => {}
         }
+        let _parked = state.metrics.poll_parked();
         tokio::select! {
-            _ = &mut notified => {}
+            _ = &mut notified => state.metrics.poll_woken(),
             _ = tokio::time::sleep_until(deadline) => {
                 return Ok(Json(AgentTaskPollResponse {
                     contract_version: CONTRACT_VERSION.into(),
@@ -510,7 +510,7 @@ pub async fn submit_result(
                 result: verified.attempt,
                 result_data,
                 envelope: raw,
-                now: OffsetDateTime::now_utc(),
+                now: state.config.clock.now(),
             },
             &state.config.retry_policy,
         )
@@ -549,7 +549,7 @@ pub async fn submit_result(
 /// Follow-ups of a recorded result: wake the agent for a retry, and resolve read-backs.
 async fn after_result(state: &SharedState, task: &Task) {
     if let Some(at) = task.next_attempt_at {
-        let delay = (at - OffsetDateTime::now_utc())
+        let delay = (at - state.config.clock.now())
             .try_into()
             .unwrap_or_default();
         state.wakeups.wake_after(task.agent_id, delay);
@@ -565,6 +565,7 @@ mod tests {
     use berth_crypto::{AgentKey, Ca, ResultVerifier};
     use berth_proto::result::TaskResult;
     use serde_json::Value;
+    use time::OffsetDateTime;
 
     struct Signer {
         key: AgentKey,
