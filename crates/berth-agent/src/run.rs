@@ -2,6 +2,7 @@
 //! later call), run the heartbeat and task loops side by side, and on the way out stop the work
 //! and release the session. The first loop to fail decides the exit code.
 
+use berth_proto::error::ErrorChain;
 use std::future::Future;
 use std::time::Duration;
 
@@ -102,7 +103,7 @@ pub async fn run(
         {
             Ok(_) => tracing::info!("session released"),
             Err(e) => {
-                tracing::warn!(error = %e, "could not release the session; it expires by itself")
+                tracing::warn!(error = %ErrorChain(&e), "could not release the session; it expires by itself")
             }
         }
     }

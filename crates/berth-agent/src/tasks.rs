@@ -4,6 +4,7 @@
 //! The agent never decides that a task succeeded by itself: it reports what the executor said,
 //! signed with its key, and the server decides what that means for the task.
 
+use berth_proto::error::ErrorChain;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -246,7 +247,7 @@ impl Shared {
                 // Retriable failures are not journaled: a redelivery must try again.
                 if outcome.success || !outcome.retriable {
                     if let Err(e) = self.journal.put(&a.idempotency_key, &outcome) {
-                        tracing::error!(error = %e, "could not journal the outcome");
+                        tracing::error!(error = %ErrorChain(&e), "could not journal the outcome");
                     }
                 }
                 outcome
@@ -341,7 +342,7 @@ impl Shared {
             Ok(ack) => {
                 tracing::info!(state = %ack.state, duplicate = ack.duplicate, "result accepted")
             }
-            Err(e) => tracing::warn!(error = %e, "result not accepted"),
+            Err(e) => tracing::warn!(error = %ErrorChain(&e), "result not accepted"),
         }
     }
 }

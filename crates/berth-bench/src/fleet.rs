@@ -162,7 +162,14 @@ async fn register_one(
     };
     let t = Instant::now();
     let registered = anonymous
-        .send_with(&request, &[("x-registration-token", &token.token)], None)
+        .send_with(
+            &request,
+            &[(
+                berth_proto::headers::REGISTRATION_TOKEN_HEADER,
+                &token.token,
+            )],
+            None,
+        )
         .await
         .context("registering")?;
     let register_us = micros(t.elapsed());

@@ -624,7 +624,23 @@ fn unsupported_types_and_commands_off_the_allow_list_fail_closed() {
     let marker = tmp.path().join("pwned");
     let touch = format!("touch {}", marker.display());
 
-    let unsupported = server.create_task(&plain.id, "docker.whatever", &json!({}), None);
+    // A type no agent runs is refused at create, before anything is queued.
+    let refused = server
+        .try_cli(&[
+            "task",
+            "create",
+            "--agent",
+            &plain.id,
+            "--type",
+            "docker.whatever",
+            "--payload",
+            "{}",
+        ])
+        .unwrap_err();
+    assert!(
+        refused.contains("422") && refused.contains("UNSUPPORTED_TASK_TYPE"),
+        "{refused}"
+    );
     let off = server.create_task(
         &plain.id,
         "execute-command",
@@ -657,7 +673,6 @@ fn unsupported_types_and_commands_off_the_allow_list_fail_closed() {
     );
 
     for (task, code) in [
-        (&unsupported, "UNSUPPORTED_TASK_TYPE"),
         (&off, "COMMAND_NOT_ALLOWED"),
         (&not_listed, "COMMAND_NOT_ALLOWED"),
     ] {

@@ -145,7 +145,7 @@ async fn twenty_concurrent_registrations_on_one_token_yield_exactly_one_agent() 
             client
                 .send_with(
                     &register_request(&format!("racer-{i}"), &key),
-                    &[("x-registration-token", &token)],
+                    &[(berth_proto::headers::REGISTRATION_TOKEN_HEADER, &token)],
                     None,
                 )
                 .await
@@ -187,7 +187,7 @@ async fn csr_identity_claims_are_ignored() {
                 csr,
                 ..register_request("impostor", &AgentKey::generate().unwrap())
             },
-            &[("x-registration-token", &token)],
+            &[(berth_proto::headers::REGISTRATION_TOKEN_HEADER, &token)],
             None,
         )
         .await
@@ -229,7 +229,7 @@ async fn garbage_csr_is_a_4xx() {
                     csr: csr.to_string(),
                     ..register_request("garbage", &AgentKey::generate().unwrap())
                 },
-                &[("x-registration-token", &token)],
+                &[(berth_proto::headers::REGISTRATION_TOKEN_HEADER, &token)],
                 None,
             )
             .await
@@ -664,14 +664,14 @@ async fn bad_input_gets_a_4xx_json_error_never_a_5xx() {
         ),
         (
             raw.post(url("/api/v1/agents/register"))
-                .header("x-registration-token", "reg_x")
+                .header(berth_proto::headers::REGISTRATION_TOKEN_HEADER, "reg_x")
                 .json(&serde_json::json!({"name": "n"})),
             422,
             "INVALID_REQUEST",
         ),
         (
             raw.post(url("/api/v1/agents/register"))
-                .header("x-registration-token", "reg_x")
+                .header(berth_proto::headers::REGISTRATION_TOKEN_HEADER, "reg_x")
                 .json(&serde_json::json!({"name": "bad name!", "version": "1", "csr": "x"})),
             422,
             "INVALID_REQUEST",

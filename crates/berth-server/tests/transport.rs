@@ -629,17 +629,29 @@ async fn idempotency_keys_return_the_same_task_or_conflict() {
     let admin = server.admin();
     let request = task(agent.id, "inspect", json!({"a": 1}));
     let first = admin
-        .send_with(&request, &[("idempotency-key", "deploy-42")], None)
+        .send_with(
+            &request,
+            &[(berth_proto::headers::IDEMPOTENCY_KEY_HEADER, "deploy-42")],
+            None,
+        )
         .await
         .unwrap();
     let again = admin
-        .send_with(&request, &[("idempotency-key", "deploy-42")], None)
+        .send_with(
+            &request,
+            &[(berth_proto::headers::IDEMPOTENCY_KEY_HEADER, "deploy-42")],
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(first.id, again.id);
     let different = task(agent.id, "inspect", json!({"a": 2}));
     let err = admin
-        .send_with(&different, &[("idempotency-key", "deploy-42")], None)
+        .send_with(
+            &different,
+            &[(berth_proto::headers::IDEMPOTENCY_KEY_HEADER, "deploy-42")],
+            None,
+        )
         .await
         .unwrap_err();
     assert_eq!(code(&err), (409, "CONFLICT".into()));

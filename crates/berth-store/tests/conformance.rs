@@ -12,9 +12,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use berth_store::{DynStore, PostgresStore, SqliteStore};
-use sqlx::{Connection, Executor, PgConnection};
-
-const POSTGRES_URL_VAR: &str = "BERTH_TEST_POSTGRES_URL";
+use berth_test_utils::postgres::{admin_url as postgres_admin_url, TestDatabase};
+use sqlx::{Connection, PgConnection};
 
 /// Runs `test` on a fresh SQLite store in a temp dir.
 async fn on_sqlite<F, Fut>(test: F)
@@ -29,25 +28,6 @@ where
     test(Arc::new(store)).await;
 }
 
-/// The admin URL of the PostgreSQL server to test on, or `None` to skip. A missing URL is a
-/// failure where services are required: under `CI=true`, or with `BERTH_REQUIRE_SERVICES=1`.
-fn postgres_admin_url() -> Option<String> {
-    if let Ok(url) = std::env::var(POSTGRES_URL_VAR) {
-        return Some(url);
-    }
-    let required = std::env::var("CI").is_ok_and(|v| v == "true")
-        || std::env::var("BERTH_REQUIRE_SERVICES").is_ok_and(|v| v == "1");
-    if required {
-        panic!(
-            "{POSTGRES_URL_VAR} is not set, and CI=true or BERTH_REQUIRE_SERVICES=1 requires \
-             PostgreSQL: start it with `bash scripts/postgres.sh` and export its last line as \
-             {POSTGRES_URL_VAR}"
-        );
-    }
-    eprintln!("skipped: {POSTGRES_URL_VAR} is not set");
-    None
-}
-
 /// Runs `test` on a fresh PostgreSQL store in a database of its own, dropped afterwards even
 /// when the test fails. `test` also gets the database's URL.
 async fn on_postgres<F, Fut>(test: F)
@@ -55,10 +35,10 @@ where
     F: FnOnce(DynStore, String) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let Some(admin_url) = postgres_admin_url() else {
+    let Some(admin_url) = postgres_admin_url("postgres conformance") else {
         return;
     };
-    let database = TestDatabase::create(&admin_url).await;
+    let database = TestDatabase::create(&admin_url);
     let url = database.url.clone();
     // Run in a task so a failing case (a panic) still lets us drop the database below.
     let outcome = tokio::spawn(async move {
@@ -70,7 +50,7 @@ where
         test(store, url).await;
     })
     .await;
-    database.drop().await;
+    drop(database);
     if let Err(failure) = outcome {
         std::panic::resume_unwind(failure.into_panic());
     }
@@ -224,75 +204,6 @@ async fn listener_survives_a_dropped_connection(store: &DynStore, url: &str) {
         "the listener listens again after reconnecting"
     );
     admin.close().await.ok();
-}
-
-/// A database `berth_test_<random>` on the admin URL's server, dropped by [`TestDatabase::drop`].
-struct TestDatabase {
-    admin_url: String,
-    name: String,
-    url: String,
-}
-
-impl TestDatabase {
-    async fn create(admin_url: &str) -> TestDatabase {
-        let name = format!("berth_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(admin_url)
-            .await
-            .expect("connect to the admin url");
-        // DDL takes no bind parameters; the name is ours, made of [a-z0-9_] only.
-        admin
-            .execute(format!("CREATE DATABASE {name}").as_str())
-            .await
-            .expect("create test database");
-        admin.close().await.ok();
-        TestDatabase {
-            admin_url: admin_url.to_string(),
-            url: with_database(admin_url, &name),
-            name,
-        }
-    }
-
-    async fn drop(self) {
-        let mut admin = PgConnection::connect(&self.admin_url)
-            .await
-            .expect("connect to the admin url");
-        // FORCE ends the pool's connections that may still be closing.
-        admin
-            .execute(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name).as_str())
-            .await
-            .expect("drop test database");
-        admin.close().await.ok();
-    }
-}
-
-/// The admin URL with its database path replaced, keeping any query string.
-fn with_database(url: &str, database: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (url, None),
-    };
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let authority_end = base[scheme_end..]
-        .find('/')
-        .map_or(base.len(), |i| scheme_end + i);
-    let mut out = format!("{}/{database}", &base[..authority_end]);
-    if let Some(query) = query {
-        out.push('?');
-        out.push_str(query);
-    }
-    out
-}
-
-#[test]
-fn with_database_replaces_only_the_path() {
-    assert_eq!(
-        with_database("postgres://berth:berth@127.0.0.1:55432/postgres", "x"),
-        "postgres://berth:berth@127.0.0.1:55432/x"
-    );
-    assert_eq!(
-        with_database("postgres://h:1?sslmode=disable", "x"),
-        "postgres://h:1/x?sslmode=disable"
-    );
 }
 
 /// Both backends must carry the same schema history: a migration added to one and not the

@@ -141,7 +141,7 @@ pub async fn create(
     let request_hash =
         berth_crypto::sha256_hex(&serde_jcs::to_vec(&body).map_err(|e| ApiError::internal(&e))?);
     let req: CreateTask = serde_json::from_value(body).map_err(|e| unprocessable(e.to_string()))?;
-    let idempotency_key = match headers.get("idempotency-key") {
+    let idempotency_key = match headers.get(berth_proto::headers::IDEMPOTENCY_KEY_HEADER) {
         None => None,
         Some(v) => {
             let key = v.to_str().ok().filter(|k| !k.is_empty() && k.len() <= 255);

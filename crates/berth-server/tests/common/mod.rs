@@ -118,7 +118,7 @@ impl TestServer {
             .client(None, None)
             .send_with(
                 &register_request(name, &key),
-                &[("x-registration-token", token)],
+                &[(berth_proto::headers::REGISTRATION_TOKEN_HEADER, token)],
                 None,
             )
             .await?;
