@@ -1,6 +1,11 @@
 //! Read-back: when a task with side effects loses its lease, nobody knows whether it ran. Instead
 //! of running it again, the control plane asks the target what is there — a `read-sticker` task —
 //! and marks the task `succeeded` (read-back) only if the sticker proves the intended state.
+//!
+//! Both steps are idempotent, and both are driven by the read-back sweep in `reconcile.rs`,
+//! which finds every `unknown` task without a read-back and every succeeded read-back not yet
+//! applied: the calls right after a lease expiry and in the result handler are only fast paths,
+//! and a crash between the steps delays the work by one sweep.
 
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
@@ -16,7 +21,8 @@ pub fn intended_sticker(task: &Task) -> Option<String> {
     TaskKind::parse(&task.task_type)?.read_back_sticker(&task.payload)
 }
 
-/// Queues a read-back for an `unknown` task, ahead of the agent's other work.
+/// Queues a read-back for an `unknown` task, ahead of the agent's other work. Idempotent: the
+/// read-back key names the lost delivery, so a second call finds the first read-back.
 pub async fn schedule(state: &SharedState, task: &Task) {
     let Some(name) = intended_sticker(task) else {
         tracing::warn!(task_id = %task.id, task_type = %task.task_type, "task is unknown and has no sticker to read back; an operator must retry or cancel it");
@@ -34,7 +40,8 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         timeout_seconds: 30,
         priority: i32::MAX,
         side_effects: false,
-        idempotency_key: Some(format!("read-back:{}:{}", task.id, task.attempts)),
+        // One read-back per lost delivery: scheduling it again (the sweep) is harmless.
+        idempotency_key: Some(berth_store::read_back_key(task.id, task.attempts)),
         request_hash: None,
         read_back_of: Some(task.id),
         created_at: now,
@@ -50,7 +57,8 @@ pub async fn schedule(state: &SharedState, task: &Task) {
     }
 }
 
-/// Decides an `unknown` task from its finished read-back.
+/// Decides an `unknown` task from its finished read-back. Idempotent: the store only moves a
+/// task that is still `unknown`, and the evidence names the read-back, which the sweep checks.
 pub async fn resolve(state: &SharedState, parent_id: TaskId, read_back: &Task) {
     if read_back.state != TaskState::Succeeded {
         return;
