@@ -12,9 +12,10 @@ use base64::Engine;
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
 use berth_exec::{ComposeExecutor, DockerExecutor, Executor, Outcome, Task};
+use berth_proto::result::TaskResult;
 use berth_proto::transport::{
-    self, AgentTaskAssignment, AgentTaskPollRequest, SubmitResult, CONTRACT_VERSION,
-    GENERATION_HEADER,
+    self, AgentTaskAssignment, AgentTaskPollRequest, AgentTaskResultEnvelope, SubmitResult,
+    CONTRACT_VERSION, GENERATION_HEADER,
 };
 use berth_proto::{AgentId, AssignmentId};
 use time::OffsetDateTime;
@@ -288,41 +289,54 @@ impl Shared {
     /// Builds, signs and sends the result envelope; retries while the server is unreachable.
     async fn report(&self, a: &AgentTaskAssignment, outcome: &Outcome, duration: Duration) {
         let link = current(&self.link);
-        let result_data = match serde_json::to_string(outcome) {
+        let completed_at = OffsetDateTime::now_utc();
+        let result = TaskResult {
+            task_id: a.task_id,
+            success: outcome.success,
+            started_at: completed_at - duration,
+            completed_at,
+            outputs: outcome.outputs.clone(),
+            artifacts: Vec::new(),
+            error: (!outcome.success).then(|| outcome.message.clone()),
+            error_type: outcome.error_type.clone(),
+            retriable: outcome.retriable,
+            logs: outcome.logs.clone(),
+            metrics: Default::default(),
+        };
+        let result_data = match serde_json::to_string(&result) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(error = %e, "could not encode the outcome");
+                tracing::error!(error = %e, "could not encode the result");
                 return;
             }
         };
-        let mut envelope = serde_json::json!({
-            "contractVersion": CONTRACT_VERSION,
-            "agentId": self.agent_id,
-            "taskId": a.task_id,
-            "assignmentId": a.assignment_id,
-            "success": outcome.success,
-            "message": outcome.message,
-            "resultData": result_data,
-            "duration": transport::format_timespan(duration),
-            "completedAt": OffsetDateTime::now_utc()
-                .format(&time::format_description::well_known::Rfc3339)
-                .unwrap_or_default(),
-            "signatureAlgorithm": transport::ALG_ECDSA_SHA256,
-        });
-        let signature = transport::signing_input(&envelope)
+        let mut envelope = AgentTaskResultEnvelope {
+            contract_version: CONTRACT_VERSION.to_string(),
+            agent_id: self.agent_id,
+            task_id: a.task_id,
+            assignment_id: Some(a.assignment_id),
+            success: outcome.success,
+            message: Some(outcome.message.clone()),
+            result_data: Some(result_data),
+            duration: transport::format_timespan(duration),
+            completed_at,
+            signature_algorithm: transport::ALG_ECDSA_SHA256.to_string(),
+            signature: None,
+        };
+        let signature = envelope
+            .signing_input()
             .map_err(|e| e.to_string())
             .and_then(|bytes| link.key.sign(&bytes).map_err(|e| e.to_string()));
         match signature {
             Ok(sig) => {
-                envelope["signature"] =
-                    base64::engine::general_purpose::STANDARD.encode(sig).into();
+                envelope.signature = Some(base64::engine::general_purpose::STANDARD.encode(sig));
             }
             Err(e) => {
                 tracing::error!(error = %e, "could not sign the result");
                 return;
             }
         }
-        let submit = SubmitResult(envelope);
+        let submit = SubmitResult::new(envelope);
         let headers = [(GENERATION_HEADER, self.generation.as_str())];
         match with_retries("result", self.retry_budget, || {
             link.client.send_with(&submit, &headers, None)

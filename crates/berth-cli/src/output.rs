@@ -185,7 +185,7 @@ fn state_label(t: &TaskView) -> String {
     if t.read_back {
         format!("{} (read-back)", t.state)
     } else {
-        t.state.clone()
+        t.state.to_string()
     }
 }
 
@@ -218,7 +218,7 @@ pub fn print_task(out: Output, t: &TaskView) -> anyhow::Result<()> {
                 .unwrap_or_default();
             rows.push(vec![
                 format!("attempt {}", a.assignment_id),
-                format!("{} (generation {}{signed})", a.state, a.generation),
+                format!("{} (generation {}{signed})", a.state.as_str(), a.generation),
             ]);
         }
         table(&["FIELD", "VALUE"], &rows)

@@ -12,7 +12,7 @@ use berth_cli::output::{print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
-use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask};
+use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, TaskId};
 use berth_server::{Server, ServerConfig};
 use clap::{Args, Parser, Subcommand};
@@ -109,8 +109,8 @@ enum TaskCommand {
     /// List tasks (e.g. --state dead_letter).
     #[command(alias = "list")]
     Ls {
-        #[arg(long)]
-        state: Option<String>,
+        #[arg(long, value_parser = parse_task_state)]
+        state: Option<TaskState>,
         #[arg(long)]
         agent: Option<AgentId>,
         #[arg(long = "type")]
@@ -233,6 +233,10 @@ enum ApiTokenCommand {
 enum TenantCommand {
     /// Create a tenant; prints its first admin token.
     Create { name: String },
+}
+
+fn parse_task_state(s: &str) -> Result<TaskState, String> {
+    TaskState::parse(s).ok_or_else(|| format!("unknown task state {s:?}"))
 }
 
 fn parse_status(s: &str) -> Result<AgentStatus, String> {
@@ -425,7 +429,7 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
             loop {
                 let page = client
                     .send(&ListTasks {
-                        state: state.clone(),
+                        state,
                         agent_id: agent,
                         task_type: task_type.clone(),
                         cursor,
