@@ -15,7 +15,7 @@ static POINT: OnceLock<Option<String>> = OnceLock::new();
 /// Reads the variable; called at start so a point is fixed for the life of the process.
 pub fn init() {
     if let Some(point) = POINT.get_or_init(|| std::env::var(VAR).ok()) {
-        tracing::warn!(point = %point, "{VAR} is set: this process will abort at that point");
+        tracing::warn!(point = %point, "{VAR} is set: this process kills itself (SIGKILL) at that point");
     }
 }
 
