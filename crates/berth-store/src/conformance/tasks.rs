@@ -1060,21 +1060,33 @@ pub async fn read_back_sweep(store: &DynStore) {
     assert!(unknown_without_read_back(store).await.is_empty());
     assert!(finished_read_backs(store).await.is_empty());
 
-    // Retried and lost again on its second delivery after the retry: a new key, a new read-back.
+    // Retried, and lost again on its first delivery after the retry: `attempts` counts from 1
+    // again, and the retry released the earlier read-back's key, so this loss gets its own.
     store.retry_task(tenant.id, b.id, t).await.expect("retry");
+    assert_eq!(task_now(store, &failing).await.0.idempotency_key, None);
     let (_, first) = claimed(store, &agent, generation, t).await;
     assert_eq!(first.task_id, b.id);
+    let swept = sweep(store, first.lease_expires_at).await;
+    assert_eq!(swept.unknown.len(), 1);
+    let b = swept.unknown[0].clone();
+    assert_eq!(b.attempts, 1);
+    assert_eq!(unknown_without_read_back(store).await, vec![b.id]);
+    let again = create(store, read_back_task(&b, t)).await;
+    assert_ne!(again.id, failing.id);
+    assert!(unknown_without_read_back(store).await.is_empty());
+    // The earlier read-back, keyless now, is never taken for this loss's.
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    assert_eq!(attempt.task_id, again.id);
     recorded(
         store,
-        completion(&agent, generation, &first, failed(true), t),
+        completion(&agent, generation, &attempt, AttemptResult::Succeeded, t),
     )
     .await;
-    let due = task_now(store, &b).await.0.next_attempt_at.expect("due");
-    let (_, second) = claimed(store, &agent, generation, due).await;
-    let swept = sweep(store, second.lease_expires_at).await;
-    assert_eq!(swept.unknown.len(), 1);
-    assert_eq!(swept.unknown[0].attempts, 2);
-    assert_eq!(unknown_without_read_back(store).await, vec![b.id]);
+    let finished = finished_read_backs(store).await;
+    assert_eq!(
+        finished.iter().map(|rb| rb.id).collect::<Vec<_>>(),
+        vec![again.id]
+    );
 }
 
 pub async fn delete_agent_tasks(store: &DynStore) {

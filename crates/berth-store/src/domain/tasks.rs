@@ -284,6 +284,10 @@ pub trait TaskStore: Send + Sync {
         id: TaskId,
         now: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>>;
+    /// Unknown or dead_letter: back to `pending` with a fresh attempt budget (`attempts = 0`).
+    /// In the same transaction the task's read-backs lose their idempotency keys: they were
+    /// about losses before the retry, and [`read_back_key`] counts from 1 again, so a delivery
+    /// lost after the retry gets a read-back of its own.
     async fn retry_task(
         &self,
         tenant: TenantId,

@@ -549,6 +549,16 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         let task = rows::read_task(&row)?;
+        // The read-backs of the losses before the retry are history: their keys go, so a
+        // delivery lost after it gets a read-back of its own.
+        sqlx::query(
+            "UPDATE tasks SET idempotency_key = NULL \
+             WHERE read_back_of = $1 AND idempotency_key IS NOT NULL",
+        )
+        .bind(id.0)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
         notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(Some(RetryOutcome::Requeued(task)))

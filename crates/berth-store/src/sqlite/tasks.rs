@@ -557,6 +557,13 @@ impl TaskStore for SqliteStore {
                     params![id_text(id.0), now],
                     |row| rows::read_task(row),
                 )?;
+                // The read-backs of the losses before the retry are history: their keys go, so
+                // a delivery lost after it gets a read-back of its own.
+                tx.execute(
+                    "UPDATE tasks SET idempotency_key = NULL \
+                     WHERE read_back_of = ?1 AND idempotency_key IS NOT NULL",
+                    params![id_text(id.0)],
+                )?;
                 Ok(Some(RetryOutcome::Requeued(task)))
             })
             .await?;
