@@ -528,6 +528,114 @@ fn server_kill_9_loses_no_task_and_runs_none_twice() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 2b. kill -9 of the server between the steps of a read-back
+// ---------------------------------------------------------------------------------------------
+
+/// Waits until the server has killed itself at its crash point (`BERTH_FAULT_CRASH_AFTER`).
+fn wait_crashed(server: &mut Server, point: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    let status = server.proc.wait_exit(TASK);
+    let log = server.proc.stderr();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}:\n{log}");
+    assert!(
+        log.contains(&format!("BERTH_FAULT_CRASH_AFTER={point}: kill -9")),
+        "not killed at {point}:\n{log}"
+    );
+}
+
+/// Read-back is a reconciler: each of its steps survives a kill -9 of the server right after
+/// the step before it committed. The server is killed (1) right after a lost lease made a
+/// write-sticker `unknown`, before its read-back was scheduled, and (2) right after the
+/// read-back's result was recorded, before the verdict. Each restart completes the work, and
+/// only the read-back sweep can: the calls right after those commits never ran, and the agent
+/// is gone before the last start. The agent that held the assignment dies with it, so the
+/// sticker is not there: the verdict keeps the task `unknown`, with the read-back as evidence.
+#[test]
+fn read_back_completes_after_kill_9_of_the_server_between_its_steps() {
+    let tmp = tempdir();
+    let data = tmp.path().join("data");
+    // The port is chosen up front so each restarted server comes back where the agent looks.
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = ["--heartbeat-interval-secs", "1", "--lease-grace-secs", "1"];
+    let crashing = |point: &str| {
+        Server::start_with_env(
+            &data,
+            &listen,
+            &args,
+            None,
+            &[("BERTH_FAULT_CRASH_AFTER", point)],
+        )
+    };
+    let agent_args = ["--retry-budget-secs", "240"];
+
+    // (1) The lease of a write-sticker runs out (1 s timeout + 1 s grace) in a stopped agent
+    // that holds the assignment; the server dies as the task becomes `unknown`.
+    let mut server = crashing("lease-expiry");
+    let mut agent = Agent::register(&server, tmp.path(), "crash-read-back", &agent_args);
+    let agent_id = agent.id.clone();
+    let generation = wait_generation(&mut agent.proc, 1);
+    let id = lease_into_stopped_agent(&server, &mut agent.proc, &agent_id, &|n| {
+        server.create_task(
+            &agent_id,
+            "write-sticker",
+            &json!({"name": format!("crash-read-back-{n}")}),
+            Some(1),
+        )
+    });
+    wait_crashed(&mut server, "lease-expiry");
+    agent.proc.kill9();
+
+    // (2) Restarted, the sweep schedules the read-back; a new agent process runs it and finds
+    // no sticker; the server dies as the read-back's result is recorded, before the verdict.
+    server = crashing("read-back-result");
+    agent.proc = Agent::restart(
+        &server.url,
+        &agent.state_dir,
+        &agent.sticker_dir,
+        "crash-read-back (restarted)",
+        &agent_args,
+    );
+    wait_generation(&mut agent.proc, generation + 1);
+    wait_crashed(&mut server, "read-back-result");
+    // Without the agent, only the restarted server can decide the task.
+    agent.proc.kill9();
+
+    server = Server::start_at(&data, &listen, &args, None);
+    let decided = server.wait_task(&id, TASK, "the read-back's verdict", |t| {
+        t["result"]["found"].is_boolean()
+    });
+    assert_eq!(decided["state"], "unknown", "{decided}");
+    assert_eq!(decided["readBack"], false, "{decided}");
+    assert_eq!(decided["result"]["found"], false, "{decided}");
+    let read_back = wait_read_back(&server, &id, "succeeded", |t| t["state"] == "succeeded");
+    assert_eq!(
+        decided["result"]["readBackTaskId"], read_back["id"],
+        "{decided}"
+    );
+    let read_backs = server
+        .tasks(&["--type", "read-sticker"])
+        .into_iter()
+        .filter(|t| t["readBackOf"] == id.as_str())
+        .count();
+    assert_eq!(
+        read_backs, 1,
+        "one read-back per lost delivery, across restarts"
+    );
+    assert_eq!(
+        attempts(&decided).len(),
+        1,
+        "re-run automatically: {decided}"
+    );
+    assert_eq!(count(&agent.history(), &id), 0, "the lost assignment ran");
+    let log = server.proc.stderr();
+    assert!(
+        log.contains("read-back finished without a verdict"),
+        "the verdict came from the sweep:\n{log}"
+    );
+    server.proc.assert_running();
+}
+
+// ---------------------------------------------------------------------------------------------
 // 3. a cloned identity
 // ---------------------------------------------------------------------------------------------
 

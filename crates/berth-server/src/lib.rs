@@ -10,6 +10,7 @@ mod clock;
 mod config;
 mod error;
 mod extract;
+mod fault;
 mod heartbeat;
 mod metrics;
 mod openapi;
@@ -57,6 +58,7 @@ impl Server {
     /// Opens the data dir and store, creating the CA, certificates, keys and admin token on
     /// first start and reusing them afterwards.
     pub async fn bootstrap(config: ServerConfig) -> Result<Server, ServerError> {
+        fault::init();
         let (bootstrapped, material) = bootstrap::bootstrap(&config).await?;
         let tls = tls::server_config(&material)?;
         let metrics = metrics::Metrics::new();

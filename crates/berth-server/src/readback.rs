@@ -1,13 +1,17 @@
 //! Read-back: when a task with side effects loses its lease, nobody knows whether it ran. Instead
 //! of running it again, the control plane asks the target what is there — a `read-sticker` task —
 //! and marks the task `succeeded` (read-back) only if the sticker proves the intended state.
+//!
+//! Both steps are idempotent, and both are driven by the read-back sweep in `reconcile.rs`,
+//! which finds every `unknown` task without a read-back and every succeeded read-back not yet
+//! applied: the calls right after a lease expiry and in the result handler are only fast paths,
+//! and a crash between the steps delays the work by one sweep.
 
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
 use berth_proto::TaskId;
 use berth_store::{CreateTaskOutcome, NewTask, Task, TaskState};
 use serde_json::{json, Value};
-use time::OffsetDateTime;
 
 use crate::SharedState;
 
@@ -16,13 +20,14 @@ pub fn intended_sticker(task: &Task) -> Option<String> {
     TaskKind::parse(&task.task_type)?.read_back_sticker(&task.payload)
 }
 
-/// Queues a read-back for an `unknown` task, ahead of the agent's other work.
+/// Queues a read-back for an `unknown` task, ahead of the agent's other work. Idempotent: the
+/// read-back key names the lost delivery, so a second call finds the first read-back.
 pub async fn schedule(state: &SharedState, task: &Task) {
     let Some(name) = intended_sticker(task) else {
         tracing::warn!(task_id = %task.id, task_type = %task.task_type, "task is unknown and has no sticker to read back; an operator must retry or cancel it");
         return;
     };
-    let now = OffsetDateTime::now_utc();
+    let now = state.config.clock.now();
     let read_back = NewTask {
         id: TaskId::new(),
         tenant_id: task.tenant_id,
@@ -34,7 +39,8 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         timeout_seconds: 30,
         priority: i32::MAX,
         side_effects: false,
-        idempotency_key: Some(format!("read-back:{}:{}", task.id, task.attempts)),
+        // One read-back per lost delivery: scheduling it again (the sweep) is harmless.
+        idempotency_key: Some(berth_store::read_back_key(task.id, task.attempts)),
         request_hash: None,
         read_back_of: Some(task.id),
         created_at: now,
@@ -50,7 +56,8 @@ pub async fn schedule(state: &SharedState, task: &Task) {
     }
 }
 
-/// Decides an `unknown` task from its finished read-back.
+/// Decides an `unknown` task from its finished read-back. Idempotent: the store only moves a
+/// task that is still `unknown`, and the evidence names the read-back, which the sweep checks.
 pub async fn resolve(state: &SharedState, parent_id: TaskId, read_back: &Task) {
     if read_back.state != TaskState::Succeeded {
         return;
@@ -73,7 +80,7 @@ pub async fn resolve(state: &SharedState, parent_id: TaskId, read_back: &Task) {
     let evidence = json!({ "readBackTaskId": read_back.id, "sticker": sticker, "found": found });
     match state
         .store
-        .resolve_read_back(parent_id, found, evidence, OffsetDateTime::now_utc())
+        .resolve_read_back(parent_id, found, evidence, state.config.clock.now())
         .await
     {
         Ok(Some(t)) => {

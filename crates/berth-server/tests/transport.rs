@@ -586,6 +586,49 @@ async fn read_back_without_proof_leaves_the_task_unknown_for_an_operator() {
 }
 
 #[tokio::test]
+async fn a_lost_rollback_that_names_its_container_only_in_its_config_is_read_back() {
+    let server = start_with(|c| c.lease_grace = Duration::ZERO).await;
+    let agent = server.agent("rolling-back").await;
+    equip(&server, &agent, &["docker"], "web").await;
+    let generation = agent.session().await;
+    let mut request = task(
+        agent.id,
+        "rollback",
+        json!({"config": {"containerName": "shop"}}),
+    );
+    request.timeout_seconds = Some(1);
+    let t = create(&server, request).await;
+    let lost = assignment(&agent, generation).await;
+    assert_eq!(lost.task_type, "rollback");
+    wait_until(Duration::from_secs(30), "unknown", || async {
+        show(&server, &t).await.state == TaskState::Unknown
+    })
+    .await;
+    let read_back = assignment(&agent, generation).await;
+    assert_eq!(read_back.task_type, "read-sticker");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&read_back.payload).unwrap()["name"],
+        "shop",
+        "the sticker named by config.containerName"
+    );
+    let mut evidence = ok(read_back.task_id);
+    evidence
+        .outputs
+        .insert("sticker".into(), json!({"name": "shop", "taskId": t.id}));
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(read_back.assignment_id, evidence)),
+        )
+        .await
+        .unwrap();
+    let shown = show(&server, &t).await;
+    assert_eq!(shown.state, TaskState::Succeeded);
+    assert!(shown.read_back);
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn cancellation_reaches_a_running_task_through_the_poll() {
     let server = start().await;
     let agent = server.agent("canceller").await;
@@ -954,7 +997,12 @@ async fn a_poll_without_the_capability_fails_the_task_closed_instead_of_running_
     .await;
     let check = create(&server, task(agent.id, "inspect", json!({}))).await;
     // The agent's poll no longer lists docker (its engine was removed since the create).
-    let a = assignment(&agent, generation).await;
+    let a = agent
+        .poll_offering(generation, &[])
+        .await
+        .expect("poll")
+        .assignment
+        .expect("an assignment");
     assert_eq!(a.task_id, check.id, "the next runnable task is handed out");
     let shown = show(&server, &deploy).await;
     assert_eq!(shown.state, TaskState::Failed);

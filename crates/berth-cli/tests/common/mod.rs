@@ -47,6 +47,7 @@ const SCRUBBED_ENV: &[&str] = &[
     "BERTH_REGISTRATION_TOKEN",
     "BERTH_CA_FINGERPRINT",
     "BERTH_AGENT_STATE_DIR",
+    "BERTH_FAULT_CRASH_AFTER",
     "RUST_LOG",
 ];
 
@@ -367,12 +368,24 @@ impl Server {
         args: &[&str],
         admin_token: Option<&str>,
     ) -> Server {
+        Server::start_with_env(data_dir, listen, args, admin_token, &[])
+    }
+
+    /// [`Server::start_at`] with extra environment variables (e.g. `BERTH_FAULT_CRASH_AFTER`).
+    pub fn start_with_env(
+        data_dir: &Path,
+        listen: &str,
+        args: &[&str],
+        admin_token: Option<&str>,
+        env: &[(&str, &str)],
+    ) -> Server {
         let mut cmd = command(BERTH);
         cmd.arg("server")
             .arg("--data-dir")
             .arg(data_dir)
             .args(["--listen", listen])
-            .args(args);
+            .args(args)
+            .envs(env.iter().copied());
         let mut proc = Proc::spawn("berth server", cmd);
         let lines = proc.take_stderr_lines();
         let deadline = Instant::now() + SETTLE;

@@ -555,6 +555,7 @@ async fn after_result(state: &SharedState, task: &Task) {
         state.wakeups.wake_after(task.agent_id, delay);
     }
     if let Some(parent) = task.read_back_of {
+        crate::fault::crash_after("read-back-result");
         crate::readback::resolve(state, parent, task).await;
     }
 }

@@ -176,14 +176,24 @@ impl TestAgent {
             .generation
     }
 
+    /// Polls offering every capability, as an agent on a host with Docker and compose would.
     pub async fn poll(
         &self,
         generation: i64,
     ) -> Result<AgentTaskPollResponse, berth_client::ClientError> {
+        self.poll_offering(generation, &["docker", "compose", "ssh"])
+            .await
+    }
+
+    pub async fn poll_offering(
+        &self,
+        generation: i64,
+        capabilities: &[&str],
+    ) -> Result<AgentTaskPollResponse, berth_client::ClientError> {
         let request = AgentTaskPollRequest {
             contract_version: CONTRACT_VERSION.into(),
             agent_id: self.id,
-            capabilities: vec![],
+            capabilities: capabilities.iter().map(|c| c.to_string()).collect(),
         };
         let g = generation.to_string();
         self.client

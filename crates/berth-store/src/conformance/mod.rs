@@ -74,6 +74,7 @@ macro_rules! conformance_cases {
             task_cancel,
             task_retry,
             lease_expiry,
+            read_back_sweep,
             delete_agent_tasks,
             task_tenant_isolation,
             list_tasks,

@@ -1,5 +1,5 @@
 //! Conformance cases of tasks: idempotent creation, claim order, fencing, results, cancellation,
-//! retry, lease expiry, deleted agents, tenant isolation, listing and wake-ups.
+//! retry, lease expiry, the read-back sweep, deleted agents, tenant isolation, listing and wake-ups.
 
 use super::*;
 
@@ -915,6 +915,198 @@ pub async fn lease_expiry(store: &DynStore) {
     assert_eq!(
         task_now(store, &cancel_me).await.0.state,
         TaskState::Cancelled
+    );
+}
+
+/// Every page of [`TaskStore::unknown_without_read_back`], one task per page (the paging is part
+/// of the contract), as ids.
+async fn unknown_without_read_back(store: &DynStore) -> Vec<TaskId> {
+    let (mut ids, mut after) = (Vec::new(), None);
+    loop {
+        let page = store
+            .unknown_without_read_back(after, 1)
+            .await
+            .expect("unknown without read-back");
+        assert!(page.len() <= 1, "the limit holds");
+        let Some(task) = page.first() else {
+            return ids;
+        };
+        assert_eq!(task.state, TaskState::Unknown);
+        ids.push(task.id);
+        after = Some(task.id);
+    }
+}
+
+/// Every page of [`TaskStore::finished_read_backs_of_unknown`], one read-back per page.
+async fn finished_read_backs(store: &DynStore) -> Vec<Task> {
+    let (mut all, mut after) = (Vec::new(), None);
+    loop {
+        let page = store
+            .finished_read_backs_of_unknown(after, 1)
+            .await
+            .expect("finished read-backs");
+        assert!(page.len() <= 1, "the limit holds");
+        let Some(read_back) = page.first() else {
+            return all;
+        };
+        assert_eq!(read_back.state, TaskState::Succeeded);
+        after = read_back.read_back_of;
+        all.push(read_back.clone());
+    }
+}
+
+/// The read-back the server schedules for an `unknown` task.
+fn read_back_task(parent: &Task, at: OffsetDateTime) -> NewTask {
+    NewTask {
+        task_type: "read-sticker".to_string(),
+        payload: serde_json::json!({"name": "web"}),
+        priority: i32::MAX,
+        idempotency_key: Some(crate::read_back_key(parent.id, parent.attempts)),
+        read_back_of: Some(parent.id),
+        ..new_task(parent.tenant_id, parent.agent_id, at)
+    }
+}
+
+pub async fn read_back_sweep(store: &DynStore) {
+    // Far-past epoch: see `sweep`.
+    let t = datetime!(1997-07-01 00:00:00 UTC);
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("read-back")).await;
+    let doomed = register(store, tenant.id, new_agent("read-back-doomed")).await;
+    let generation = session(store, &agent, now()).await;
+    let doomed_generation = session(store, &doomed, now()).await;
+
+    // Three side-effecting tasks lose their lease: unknown, none read back yet.
+    let mut lost = Vec::new();
+    for owner in [&agent, &agent, &doomed] {
+        create(store, deploy_task(tenant.id, owner.id, t)).await;
+    }
+    // One side-effecting task of an agent at a time: the second is claimed after the first
+    // lease was lost.
+    let (_, first) = claimed(store, &agent, generation, t).await;
+    claimed(store, &doomed, doomed_generation, t).await;
+    let swept = sweep(store, first.lease_expires_at).await;
+    assert_eq!(swept.unknown.len(), 2);
+    lost.extend(swept.unknown);
+    let (_, second) = claimed(store, &agent, generation, first.lease_expires_at).await;
+    let swept = sweep(store, second.lease_expires_at).await;
+    assert_eq!(swept.unknown.len(), 1);
+    lost.extend(swept.unknown);
+    lost.sort_by_key(|task| task.id);
+    let ids: Vec<TaskId> = lost.iter().map(|task| task.id).collect();
+    assert_eq!(unknown_without_read_back(store).await, ids, "by id, paged");
+    assert!(finished_read_backs(store).await.is_empty());
+
+    // A deleted agent's unknown task cannot be read back: it is not listed.
+    let orphan = lost
+        .iter()
+        .position(|task| task.agent_id == doomed.id)
+        .expect("the doomed agent's task");
+    let orphan = lost.remove(orphan);
+    assert!(store
+        .delete_agent(tenant.id, doomed.id)
+        .await
+        .expect("delete agent"));
+    assert_eq!(task_now(store, &orphan).await.0.state, TaskState::Unknown);
+    let (a, b) = (lost[0].clone(), lost[1].clone());
+    assert_eq!(unknown_without_read_back(store).await, vec![a.id, b.id]);
+
+    // A read-back under another delivery's key is not the read-back of this loss.
+    let mut stale = read_back_task(&a, t);
+    stale.idempotency_key = Some(crate::read_back_key(a.id, a.attempts + 1));
+    let stale = create(store, stale).await;
+    assert_eq!(unknown_without_read_back(store).await, vec![a.id, b.id]);
+    store
+        .cancel_task(tenant.id, stale.id, t)
+        .await
+        .expect("cancel");
+
+    // Scheduled: no longer listed, whatever becomes of the read-back; the key makes a second
+    // schedule return the same read-back.
+    let read_back = create(store, read_back_task(&a, t)).await;
+    assert_eq!(unknown_without_read_back(store).await, vec![b.id]);
+    match store
+        .create_task(read_back_task(&a, t + Duration::seconds(5)))
+        .await
+        .expect("schedule again")
+    {
+        CreateTaskOutcome::Existing(existing) => assert_eq!(existing.id, read_back.id),
+        other => panic!("expected the existing read-back, got {other:?}"),
+    }
+    assert!(finished_read_backs(store).await.is_empty(), "still open");
+
+    // It succeeds: finished, until the parent's result names it.
+    let (claimed_back, attempt) = claimed(store, &agent, generation, t).await;
+    assert_eq!(claimed_back.id, read_back.id, "read-backs come first");
+    recorded(
+        store,
+        completion(&agent, generation, &attempt, AttemptResult::Succeeded, t),
+    )
+    .await;
+    let finished = finished_read_backs(store).await;
+    assert_eq!(
+        finished.iter().map(|rb| rb.id).collect::<Vec<_>>(),
+        vec![read_back.id]
+    );
+    assert_eq!(finished[0].read_back_of, Some(a.id));
+    // Some other evidence does not apply it.
+    store
+        .resolve_read_back(a.id, false, serde_json::json!({"found": false}), t)
+        .await
+        .expect("read back")
+        .expect("unknown task");
+    assert_eq!(finished_read_backs(store).await.len(), 1);
+    let evidence = serde_json::json!({"readBackTaskId": read_back.id, "found": false});
+    store
+        .resolve_read_back(a.id, false, evidence, t)
+        .await
+        .expect("read back")
+        .expect("unknown task");
+    assert!(finished_read_backs(store).await.is_empty(), "applied");
+    assert_eq!(
+        unknown_without_read_back(store).await,
+        vec![b.id],
+        "one read-back per lost delivery: the undecided task waits for an operator"
+    );
+
+    // A read-back that ends without deciding (it failed) is never finished, and not redone.
+    let failing = create(store, read_back_task(&b, t)).await;
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    assert_eq!(attempt.task_id, failing.id);
+    recorded(
+        store,
+        completion(&agent, generation, &attempt, failed(false), t),
+    )
+    .await;
+    assert!(unknown_without_read_back(store).await.is_empty());
+    assert!(finished_read_backs(store).await.is_empty());
+
+    // Retried, and lost again on its first delivery after the retry: `attempts` counts from 1
+    // again, and the retry released the earlier read-back's key, so this loss gets its own.
+    store.retry_task(tenant.id, b.id, t).await.expect("retry");
+    assert_eq!(task_now(store, &failing).await.0.idempotency_key, None);
+    let (_, first) = claimed(store, &agent, generation, t).await;
+    assert_eq!(first.task_id, b.id);
+    let swept = sweep(store, first.lease_expires_at).await;
+    assert_eq!(swept.unknown.len(), 1);
+    let b = swept.unknown[0].clone();
+    assert_eq!(b.attempts, 1);
+    assert_eq!(unknown_without_read_back(store).await, vec![b.id]);
+    let again = create(store, read_back_task(&b, t)).await;
+    assert_ne!(again.id, failing.id);
+    assert!(unknown_without_read_back(store).await.is_empty());
+    // The earlier read-back, keyless now, is never taken for this loss's.
+    let (_, attempt) = claimed(store, &agent, generation, t).await;
+    assert_eq!(attempt.task_id, again.id);
+    recorded(
+        store,
+        completion(&agent, generation, &attempt, AttemptResult::Succeeded, t),
+    )
+    .await;
+    let finished = finished_read_backs(store).await;
+    assert_eq!(
+        finished.iter().map(|rb| rb.id).collect::<Vec<_>>(),
+        vec![again.id]
     );
 }
 

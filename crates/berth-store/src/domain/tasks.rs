@@ -215,6 +215,13 @@ pub struct LeaseSweep {
     pub dead_lettered: u64,
 }
 
+/// The idempotency key of the read-back of `task`'s lost delivery number `attempts`: one
+/// read-back per lost delivery. The read-back sweep ([`TaskStore::unknown_without_read_back`],
+/// [`TaskStore::finished_read_backs_of_unknown`]) finds a task's read-back by this key.
+pub fn read_back_key(task: TaskId, attempts: u32) -> String {
+    format!("read-back:{task}:{attempts}")
+}
+
 /// Tasks, their deliveries and the wake-ups of long-polls. Part of [`crate::Store`].
 #[async_trait::async_trait]
 pub trait TaskStore: Send + Sync {
@@ -282,6 +289,10 @@ pub trait TaskStore: Send + Sync {
         id: TaskId,
         now: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>>;
+    /// Unknown or dead_letter: back to `pending` with a fresh attempt budget (`attempts = 0`).
+    /// In the same transaction the task's read-backs lose their idempotency keys: they were
+    /// about losses before the retry, and [`read_back_key`] counts from 1 again, so a delivery
+    /// lost after the retry gets a read-back of its own.
     async fn retry_task(
         &self,
         tenant: TenantId,
@@ -306,6 +317,29 @@ pub trait TaskStore: Send + Sync {
         evidence: serde_json::Value,
         now: OffsetDateTime,
     ) -> Result<Option<Task>>;
+
+    /// The read-back sweep, part one: `unknown` tasks whose lost delivery has no read-back yet,
+    /// that is, no task of their tenant holds [`read_back_key`]`(id, attempts)`, and whose agent
+    /// still exists (a deleted agent's task cannot be read back). A read-back that exists counts
+    /// whatever its state (open, succeeded, or ended without deciding): one per lost delivery,
+    /// so a task whose read-back failed stays `unknown` for an operator. Ordered by id, after
+    /// `after`, at most `limit`.
+    async fn unknown_without_read_back(
+        &self,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Vec<Task>>;
+
+    /// The read-back sweep, part two: read-backs that `succeeded` while their parent
+    /// (`read_back_of`) is still `unknown`, not yet applied. A read-back counts only if it holds
+    /// its parent's current [`read_back_key`]; it is applied once the parent's `result` names it
+    /// as `readBackTaskId` (the evidence the server passes to [`Self::resolve_read_back`]).
+    /// Ordered by parent id, after `after` (a parent id), at most `limit`.
+    async fn finished_read_backs_of_unknown(
+        &self,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Vec<Task>>;
 
     /// Wakes long-polls: yields the agent id each time a task for it becomes claimable or a
     /// cancellation is requested — in this process and, on PostgreSQL, in every replica

@@ -530,6 +530,16 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         let task = rows::read_task(&row)?;
+        // The read-backs of the losses before the retry are history: their keys go, so a
+        // delivery lost after it gets a read-back of its own.
+        sqlx::query(
+            "UPDATE tasks SET idempotency_key = NULL \
+             WHERE read_back_of = $1 AND idempotency_key IS NOT NULL",
+        )
+        .bind(id.0)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
         notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(Some(RetryOutcome::Requeued(task)))
@@ -631,6 +641,61 @@ impl TaskStore for PostgresStore {
         .map_err(db_error("resolve read-back"))?
         .map(|row| rows::read_task(&row))
         .transpose()
+    }
+
+    async fn unknown_without_read_back(
+        &self,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Vec<Task>> {
+        sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks p WHERE p.state = 'unknown' AND ($1::uuid IS NULL OR p.id > $1) \
+             AND EXISTS (SELECT 1 FROM agents a \
+                         WHERE a.id = p.agent_id AND a.tenant_id = p.tenant_id) \
+             AND NOT EXISTS (SELECT 1 FROM tasks rb \
+                             WHERE rb.tenant_id = p.tenant_id \
+                             AND rb.idempotency_key = \
+                                 'read-back:' || p.id::text || ':' || p.attempts::text) \
+             ORDER BY p.id LIMIT $2"
+        ))
+        .bind(after.map(|id| id.0))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error("unknown tasks without read-back"))?
+        .iter()
+        .map(rows::read_task)
+        .collect()
+    }
+
+    async fn finished_read_backs_of_unknown(
+        &self,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Vec<Task>> {
+        sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE id IN ( \
+                 SELECT rb.id FROM tasks p JOIN tasks rb \
+                 ON rb.tenant_id = p.tenant_id \
+                 AND rb.idempotency_key = 'read-back:' || p.id::text || ':' || p.attempts::text \
+                 WHERE p.state = 'unknown' AND ($1::uuid IS NULL OR p.id > $1) \
+                 AND rb.read_back_of = p.id AND rb.state = 'succeeded' \
+                 AND (p.result ->> 'readBackTaskId') IS DISTINCT FROM rb.id::text \
+                 ORDER BY p.id LIMIT $2) \
+             ORDER BY read_back_of"
+        ))
+        .bind(after.map(|id| id.0))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error("finished read-backs of unknown tasks"))?
+        .iter()
+        .map(rows::read_task)
+        .collect()
     }
 
     fn task_events(&self) -> broadcast::Receiver<AgentId> {

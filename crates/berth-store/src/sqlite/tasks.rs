@@ -537,6 +537,13 @@ impl TaskStore for SqliteStore {
                     params![id_text(id.0), now],
                     |row| rows::read_task(row),
                 )?;
+                // The read-backs of the losses before the retry are history: their keys go, so
+                // a delivery lost after it gets a read-back of its own.
+                tx.execute(
+                    "UPDATE tasks SET idempotency_key = NULL \
+                     WHERE read_back_of = ?1 AND idempotency_key IS NOT NULL",
+                    params![id_text(id.0)],
+                )?;
                 Ok(Some(RetryOutcome::Requeued(task)))
             })
             .await?;
@@ -637,6 +644,64 @@ impl TaskStore for SqliteStore {
                         task_columns!()
                     ),
                     params![id_text(id.0), found, evidence, unix_millis(now)],
+                    |row| rows::read_task(row),
+                )
+            })
+            .await
+    }
+
+    async fn unknown_without_read_back(
+        &self,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Vec<Task>> {
+        // Ids are lower-case hyphenated text: '' sorts before all of them.
+        let after = after.map(|id| id_text(id.0)).unwrap_or_default();
+        self.readers
+            .read("unknown tasks without read-back", move |db| {
+                db.all(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks p WHERE p.state = 'unknown' AND p.id > ?1 \
+                         AND EXISTS (SELECT 1 FROM agents a \
+                                     WHERE a.id = p.agent_id AND a.tenant_id = p.tenant_id) \
+                         AND NOT EXISTS (SELECT 1 FROM tasks rb \
+                                         WHERE rb.tenant_id = p.tenant_id \
+                                         AND rb.idempotency_key = \
+                                             'read-back:' || p.id || ':' || p.attempts) \
+                         ORDER BY p.id LIMIT ?2"
+                    ),
+                    params![after, i64::from(limit)],
+                    |row| rows::read_task(row),
+                )
+            })
+            .await
+    }
+
+    async fn finished_read_backs_of_unknown(
+        &self,
+        after: Option<TaskId>,
+        limit: u32,
+    ) -> Result<Vec<Task>> {
+        let after = after.map(|id| id_text(id.0)).unwrap_or_default();
+        self.readers
+            .read("finished read-backs of unknown tasks", move |db| {
+                db.all(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks WHERE id IN ( \
+                             SELECT rb.id FROM tasks p JOIN tasks rb \
+                             ON rb.tenant_id = p.tenant_id \
+                             AND rb.idempotency_key = 'read-back:' || p.id || ':' || p.attempts \
+                             WHERE p.state = 'unknown' AND p.id > ?1 \
+                             AND rb.read_back_of = p.id AND rb.state = 'succeeded' \
+                             AND json_extract(p.result, '$.readBackTaskId') IS NOT rb.id \
+                             ORDER BY p.id LIMIT ?2) \
+                         ORDER BY read_back_of"
+                    ),
+                    params![after, i64::from(limit)],
                     |row| rows::read_task(row),
                 )
             })
