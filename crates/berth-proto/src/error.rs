@@ -39,6 +39,8 @@ pub mod codes {
     pub const CONFLICT: &str = "CONFLICT";
     /// A uniqueness rule of the store refused the write; the detail names which.
     pub const CONSTRAINT_CONFLICT: &str = "CONSTRAINT_CONFLICT";
+    /// An `Idempotency-Key` in the server's own namespace (`read-back:…`).
+    pub const IDEMPOTENCY_KEY_RESERVED: &str = "IDEMPOTENCY_KEY_RESERVED";
     pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
     pub const FORBIDDEN: &str = "FORBIDDEN";
     pub const OPERATOR_ONLY: &str = "OPERATOR_ONLY";

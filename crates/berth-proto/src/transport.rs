@@ -135,7 +135,8 @@ pub struct AgentTaskAssignment {
     pub assigned_at: OffsetDateTime,
     /// TimeSpan (`hh:mm:ss`): the agent kills the work after this long.
     pub timeout: String,
-    /// Stable across deliveries of one task: the agent's journal key.
+    /// Stable across deliveries of one task: the agent's journal key. Derived by the server from
+    /// the tenant and the task, never from a client's `Idempotency-Key`.
     pub idempotency_key: String,
     /// When the server stops waiting for this delivery's result.
     #[serde(with = "crate::rfc3339")]

@@ -1010,3 +1010,55 @@ async fn a_poll_without_the_capability_fails_the_task_closed_instead_of_running_
     assert!(shown.attempts.is_empty(), "never delivered");
     server.stop().await;
 }
+
+/// The agent journals a delivery under the assignment's `idempotencyKey` and answers a
+/// redelivery from it. That key is the server's: a client naming another task's id (or a
+/// read-back's key) in `Idempotency-Key` reaches neither that task's journal entry nor the
+/// server's own keys.
+#[tokio::test]
+async fn journal_keys_are_the_servers_and_clients_cannot_write_internal_keys() {
+    let server = start().await;
+    let agent = server.agent("journal").await;
+    let generation = agent.session().await;
+    let admin = server.admin();
+    let first = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let a1 = assignment(&agent, generation).await;
+    agent
+        .submit(
+            generation,
+            agent.sign(agent.envelope(a1.assignment_id, ok(first.id))),
+        )
+        .await
+        .expect("first result");
+    let second = admin
+        .send_with(
+            &task(agent.id, "inspect", json!({})),
+            &[(
+                berth_proto::headers::IDEMPOTENCY_KEY_HEADER,
+                &first.id.to_string(),
+            )],
+            None,
+        )
+        .await
+        .expect("created with another task's id as its key");
+    assert_ne!(second.id, first.id);
+    let a2 = assignment(&agent, generation).await;
+    assert_eq!(a2.task_id, second.id);
+    assert_ne!(a2.idempotency_key, a1.idempotency_key);
+    assert_ne!(a2.idempotency_key, first.id.to_string());
+    assert!(a2.idempotency_key.contains(&second.id.to_string()));
+    // The read-back namespace is the server's.
+    let err = admin
+        .send_with(
+            &task(agent.id, "inspect", json!({})),
+            &[(
+                berth_proto::headers::IDEMPOTENCY_KEY_HEADER,
+                &format!("read-back:{}:1", first.id),
+            )],
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "IDEMPOTENCY_KEY_RESERVED".into()));
+    server.stop().await;
+}

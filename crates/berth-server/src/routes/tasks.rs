@@ -129,7 +129,7 @@ async fn select_agent(
         (status = 201, body = TaskView, description = "created"),
         (status = 200, body = TaskView, description = "the task this Idempotency-Key created before"),
         (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body"),
-        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD, CAPABILITY_MISSING or NO_MATCHING_AGENT"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD, CAPABILITY_MISSING, IDEMPOTENCY_KEY_RESERVED or NO_MATCHING_AGENT"),
     ))]
 pub async fn create(
     State(state): State<SharedState>,
@@ -153,6 +153,16 @@ pub async fn create(
             )
         }
     };
+    if idempotency_key
+        .as_deref()
+        .is_some_and(berth_store::is_internal_key)
+    {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::IDEMPOTENCY_KEY_RESERVED,
+            "Idempotency-Key may not start with \"read-back:\", the server's own namespace",
+        ));
+    }
     let kind = TaskKind::parse(&req.task_type).ok_or_else(|| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,

@@ -294,13 +294,18 @@ fn assignment(
         variables: task.variables.clone(),
         assigned_at: attempt.assigned_at,
         timeout: transport::format_timespan(Duration::from_secs(task.timeout_seconds.into())),
-        idempotency_key: task
-            .idempotency_key
-            .clone()
-            .unwrap_or_else(|| task.id.to_string()),
+        idempotency_key: journal_key(task),
         expires_at: attempt.lease_expires_at,
         side_effects: task.side_effects,
     })
+}
+
+/// The agent's journal key for a task: derived by the server from the tenant and the task, so it
+/// is unique per task and no client can choose it (a client's `Idempotency-Key` only dedupes
+/// creates; naming another task's id there must not make the agent answer from that task's
+/// journal entry).
+fn journal_key(task: &Task) -> String {
+    format!("{}/{}", task.tenant_id, task.id)
 }
 
 fn unsupported_contract(state: &SharedState, version: &str) -> ApiError {

@@ -219,7 +219,16 @@ pub struct LeaseSweep {
 /// read-back per lost delivery. The read-back sweep ([`TaskStore::unknown_without_read_back`],
 /// [`TaskStore::finished_read_backs_of_unknown`]) finds a task's read-back by this key.
 pub fn read_back_key(task: TaskId, attempts: u32) -> String {
-    format!("read-back:{task}:{attempts}")
+    format!("{READ_BACK_KEY_PREFIX}{task}:{attempts}")
+}
+
+const READ_BACK_KEY_PREFIX: &str = "read-back:";
+
+/// Whether an idempotency key is in the server's own namespace (read-backs), which a client's
+/// `Idempotency-Key` may never use: a client key there could stop a read-back from being
+/// created.
+pub fn is_internal_key(key: &str) -> bool {
+    key.starts_with(READ_BACK_KEY_PREFIX)
 }
 
 /// Tasks, their deliveries and the wake-ups of long-polls. Part of [`crate::Store`].
