@@ -1043,3 +1043,49 @@ fn two_replicas_on_postgres_wake_across_replicas_and_fence_together() {
     );
     agent.proc.assert_running();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Journal keys are the server's
+// ---------------------------------------------------------------------------------------------
+
+/// A task created with another task's id as its `Idempotency-Key` must run: the agent's
+/// journal is keyed by the server, so it cannot be made to answer the new task with the old
+/// task's recorded result.
+#[test]
+fn a_client_key_naming_another_task_does_not_replay_its_journal_entry() {
+    let tmp = tempdir();
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let agent = Agent::register(&server, tmp.path(), "journaled", &[]);
+    let first = server.create_task(&agent.id, "write-sticker", &json!({"name": "one"}), None);
+    let first_id = id_of(&first);
+    server.wait_task_state(&first_id, TASK, "succeeded");
+    let second = server.cli(&[
+        "task",
+        "create",
+        "--agent",
+        &agent.id,
+        "--type",
+        "write-sticker",
+        "--payload",
+        r#"{"name": "two"}"#,
+        "--idempotency-key",
+        &first_id,
+    ]);
+    let second_id = id_of(&second);
+    assert_ne!(second_id, first_id);
+    let done = server.wait_task_state(&second_id, TASK, "succeeded");
+    assert_eq!(
+        done["result"]["outputs"]["sticker"]["name"], "two",
+        "answered with another task's result: {done}"
+    );
+    let history = agent.history();
+    assert_eq!(count(&history, &first_id), 1, "{history:?}");
+    assert_eq!(
+        count(&history, &second_id),
+        1,
+        "the second task ran: {history:?}"
+    );
+}
