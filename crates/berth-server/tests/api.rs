@@ -475,8 +475,21 @@ async fn roles_and_tenants_are_enforced() {
 async fn heartbeats_drive_status() {
     let server = start().await;
     let agent = server.agent("beater").await;
-    let generation = agent.session().await;
     let admin = server.admin();
+    // Registered, no heartbeat yet: shown as registered, not online (issue 9 item 8).
+    let shown = admin.send(&GetAgent { id: agent.id }).await.unwrap();
+    assert_eq!(shown.status, AgentStatus::Registered);
+    let online = ListAgents {
+        status: Some(AgentStatus::Online),
+        ..Default::default()
+    };
+    assert!(admin.send(&online).await.unwrap().items.is_empty());
+    let generation = agent.session().await;
+    // An agent cannot claim to be merely registered.
+    let err = beat(&agent.client, agent.id, generation, AgentStatus::Registered)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));
     let ack = beat(&agent.client, agent.id, generation, AgentStatus::Degraded)
         .await
         .unwrap();
@@ -488,10 +501,6 @@ async fn heartbeats_drive_status() {
     beat(&agent.client, agent.id, generation, AgentStatus::Online)
         .await
         .unwrap();
-    let online = ListAgents {
-        status: Some(AgentStatus::Online),
-        ..Default::default()
-    };
     assert_eq!(admin.send(&online).await.unwrap().items.len(), 1);
     // Silence: offline after three 1 s intervals.
     wait_until(

@@ -1103,6 +1103,12 @@ async fn a_selector_picks_the_capable_agent_with_the_fewest_open_tasks() {
     let busy = server.agent("busy").await;
     let idle = server.agent("idle").await;
     let incapable = server.agent("incapable").await;
+    let registered = server.agent("registered").await;
+    for agent in [&busy, &idle, &incapable] {
+        agent.go_online().await;
+    }
+    // Never heartbeated: capable and labelled, but not online, so never selected.
+    equip(&server, &registered, &["docker"], "web").await;
     for agent in [&busy, &idle] {
         equip(&server, agent, &["docker"], "web").await;
     }

@@ -236,7 +236,7 @@ enum TenantCommand {
 }
 
 fn parse_status(s: &str) -> Result<AgentStatus, String> {
-    AgentStatus::parse(s).ok_or_else(|| "one of online, degraded, offline".into())
+    AgentStatus::parse(s).ok_or_else(|| "one of registered, online, degraded, offline".into())
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
