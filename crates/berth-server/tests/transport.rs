@@ -1043,30 +1043,6 @@ async fn create_refuses_unsafe_names_limits_and_deceptive_labels() {
         .await
         .unwrap_err();
     assert_eq!(code(&err), (422, "INVALID_LABEL".into()));
-    // A number the host would see as a different number is refused, naming where it is.
-    let response = server
-        .raw(None)
-        .post(format!("{}/api/v1/tasks", server.url))
-        .header("authorization", format!("Bearer {}", server.admin_token))
-        .header("content-type", "application/json")
-        .body(format!(
-            r#"{{"type": "write-sticker", "agentId": "{}",
-                "payload": {{"name": "n", "extra": {{"big": 123456789012345678901234567890}}}}}}"#,
-            plain.id
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 422);
-    let body: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(body["code"], "INVALID_PAYLOAD", "{body}");
-    assert!(
-        body["detail"]
-            .as_str()
-            .unwrap()
-            .contains("/payload/extra/big"),
-        "{body}"
-    );
     let queued = server.admin().send(&ListTasks::default()).await.unwrap();
     assert!(queued.items.is_empty(), "a refused create queued nothing");
     // The limits themselves, a safe name and exact numbers pass, and read back unchanged.
@@ -1094,6 +1070,41 @@ async fn create_refuses_unsafe_names_limits_and_deceptive_labels() {
         ),
     )
     .await;
+    server.stop().await;
+}
+
+/// Issue 9 item 9: `123456789012345678901234567890` in a payload reached the host as
+/// `1.2345678901234568e+29`; it is refused at create, naming where it is.
+#[tokio::test]
+async fn create_refuses_a_number_the_host_would_not_receive_exactly() {
+    let server = start().await;
+    let plain = server.agent("plain").await;
+    // A number the host would see as a different number is refused, naming where it is.
+    let response = server
+        .raw(None)
+        .post(format!("{}/api/v1/tasks", server.url))
+        .header("authorization", format!("Bearer {}", server.admin_token))
+        .header("content-type", "application/json")
+        .body(format!(
+            r#"{{"type": "write-sticker", "agentId": "{}",
+                "payload": {{"name": "n", "extra": {{"big": 123456789012345678901234567890}}}}}}"#,
+            plain.id
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["code"], "INVALID_PAYLOAD", "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("/payload/extra/big"),
+        "{body}"
+    );
+    let queued = server.admin().send(&ListTasks::default()).await.unwrap();
+    assert!(queued.items.is_empty(), "a refused create queued nothing");
     server.stop().await;
 }
 
