@@ -37,7 +37,7 @@ impl Server {
     }
 
     /// Waits until an agent named `name` is listed `online` with a heartbeat (registration alone
-    /// also shows `online`, before the agent has entered its heartbeat loop), and returns it.
+    /// shows `registered`), and returns it.
     fn wait_online_by_name(&self, name: &str) -> Value {
         wait_for(
             SETTLE,

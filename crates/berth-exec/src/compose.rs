@@ -13,7 +13,7 @@
 //! project name and directory are validated first. Never a shell.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use berth_proto::kind::TaskKind;
@@ -229,17 +229,9 @@ pub(crate) fn verify_lock(
 
 /// An absolute, normalized directory that is not `/`.
 fn validate_directory(dir: &str) -> Result<PathBuf, ExecError> {
-    let path = Path::new(dir);
-    // `Path::components` drops inner `.`; look at the text too.
-    let normal = path.is_absolute()
-        && !dir.contains('\0')
-        && !dir.split('/').any(|c| c == "." || c == "..")
-        && path
-            .components()
-            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
-        && path.components().count() > 1;
-    if normal {
-        Ok(path.to_path_buf())
+    // The rule is `berth_proto::payload`'s, so create refuses what this does.
+    if berth_proto::payload::valid_directory(dir) {
+        Ok(PathBuf::from(dir))
     } else {
         Err(ExecError::InvalidPayload(format!(
             "config.deploymentDirectory {dir:?} must be an absolute path other than /, without . or .."

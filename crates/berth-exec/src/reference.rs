@@ -117,22 +117,10 @@ pub(crate) fn parse_image(reference: &str) -> Result<ImageRef, String> {
 }
 
 /// Docker's container name grammar, with room left for `-previous-<unix ms>`.
-pub(crate) fn valid_container_name(name: &str) -> bool {
-    (1..=100).contains(&name.len())
-        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-}
+pub(crate) use berth_proto::payload::valid_container_name;
 
-/// Compose project names as both compose v1 and v2 accept them unchanged.
-pub(crate) fn valid_project_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
-}
+/// Compose project names: the rule is `berth_proto::payload`'s, so create refuses what this does.
+pub(crate) use berth_proto::payload::valid_project_name;
 
 #[cfg(test)]
 mod tests {

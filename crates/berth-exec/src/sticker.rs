@@ -67,13 +67,7 @@ impl StickerStore {
     }
 
     fn path(&self, name: &str) -> Result<PathBuf, StickerError> {
-        let ok = !name.is_empty()
-            && name.len() <= 128
-            && !name.starts_with('.')
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-        if ok {
+        if berth_proto::payload::valid_sticker_name(name) {
             Ok(self.dir.join(format!("{name}.json")))
         } else {
             Err(StickerError::InvalidName(name.to_string()))

@@ -95,6 +95,10 @@ pub struct ResourceUsage {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum AgentStatus {
+    /// Registered, but no heartbeat yet: shown as such, never picked by a selector. The
+    /// staleness sweep makes it `offline` three heartbeat intervals after registration, as it
+    /// does an agent whose heartbeats stopped; it is never made `degraded`.
+    Registered,
     Online,
     Degraded,
     Offline,
@@ -103,6 +107,7 @@ pub enum AgentStatus {
 impl AgentStatus {
     pub fn as_str(self) -> &'static str {
         match self {
+            AgentStatus::Registered => "registered",
             AgentStatus::Online => "online",
             AgentStatus::Degraded => "degraded",
             AgentStatus::Offline => "offline",
@@ -111,6 +116,7 @@ impl AgentStatus {
 
     pub fn parse(s: &str) -> Option<AgentStatus> {
         match s {
+            "registered" => Some(AgentStatus::Registered),
             "online" => Some(AgentStatus::Online),
             "degraded" => Some(AgentStatus::Degraded),
             "offline" => Some(AgentStatus::Offline),

@@ -76,6 +76,17 @@ pub mod codes {
     pub const INVALID_PAYLOAD: &str = "INVALID_PAYLOAD";
     /// The agent named does not report the capability the task type needs.
     pub const CAPABILITY_MISSING: &str = "CAPABILITY_MISSING";
+    /// More credentials in one task than [`crate::task::MAX_CREDENTIALS`], or one over
+    /// [`crate::task::MAX_VALUE_BYTES`].
+    pub const TOO_MANY_CREDENTIALS: &str = "TOO_MANY_CREDENTIALS";
+    /// More variables in one task than [`crate::task::MAX_VARIABLES`].
+    pub const TOO_MANY_VARIABLES: &str = "TOO_MANY_VARIABLES";
+    /// `priority` outside [`crate::task::PRIORITY_RANGE`] (the range above is the read-backs').
+    pub const PRIORITY_OUT_OF_RANGE: &str = "PRIORITY_OUT_OF_RANGE";
+    /// A label (or variable) value with a control, bidi-override or zero-width character.
+    pub const INVALID_LABEL: &str = "INVALID_LABEL";
+    /// The request headers are larger than the server reads.
+    pub const HEADERS_TOO_LARGE: &str = "HEADERS_TOO_LARGE";
 }
 
 #[cfg(test)]

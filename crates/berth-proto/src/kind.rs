@@ -7,8 +7,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::payload::{
-    CommandPayload, DeployTaskPayload, HealthCheckPayload, InspectPayload, ReadStickerPayload,
-    RollbackTaskPayload, WriteStickerPayload,
+    CheckPayload, CommandPayload, DeployTaskPayload, HealthCheckPayload, InspectPayload,
+    ReadStickerPayload, RollbackTaskPayload, WriteStickerPayload,
 };
 
 /// Seed 000's capability strings, as agents report them and `requiredCapability` names them.
@@ -52,7 +52,8 @@ pub struct KindSpec {
     /// JSON pointers into the payload naming the sticker the task writes, first match wins;
     /// empty when a lost task of this kind cannot be read back.
     pub read_back: &'static [&'static str],
-    /// Parses a payload into the kind's payload type, to refuse a bad one before it is queued.
+    /// Parses a payload into the kind's payload type and runs its [`CheckPayload`], to refuse a
+    /// bad one before it is queued.
     check_payload: fn(&serde_json::Value) -> Result<(), String>,
 }
 
@@ -67,10 +68,10 @@ pub fn decode_payload<T: DeserializeOwned>(
     }
 }
 
-fn parses<T: DeserializeOwned>(payload: &serde_json::Value) -> Result<(), String> {
+fn parses<T: DeserializeOwned + CheckPayload>(payload: &serde_json::Value) -> Result<(), String> {
     decode_payload::<T>(payload)
-        .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?
+        .check()
 }
 
 impl TaskKind {
@@ -299,6 +300,53 @@ mod tests {
             .check_payload(&json!({"command": "sh -c x"}))
             .is_err());
         assert!(TaskKind::DockerRun.check_payload(&json!([1])).is_err());
+    }
+
+    #[test]
+    fn path_like_fields_are_checked_at_decode() {
+        let bad = [
+            (
+                TaskKind::WriteSticker,
+                json!({"name": "../../tmp/pwn"}),
+                "name",
+            ),
+            (TaskKind::ReadSticker, json!({"name": ".hidden"}), "name"),
+            (
+                TaskKind::DockerRun,
+                json!({"config": {"containerName": "../x"}}),
+                "config.containerName",
+            ),
+            (
+                TaskKind::ComposeUp,
+                json!({"config": {"projectName": "../x"}}),
+                "config.projectName",
+            ),
+            (
+                TaskKind::ComposeUp,
+                json!({"config": {"projectName": "app", "deploymentDirectory": "../../tmp/pwn"}}),
+                "config.deploymentDirectory",
+            ),
+            (
+                TaskKind::Rollback,
+                json!({"containerName": "a/b"}),
+                "containerName",
+            ),
+            (
+                TaskKind::Rollback,
+                json!({"config": {"containerName": "a b"}}),
+                "config.containerName",
+            ),
+        ];
+        for (kind, payload, field) in bad {
+            let err = kind.check_payload(&payload).unwrap_err();
+            assert!(err.starts_with(&format!("{field} ")), "{kind}: {err}");
+        }
+        assert_eq!(
+            TaskKind::ComposeUp.check_payload(
+                &json!({"config": {"projectName": "app", "deploymentDirectory": "/srv/app"}})
+            ),
+            Ok(())
+        );
     }
 
     #[test]

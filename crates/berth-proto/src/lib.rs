@@ -7,6 +7,7 @@ pub mod admin;
 pub mod agent;
 pub mod error;
 pub mod ids;
+pub mod json;
 pub mod kind;
 pub mod payload;
 pub mod result;

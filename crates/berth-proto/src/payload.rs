@@ -3,14 +3,138 @@
 //! 000's `DeployTaskPayload` names (camelCase); also what the agent's `inspect` task reports about
 //! containers.
 //!
-//! Shapes only: validation (digest pinning, port syntax, path safety) belongs to the executors.
-//! Unknown fields are ignored in the deployment payloads so the control plane can add fields
+//! Names and paths that become file or container names (sticker names, `containerName`,
+//! `projectName`, `deploymentDirectory`) are checked here, by [`CheckPayload`], so the server's
+//! create and the agent's executors refuse the same payloads; the rest of the validation (digest
+//! pinning, port syntax, volume specs) belongs to the executors. Unknown fields are ignored in the deployment payloads so the control plane can add fields
 //! before every agent knows them; the built-in kinds' payloads refuse them.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+/// A sticker name: 1-128 of `A-Z a-z 0-9 . _ -`, not starting with a dot (it names a file in
+/// the agent's sticker directory).
+pub fn valid_sticker_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// A container name as the docker engine accepts it: `[A-Za-z0-9][A-Za-z0-9_.-]`, 1-100 long.
+pub fn valid_container_name(name: &str) -> bool {
+    (1..=100).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// Compose project names as both compose v1 and v2 accept them unchanged:
+/// `[a-z0-9][a-z0-9_-]`, 1-64 long.
+pub fn valid_project_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
+}
+
+/// An absolute, normalized directory other than `/`: no `.` or `..` components, no empty
+/// components (`//`), no NUL.
+pub fn valid_directory(dir: &str) -> bool {
+    dir.len() > 1
+        && dir.starts_with('/')
+        && !dir.contains('\0')
+        && dir
+            .trim_end_matches('/')
+            .split('/')
+            .skip(1)
+            .all(|c| !c.is_empty() && c != "." && c != "..")
+}
+
+/// The checks a payload type makes after it decodes: names and paths. Absent optional fields
+/// pass; the executor says when it needs them.
+pub trait CheckPayload {
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+fn check_field(
+    field: &str,
+    value: Option<&str>,
+    ok: fn(&str) -> bool,
+    rule: &str,
+) -> Result<(), String> {
+    match value {
+        Some(v) if !ok(v) => Err(format!(
+            "{field} {:?} is invalid: {rule}",
+            v.chars().take(64).collect::<String>()
+        )),
+        _ => Ok(()),
+    }
+}
+
+const STICKER_RULE: &str = "1-128 of A-Z a-z 0-9 . _ -, not starting with a dot";
+const CONTAINER_RULE: &str = "1-100 of A-Z a-z 0-9 _ . -, starting with a letter or digit";
+const PROJECT_RULE: &str = "1-64 of a-z 0-9 _ -, starting with a letter or digit";
+const DIRECTORY_RULE: &str = "an absolute path other than /, without . or .. components";
+
+impl CheckPayload for HealthCheckPayload {}
+impl CheckPayload for InspectPayload {}
+impl CheckPayload for CommandPayload {}
+
+impl CheckPayload for ReadStickerPayload {
+    fn check(&self) -> Result<(), String> {
+        check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)
+    }
+}
+
+impl CheckPayload for WriteStickerPayload {
+    fn check(&self) -> Result<(), String> {
+        check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)
+    }
+}
+
+impl CheckPayload for DeployTaskPayload {
+    fn check(&self) -> Result<(), String> {
+        let c = &self.config;
+        check_field(
+            "config.containerName",
+            c.container_name.as_deref(),
+            valid_container_name,
+            CONTAINER_RULE,
+        )?;
+        check_field(
+            "config.projectName",
+            c.project_name.as_deref(),
+            valid_project_name,
+            PROJECT_RULE,
+        )?;
+        check_field(
+            "config.deploymentDirectory",
+            c.deployment_directory.as_deref(),
+            valid_directory,
+            DIRECTORY_RULE,
+        )
+    }
+}
+
+impl CheckPayload for RollbackTaskPayload {
+    fn check(&self) -> Result<(), String> {
+        check_field(
+            "containerName",
+            self.container_name.as_deref(),
+            valid_container_name,
+            CONTAINER_RULE,
+        )?;
+        self.deploy.check()
+    }
+}
 
 /// `health-check`: one probe from the agent's host.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -248,6 +372,37 @@ pub struct InspectedContainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_and_directories() {
+        for ok in ["a", "web-1.2_x", &"a".repeat(100)] {
+            assert!(valid_container_name(ok), "{ok}");
+            assert!(valid_sticker_name(ok), "{ok}");
+        }
+        for bad in ["", ".x", "-x", "../x", "a/b", "a b", &"a".repeat(101)] {
+            assert!(!valid_container_name(bad), "{bad}");
+        }
+        for bad in ["", ".x", "../../tmp/pwn", "a/b", &"a".repeat(129)] {
+            assert!(!valid_sticker_name(bad), "{bad}");
+        }
+        assert!(valid_project_name("app_1-x"));
+        assert!(!valid_project_name("App") && !valid_project_name("../x"));
+        for ok in ["/srv/app", "/srv/app/"] {
+            assert!(valid_directory(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "/",
+            "srv/app",
+            "../../tmp/pwn",
+            "/srv/../etc",
+            "/srv/./x",
+            "/srv//x",
+            "/a\0",
+        ] {
+            assert!(!valid_directory(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn parses_the_design_example() {

@@ -35,9 +35,27 @@ pub struct CreateTask {
     /// Default 300, at most 86400.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u32>,
-    /// Higher first among one agent's queued tasks; default 0.
+    /// Higher first among one agent's queued tasks; default 0, within -1000..=1000 (read-backs,
+    /// which the server creates, run at `i32::MAX`, above every task a user can create).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
+}
+
+/// At most this many credentials per task (`422 TOO_MANY_CREDENTIALS`).
+pub const MAX_CREDENTIALS: usize = 64;
+/// At most this many bytes in one credential value (`422 TOO_MANY_CREDENTIALS`).
+pub const MAX_VALUE_BYTES: usize = 64 * 1024;
+/// At most this many variables per task (`422 TOO_MANY_VARIABLES`); as many as labels.
+pub const MAX_VARIABLES: usize = 64;
+/// The priorities a user may give (`422 PRIORITY_OUT_OF_RANGE`); the server's read-backs use
+/// `i32::MAX`, so they always run first.
+pub const PRIORITY_RANGE: std::ops::RangeInclusive<i32> = -1000..=1000;
+
+/// Control, bidi-override (U+202A–U+202E, U+2066–U+2069) and zero-width (U+200B–U+200D,
+/// U+FEFF) characters: text that displays as something other than what it is.
+pub fn is_deceptive_char(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200B}'..='\u{200D}' | '\u{FEFF}')
 }
 
 /// Task states (DESIGN "Delivery semantics").

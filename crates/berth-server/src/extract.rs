@@ -24,6 +24,47 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     }
 }
 
+/// A JSON body whose numbers all arrive exactly (`berth_proto::json::check_numbers`): one that
+/// would not is `422 INVALID_PAYLOAD` naming its JSON pointer, instead of reaching the agent as
+/// a different number. The text is read once, checked, then parsed as [`ApiJson`] would.
+pub struct LosslessJson(pub serde_json::Value);
+
+impl<S: Send + Sync> FromRequest<S> for LosslessJson {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let is_json = req
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .map(|m| {
+                let m = m.trim().to_ascii_lowercase();
+                m == "application/json" || (m.starts_with("application/") && m.ends_with("+json"))
+            })
+            .unwrap_or(false);
+        if !is_json {
+            return Err(json_rejection(JsonRejection::MissingJsonContentType(
+                Default::default(),
+            )));
+        }
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| json_rejection(JsonRejection::BytesRejection(e)))?;
+        let axum::Json(value) =
+            axum::Json::<serde_json::Value>::from_bytes(&bytes).map_err(json_rejection)?;
+        let text = std::str::from_utf8(&bytes).unwrap_or_default();
+        berth_proto::json::check_numbers(text).map_err(|detail| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                codes::INVALID_PAYLOAD,
+                detail,
+            )
+        })?;
+        Ok(LosslessJson(value))
+    }
+}
+
 fn json_rejection(rejection: JsonRejection) -> ApiError {
     match rejection {
         JsonRejection::JsonDataError(e) => ApiError::new(

@@ -26,6 +26,11 @@ use crate::bootstrap::Material;
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Past this many bytes of request head (HTTP/1.1: the read buffer, hyper's default; HTTP/2:
+/// the header list, raised from hyper's 16 KiB) hyper itself answers a bare `431`.
+const HYPER_HEADER_BYTES: usize = 8192 + 4096 * 100;
+/// Past this many HTTP/1.1 header fields hyper itself answers a bare `431` (its default: 100).
+const HYPER_MAX_HEADERS: usize = 1000;
 
 /// The verified client certificate of a connection, as seen by handlers.
 #[derive(Debug, Clone)]
@@ -166,10 +171,27 @@ pub(crate) async fn serve(
             let service = hyper::service::service_fn(
                 move |mut req: hyper::Request<hyper::body::Incoming>| {
                     req.extensions_mut().insert(peer.clone());
-                    app.clone().oneshot(req.map(axum::body::Body::new))
+                    // HTTP/2: a body the handler leaves unread (a 413, a refusal before the
+                    // body) is read to its end after the answer; see `RequestBody`.
+                    let req = if req.version() == hyper::Version::HTTP_2 {
+                        req.map(|body| axum::body::Body::new(RequestBody(Some(body))))
+                    } else {
+                        req.map(axum::body::Body::new)
+                    };
+                    app.clone().oneshot(req)
                 },
             );
-            let builder = auto::Builder::new(TokioExecutor::new());
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            // hyper's own header limits answer a bare 431 with no body and no hook to give it
+            // one; set them well above `routes::MAX_HEADER_BYTES`, which answers with
+            // `{code, detail}`, so only requests past these reach hyper's bare answer.
+            builder
+                .http1()
+                .max_buf_size(HYPER_HEADER_BYTES)
+                .max_headers(HYPER_MAX_HEADERS);
+            builder
+                .http2()
+                .max_header_list_size(HYPER_HEADER_BYTES as u32);
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             if let Err(e) = watcher.watch(conn.into_owned()).await {
                 tracing::debug!(%remote, error = %ErrorChain(&*e), "connection ended with an error");
@@ -182,4 +204,75 @@ pub(crate) async fn serve(
         _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after drain timeout"),
     }
     Ok(())
+}
+
+/// At most this much of an HTTP/2 request body a handler refused is read and thrown away, and
+/// for at most [`DRAIN_BODY_TIMEOUT`]; past either, the stream is reset.
+const DRAIN_BODY_BYTES: usize = 64 * 1024 * 1024;
+const DRAIN_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// An HTTP/2 request body that, dropped unread, is read to its end in the background.
+///
+/// Dropping an h2 request body makes the `h2` crate reset the stream: `CANCEL` before the
+/// response is sent, `NO_ERROR` after. A handler that refuses a body (the 413 of
+/// `DefaultBodyLimit`) drops it before hyper sends the refusal, and clients still uploading
+/// (curl 7.88 with nghttp2: "Stream error in the HTTP/2 framing layer") reported the reset and
+/// never the `413 PAYLOAD_TOO_LARGE` answer. Read to its end instead, the client finishes its
+/// upload and reads the answer; the bytes are counted and discarded, never buffered.
+struct RequestBody(Option<hyper::body::Incoming>);
+
+impl hyper::body::Body for RequestBody {
+    type Data = hyper::body::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        match self.0.as_mut() {
+            Some(body) => std::pin::Pin::new(body).poll_frame(cx),
+            None => std::task::Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.as_ref().is_none_or(hyper::body::Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.0
+            .as_ref()
+            .map(hyper::body::Body::size_hint)
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for RequestBody {
+    fn drop(&mut self) {
+        let Some(mut body) = self.0.take() else {
+            return;
+        };
+        if hyper::body::Body::is_end_stream(&body) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let drain = async {
+                let mut read = 0usize;
+                while let Some(Ok(frame)) = std::future::poll_fn(|cx| {
+                    hyper::body::Body::poll_frame(std::pin::Pin::new(&mut body), cx)
+                })
+                .await
+                {
+                    read += frame.data_ref().map_or(0, |d| d.len());
+                    if read > DRAIN_BODY_BYTES {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(DRAIN_BODY_TIMEOUT, drain).await;
+        });
+    }
 }

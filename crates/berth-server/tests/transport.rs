@@ -930,12 +930,196 @@ async fn create_refuses_unknown_types_bad_payloads_and_missing_capabilities() {
     server.stop().await;
 }
 
+/// Issue 9 item 9: path-like payload fields, the per-task limits and label characters are
+/// refused at create with their own codes, where they used to be queued and fail on the agent.
+#[tokio::test]
+async fn create_refuses_unsafe_names_limits_and_deceptive_labels() {
+    let server = start().await;
+    let plain = server.agent("plain").await;
+    equip(&server, &plain, &["docker", "compose"], "web").await;
+    let many = |n: usize| -> std::collections::BTreeMap<String, String> {
+        (0..n).map(|i| (format!("K{i}"), "v".to_string())).collect()
+    };
+    let cases = [
+        (
+            task(plain.id, "write-sticker", json!({"name": "../../tmp/pwn"})),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(plain.id, "read-sticker", json!({"name": "a/b"})),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(
+                plain.id,
+                "docker.run",
+                json!({"config": {"containerName": "../x"}}),
+            ),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(plain.id, "rollback", json!({"containerName": "x/../y"})),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(
+                plain.id,
+                "compose.up",
+                json!({"config": {"projectName": "../app"}}),
+            ),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            task(
+                plain.id,
+                "compose.up",
+                json!({"config": {"projectName": "app", "deploymentDirectory": "../../tmp/pwn"}}),
+            ),
+            "INVALID_PAYLOAD",
+        ),
+        (
+            CreateTask {
+                credentials: Some(many(65)),
+                ..task(plain.id, "inspect", json!({}))
+            },
+            "TOO_MANY_CREDENTIALS",
+        ),
+        (
+            CreateTask {
+                credentials: Some([("K".to_string(), "x".repeat(64 * 1024 + 1))].into()),
+                ..task(plain.id, "inspect", json!({}))
+            },
+            "TOO_MANY_CREDENTIALS",
+        ),
+        (
+            CreateTask {
+                variables: Some(many(65)),
+                ..task(plain.id, "inspect", json!({}))
+            },
+            "TOO_MANY_VARIABLES",
+        ),
+        (
+            CreateTask {
+                priority: Some(i32::MAX),
+                ..task(plain.id, "inspect", json!({}))
+            },
+            "PRIORITY_OUT_OF_RANGE",
+        ),
+        (
+            CreateTask {
+                priority: Some(-1001),
+                ..task(plain.id, "inspect", json!({}))
+            },
+            "PRIORITY_OUT_OF_RANGE",
+        ),
+        (
+            CreateTask {
+                variables: Some([("K".to_string(), "admin\u{202E}txt.exe".to_string())].into()),
+                ..task(plain.id, "inspect", json!({}))
+            },
+            "INVALID_LABEL",
+        ),
+        (
+            CreateTask {
+                task_type: "inspect".into(),
+                selector: Some([("role".to_string(), "w\u{200B}eb".to_string())].into()),
+                ..Default::default()
+            },
+            "INVALID_LABEL",
+        ),
+    ];
+    for (request, expected) in cases {
+        let err = server.admin().send(&request).await.unwrap_err();
+        assert_eq!(code(&err), (422, expected.into()), "{request:?}");
+    }
+    // A label value on the agent itself, too.
+    let err = server
+        .admin()
+        .send(&berth_proto::agent::UpdateAgent {
+            id: plain.id,
+            labels: Some([("role".to_string(), "we\u{0007}b".to_string())].into()),
+            capabilities: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "INVALID_LABEL".into()));
+    let queued = server.admin().send(&ListTasks::default()).await.unwrap();
+    assert!(queued.items.is_empty(), "a refused create queued nothing");
+    // The limits themselves, a safe name and exact numbers pass, and read back unchanged.
+    let ok = create(
+        &server,
+        CreateTask {
+            credentials: Some(many(64)),
+            variables: Some(many(64)),
+            priority: Some(1000),
+            ..task(
+                plain.id,
+                "write-sticker",
+                json!({"name": "site.v1", "extra": {"n": 18446744073709551615u64, "f": 0.1}}),
+            )
+        },
+    )
+    .await;
+    assert_eq!(ok.priority, 1000);
+    create(
+        &server,
+        task(
+            plain.id,
+            "compose.up",
+            json!({"config": {"projectName": "app", "deploymentDirectory": "/srv/app"}}),
+        ),
+    )
+    .await;
+    server.stop().await;
+}
+
+/// Issue 9 item 9: `123456789012345678901234567890` in a payload reached the host as
+/// `1.2345678901234568e+29`; it is refused at create, naming where it is.
+#[tokio::test]
+async fn create_refuses_a_number_the_host_would_not_receive_exactly() {
+    let server = start().await;
+    let plain = server.agent("plain").await;
+    // A number the host would see as a different number is refused, naming where it is.
+    let response = server
+        .raw(None)
+        .post(format!("{}/api/v1/tasks", server.url))
+        .header("authorization", format!("Bearer {}", server.admin_token))
+        .header("content-type", "application/json")
+        .body(format!(
+            r#"{{"type": "write-sticker", "agentId": "{}",
+                "payload": {{"name": "n", "extra": {{"big": 123456789012345678901234567890}}}}}}"#,
+            plain.id
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["code"], "INVALID_PAYLOAD", "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("/payload/extra/big"),
+        "{body}"
+    );
+    let queued = server.admin().send(&ListTasks::default()).await.unwrap();
+    assert!(queued.items.is_empty(), "a refused create queued nothing");
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_selector_picks_the_capable_agent_with_the_fewest_open_tasks() {
     let server = start().await;
     let busy = server.agent("busy").await;
     let idle = server.agent("idle").await;
     let incapable = server.agent("incapable").await;
+    let registered = server.agent("registered").await;
+    for agent in [&busy, &idle, &incapable] {
+        agent.go_online().await;
+    }
+    // Never heartbeated: capable and labelled, but not online, so never selected.
+    equip(&server, &registered, &["docker"], "web").await;
     for agent in [&busy, &idle] {
         equip(&server, agent, &["docker"], "web").await;
     }

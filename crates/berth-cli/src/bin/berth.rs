@@ -97,7 +97,8 @@ enum TaskCommand {
         variables: Vec<String>,
         #[arg(long)]
         timeout_secs: Option<u32>,
-        #[arg(long)]
+        /// Higher runs first among the agent's queued tasks; -1000..=1000, default 0.
+        #[arg(long, allow_hyphen_values = true)]
         priority: Option<i32>,
         /// Makes retrying this command safe: the same key returns the same task.
         #[arg(long)]
@@ -236,7 +237,7 @@ enum TenantCommand {
 }
 
 fn parse_status(s: &str) -> Result<AgentStatus, String> {
-    AgentStatus::parse(s).ok_or_else(|| "one of online, degraded, offline".into())
+    AgentStatus::parse(s).ok_or_else(|| "one of registered, online, degraded, offline".into())
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {

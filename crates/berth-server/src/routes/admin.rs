@@ -208,10 +208,18 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
                 "label key {k:?} must be 1-63 of A-Z a-z 0-9 . _ - /"
             )));
         }
-        if v.len() > 255 || v.chars().any(char::is_control) {
-            return Err(invalid(format!(
-                "label {k:?} has a value over 255 bytes or with control characters"
-            )));
+        if v.len() > 255 {
+            return Err(invalid(format!("label {k:?} has a value over 255 bytes")));
+        }
+        if let Some(c) = v.chars().find(|c| berth_proto::task::is_deceptive_char(*c)) {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                codes::INVALID_LABEL,
+                format!(
+                    "label {k:?} has a control, bidi-override or zero-width character (U+{:04X}) in its value",
+                    u32::from(c)
+                ),
+            ));
         }
     }
     Ok(())

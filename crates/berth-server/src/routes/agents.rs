@@ -301,7 +301,7 @@ pub async fn heartbeat(
     }: FencedAgent,
     ApiJson(req): ApiJson<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
-    if req.status == AgentStatus::Offline {
+    if matches!(req.status, AgentStatus::Offline | AgentStatus::Registered) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             codes::INVALID_REQUEST,

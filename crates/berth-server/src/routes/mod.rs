@@ -4,7 +4,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::extract::{MatchedPath, Request};
 use axum::http::StatusCode;
 use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
 use berth_proto::error::codes;
 use tracing::Instrument;
@@ -58,7 +58,36 @@ pub fn router(state: SharedState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn(request_span))
+        .layer(axum::middleware::from_fn(header_limit))
         .with_state(state)
+}
+
+/// The request headers the server reads: bytes, counted as HTTP/2 counts a header list (name,
+/// value and 32 per field), and fields.
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+pub const MAX_HEADERS: usize = 100;
+
+/// `431 HEADERS_TOO_LARGE` with `{code, detail}`, over HTTP/1.1 and HTTP/2 alike. hyper answers a
+/// bare 431 only past its own, larger limits (see `tls.rs`).
+async fn header_limit(request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 32)
+        .sum();
+    if bytes > MAX_HEADER_BYTES || headers.len() > MAX_HEADERS {
+        return ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            codes::HEADERS_TOO_LARGE,
+            format!(
+                "request headers are {bytes} bytes in {} fields; the server reads at most \
+                 {MAX_HEADER_BYTES} bytes in {MAX_HEADERS} fields",
+                headers.len()
+            ),
+        )
+        .into_response();
+    }
+    next.run(request).await
 }
 
 /// One span per request. Its agent, task, assignment and generation fields start empty; the

@@ -16,7 +16,7 @@ use berth_store::{
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::extract::{ApiPath, ApiQuery, LosslessJson};
 use crate::routes::admin::validate_labels;
 use crate::SharedState;
 
@@ -121,6 +121,57 @@ async fn select_agent(
         })
 }
 
+/// The per-task limits, each with its own code (see `berth_proto::task`).
+fn check_limits(req: &CreateTask) -> ApiResult<()> {
+    use berth_proto::task::{MAX_CREDENTIALS, MAX_VALUE_BYTES, MAX_VARIABLES, PRIORITY_RANGE};
+    let refuse = |code: &'static str, detail: String| {
+        Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            code,
+            detail,
+        ))
+    };
+    if let Some(creds) = &req.credentials {
+        if creds.len() > MAX_CREDENTIALS {
+            return refuse(
+                codes::TOO_MANY_CREDENTIALS,
+                format!(
+                    "at most {MAX_CREDENTIALS} credentials per task, not {}",
+                    creds.len()
+                ),
+            );
+        }
+        if let Some((k, _)) = creds.iter().find(|(_, v)| v.len() > MAX_VALUE_BYTES) {
+            return refuse(
+                codes::TOO_MANY_CREDENTIALS,
+                format!("credential {k:?} is over {MAX_VALUE_BYTES} bytes"),
+            );
+        }
+    }
+    if let Some(vars) = &req.variables {
+        if vars.len() > MAX_VARIABLES {
+            return refuse(
+                codes::TOO_MANY_VARIABLES,
+                format!(
+                    "at most {MAX_VARIABLES} variables per task, not {}",
+                    vars.len()
+                ),
+            );
+        }
+    }
+    if let Some(priority) = req.priority.filter(|p| !PRIORITY_RANGE.contains(p)) {
+        return refuse(
+            codes::PRIORITY_OUT_OF_RANGE,
+            format!(
+                "priority must be {}..={}, not {priority}; higher is reserved for read-backs",
+                PRIORITY_RANGE.start(),
+                PRIORITY_RANGE.end()
+            ),
+        );
+    }
+    Ok(())
+}
+
 /// Create a task. The same `Idempotency-Key` with the same body returns the same task; with a
 /// different body it is `409 CONFLICT`.
 #[utoipa::path(post, path = "/api/v1/tasks", tag = "tasks", request_body = CreateTask, security(("bearer" = [])),
@@ -129,13 +180,13 @@ async fn select_agent(
         (status = 201, body = TaskView, description = "created"),
         (status = 200, body = TaskView, description = "the task this Idempotency-Key created before"),
         (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body"),
-        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD, CAPABILITY_MISSING, IDEMPOTENCY_KEY_RESERVED or NO_MATCHING_AGENT"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD (also a number that would not arrive exactly), TOO_MANY_CREDENTIALS, TOO_MANY_VARIABLES, PRIORITY_OUT_OF_RANGE, INVALID_LABEL, CAPABILITY_MISSING, IDEMPOTENCY_KEY_RESERVED or NO_MATCHING_AGENT"),
     ))]
 pub async fn create(
     State(state): State<SharedState>,
     caller: Caller,
     headers: HeaderMap,
-    ApiJson(body): ApiJson<serde_json::Value>,
+    LosslessJson(body): LosslessJson,
 ) -> ApiResult<(StatusCode, Json<TaskView>)> {
     caller.require_deployer()?;
     let request_hash =
@@ -187,6 +238,7 @@ pub async fn create(
             "timeoutSeconds must be 1-{MAX_TIMEOUT_SECS}"
         )));
     }
+    check_limits(&req)?;
     if let Some(vars) = &req.variables {
         validate_labels(vars)?;
     }

@@ -176,6 +176,27 @@ impl TestAgent {
             .generation
     }
 
+    /// Acquires a session and sends one `online` heartbeat (no capabilities: it replaces what
+    /// the agent reports, so equip after it), which makes a registered agent `online`.
+    pub async fn go_online(&self) -> i64 {
+        let generation = self.session().await;
+        let g = generation.to_string();
+        self.client
+            .send_with(
+                &berth_proto::agent::Heartbeat {
+                    agent_id: self.id,
+                    status: berth_proto::agent::AgentStatus::Online,
+                    resource_usage: Default::default(),
+                    capabilities: vec![],
+                },
+                &[(GENERATION_HEADER, &g)],
+                None,
+            )
+            .await
+            .expect("heartbeat");
+        generation
+    }
+
     /// Polls offering every capability, as an agent on a host with Docker and compose would.
     pub async fn poll(
         &self,

@@ -29,8 +29,9 @@ pub async fn registration_succeeds(store: &DynStore) {
         version: agent.version.clone(),
         capabilities: agent.capabilities.clone(),
         labels: agent.labels.clone(),
-        status: AgentStatus::Online,
-        reported_status: AgentStatus::Online,
+        // No heartbeat yet: registered, not online (issue 9 item 8).
+        status: AgentStatus::Registered,
+        reported_status: AgentStatus::Registered,
         environment: None,
         last_heartbeat: None,
         resource_usage: None,
@@ -305,10 +306,12 @@ pub async fn list_filters(store: &DynStore) {
     );
 
     let cases: Vec<(AgentFilter, Vec<AgentId>)> = vec![
+        // docker and bare never heartbeated: registered, not online.
         (
-            filter(Some(AgentStatus::Online), None, None),
+            filter(Some(AgentStatus::Registered), None, None),
             vec![docker.id, bare.id],
         ),
+        (filter(Some(AgentStatus::Online), None, None), vec![]),
         (
             filter(Some(AgentStatus::Degraded), None, None),
             vec![both.id],
@@ -779,6 +782,9 @@ pub async fn sweep_stale_agents(store: &DynStore) {
         ("late-reported-degraded", old),
         ("gone", old),
         ("silent-old", old),
+        // Registered between the two cut-offs, never heartbeated: late for `degraded`, not
+        // yet for `offline`; a registered agent is never made degraded.
+        ("silent-mid", t - Duration::seconds(60)),
         ("silent-new", t + Duration::seconds(5)),
         ("already-offline", old),
     ] {
@@ -834,8 +840,17 @@ pub async fn sweep_stale_agents(store: &DynStore) {
             AgentStatus::Degraded,
         ),
         ("gone", AgentStatus::Offline, AgentStatus::Online),
-        ("silent-old", AgentStatus::Offline, AgentStatus::Online),
-        ("silent-new", AgentStatus::Online, AgentStatus::Online),
+        ("silent-old", AgentStatus::Offline, AgentStatus::Registered),
+        (
+            "silent-mid",
+            AgentStatus::Registered,
+            AgentStatus::Registered,
+        ),
+        (
+            "silent-new",
+            AgentStatus::Registered,
+            AgentStatus::Registered,
+        ),
         (
             "already-offline",
             AgentStatus::Offline,
@@ -1043,7 +1058,7 @@ pub async fn session_conflict_degrades(store: &DynStore) {
         .expect("mark degraded");
     assert_eq!(
         status(&read().await),
-        (AgentStatus::Degraded, AgentStatus::Online)
+        (AgentStatus::Degraded, AgentStatus::Registered)
     );
     assert_eq!(
         beat(t + Duration::seconds(30)).await,

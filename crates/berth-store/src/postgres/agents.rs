@@ -48,7 +48,7 @@ impl AgentStore for PostgresStore {
             "INSERT INTO agents (id, tenant_id, name, version, capabilities, labels, status, \
              reported_status, environment, certificate_fingerprint, certificate_expires_at, \
              created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, 'online', 'online', $7, $8, $9, $10, $10) \
+             VALUES ($1, $2, $3, $4, $5, $6, 'registered', 'registered', $7, $8, $9, $10, $10) \
              RETURNING ",
             agent_columns!()
         ))
