@@ -27,6 +27,7 @@ pub async fn run(
     config: AgentConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    config.validate()?;
     let state = StateDir(config.state_dir.clone());
     let identity = state.load()?;
     let server = config

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use crate::engine::{self, engine_error, Engine, Judgement};
 use crate::error::ExecError;
-use crate::hooks;
+use crate::hooks::{self, AllowedHooks};
 use crate::process::{self, Ended, Spec};
 use crate::reference::{self, ImageRef};
 use crate::run::{millis_since, Log, Run, Stop};
@@ -51,12 +51,14 @@ const RESTORE_BUDGET: Duration = Duration::from_secs(300);
 /// Like [`DockerExecutor`](crate::docker::DockerExecutor), it reaches the engine lazily (to find
 /// the stack's containers and their health). Registry credentials (`registryUsername`,
 /// `registryPassword`, optional `registryServer`) are handed to compose through a private,
-/// temporary `DOCKER_CONFIG` directory that is removed afterwards.
+/// temporary `DOCKER_CONFIG` directory that is removed afterwards. Hooks run only programs on
+/// [`with_allowed_hooks`](ComposeExecutor::with_allowed_hooks)' list (none by default).
 pub struct ComposeExecutor {
     stickers: StickerStore,
     engine: Engine,
     forced_command: Option<Vec<String>>,
     detected: tokio::sync::OnceCell<Vec<String>>,
+    allowed_hooks: AllowedHooks,
 }
 
 impl ComposeExecutor {
@@ -66,7 +68,14 @@ impl ComposeExecutor {
             engine: Engine::new(),
             forced_command: None,
             detected: tokio::sync::OnceCell::new(),
+            allowed_hooks: AllowedHooks::default(),
         }
+    }
+
+    /// The programs pre- and post-deploy hooks may run (absolute paths, matched exactly).
+    pub fn with_allowed_hooks(mut self, programs: Vec<PathBuf>) -> ComposeExecutor {
+        self.allowed_hooks = AllowedHooks::new(programs);
+        self
     }
 
     /// Uses this compose command (e.g. `["docker-compose"]`) instead of detecting one.
@@ -259,7 +268,7 @@ struct Plan {
     release_name: Option<String>,
 }
 
-fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
+fn plan(p: &DeployTaskPayload, allowed_hooks: &AllowedHooks) -> Result<Plan, ExecError> {
     let c = &p.config;
     let project = c
         .project_name
@@ -284,14 +293,7 @@ fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
     if let Some(h) = &c.health_check {
         engine::validate_health_check(h)?;
     }
-    for (hook, name) in [
-        (&p.hooks.pre_deploy, "pre-deploy"),
-        (&p.hooks.post_deploy, "post-deploy"),
-    ] {
-        if let Some(h) = hook {
-            hooks::validate(h, name)?;
-        }
-    }
+    hooks::validate_all(&p.hooks, allowed_hooks)?;
     Ok(Plan {
         project,
         dir,
@@ -439,7 +441,7 @@ impl ComposeExecutor {
         run: &mut Run<'_>,
         payload: &DeployTaskPayload,
     ) -> Result<String, ExecError> {
-        let plan = plan(payload)?;
+        let plan = plan(payload, &self.allowed_hooks)?;
         run.output("projectName", plan.project.clone());
         run.output(
             "services",
@@ -599,7 +601,15 @@ impl ComposeExecutor {
             ),
         ];
         if let Some(hook) = &payload.hooks.pre_deploy {
-            hooks::run_hook(run, hook, "pre-deploy", Some(&plan.dir), hook_env.clone()).await?;
+            hooks::run_hook(
+                run,
+                hook,
+                "pre-deploy",
+                Some(&plan.dir),
+                hook_env.clone(),
+                &self.allowed_hooks,
+            )
+            .await?;
         }
 
         // 3. Pull, then check what the engine now has against the digests.
@@ -664,7 +674,15 @@ impl ComposeExecutor {
 
         // 6. Post-deploy hook.
         if let Some(hook) = &payload.hooks.post_deploy {
-            hooks::run_hook(run, hook, "post-deploy", Some(&plan.dir), hook_env).await?;
+            hooks::run_hook(
+                run,
+                hook,
+                "post-deploy",
+                Some(&plan.dir),
+                hook_env,
+                &self.allowed_hooks,
+            )
+            .await?;
         }
         Ok(())
     }
@@ -974,6 +992,9 @@ mod tests {
             },
             ..Default::default()
         };
-        assert_eq!(plan(&p).unwrap_err().code(), "COMPOSE_LOCK_MISSING");
+        assert_eq!(
+            plan(&p, &AllowedHooks::default()).unwrap_err().code(),
+            "COMPOSE_LOCK_MISSING"
+        );
     }
 }

@@ -261,3 +261,30 @@ async fn pulls_with_registry_credentials_and_refuses_a_wrong_password() {
         .contains(&env.password));
     assert_eq!(http_body(port).await.as_deref(), Some("private"));
 }
+
+/// Issue 9 item 5 for compose: a hook off the allow-list fails before the lock file is written.
+#[tokio::test]
+async fn a_compose_hook_not_on_the_allow_list_fails_before_anything_is_written() {
+    let state = tempfile::tempdir().unwrap();
+    let dir = state.path().join("deploy");
+    let digest = format!("sha256:{}", "4".repeat(64));
+    let web = Image {
+        repository: "127.0.0.1:9/berth-test-never/web".into(),
+        digest: digest.clone(),
+    };
+    let content = lock(&[("web", &web, 9)]);
+    let marker = state.path().join("hook-ran");
+    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")))
+        .with_allowed_hooks(vec!["/bin/true".into()])
+        .with_compose_command(vec!["/bin/false".into()]);
+    for hook in ["preDeploy", "postDeploy"] {
+        let mut p = payload("berth-test-never", &dir, &content, &[("web", &web)]);
+        p["hooks"] =
+            json!({hook: {"command": ["/bin/sh", "-c", format!("touch {}", marker.display())]}});
+        let outcome = exec.execute(&task("compose.up", p)).await;
+        assert_failed(&outcome, "HOOK_NOT_ALLOWED");
+        assert!(!outcome.retriable);
+        assert!(!marker.exists());
+        assert!(!dir.exists(), "nothing was written");
+    }
+}
