@@ -36,6 +36,11 @@ impl AgentConfig {
         Ok(())
     }
 
+    /// Where compose registry logins live while a task runs (0700; swept at start).
+    pub fn credentials_dir(&self) -> PathBuf {
+        self.state_dir.join("tmp")
+    }
+
     pub fn new(state_dir: PathBuf) -> AgentConfig {
         AgentConfig {
             server: None,

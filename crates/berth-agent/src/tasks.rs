@@ -82,7 +82,7 @@ impl Runner {
             Arc::new(Stickers(stickers.clone())),
             docker.clone(),
             Arc::new(
-                ComposeExecutor::new(stickers.clone())
+                ComposeExecutor::new(stickers.clone(), config.credentials_dir())
                     .with_allowed_hooks(config.allow_hooks.clone()),
             ),
             Arc::new(Inspect {
