@@ -737,3 +737,41 @@ fn a_registry_login_left_by_a_killed_agent_is_in_its_state_dir_and_swept_at_rest
     }
     w.agent.proc.assert_running();
 }
+
+/// Issue 9 item 5 through the agent binary: a hook runs only a program the agent was started
+/// with (`--allow-hook`); a deployer's `/bin/sh -c` fails `HOOK_NOT_ALLOWED`, once, with the host
+/// untouched. `--allow-command` does not allow hooks.
+#[test]
+fn a_hook_runs_only_when_the_agent_allows_its_program() {
+    let Some(w) = World::start(
+        "a_hook_runs_only_when_the_agent_allows_its_program",
+        &[],
+        &["--allow-hook", "/bin/touch", "--allow-command", "/bin/sh"],
+    ) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+    let marker = w.agent.state_dir.parent().unwrap().join("hook-ran");
+    let touch = format!("touch {}", marker.display());
+
+    let mut payload = v1.deploy(&name, port, docker_check(60));
+    payload["hooks"] = json!({"preDeploy": {"command": ["/bin/sh", "-c", touch]}});
+    let id = w.create("docker.run", &payload, 120, &[]);
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "failed", "{task:#}");
+    assert_eq!(task["errorCode"], "HOOK_NOT_ALLOWED", "{task:#}");
+    assert_eq!(task["result"]["retriable"], false, "{task:#}");
+    assert_eq!(attempts(&task).len(), 1, "{task:#}");
+    assert!(!marker.exists(), "the shell never ran");
+    assert!(container_id(&name).is_none(), "nothing was deployed");
+
+    payload["hooks"] =
+        json!({"preDeploy": {"command": ["/bin/touch", marker.display().to_string()]}});
+    let id = w.create("docker.run", &payload, 120, &[]);
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "succeeded", "{task:#}");
+    assert!(marker.exists(), "the allowed hook ran");
+    wait_serving(port, "v1");
+}
