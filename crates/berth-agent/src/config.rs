@@ -11,6 +11,9 @@ pub struct AgentConfig {
     pub retry_budget: Duration,
     /// Programs `execute-command` may run (absolute paths); empty turns it off.
     pub allow_commands: Vec<PathBuf>,
+    /// Programs deployment hooks may run (absolute paths, matched exactly); empty: any
+    /// deployment with a hook fails with `HOOK_NOT_ALLOWED`. Separate from `allow_commands`.
+    pub allow_hooks: Vec<PathBuf>,
     /// Where version stickers live; default `<state_dir>/stickers`.
     pub sticker_dir: Option<PathBuf>,
     /// Tasks run at once.
@@ -18,12 +21,33 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
+    /// Refuses an allow-list entry that is not an absolute, clean path (exit 78).
+    pub fn validate(&self) -> Result<(), crate::AgentError> {
+        if let Some(bad) = self
+            .allow_hooks
+            .iter()
+            .find(|p| !berth_exec::hooks::is_clean_absolute(p))
+        {
+            return Err(crate::AgentError::Config(format!(
+                "--allow-hook {} must be an absolute path without . or .. components",
+                bad.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Where compose registry logins live while a task runs (0700; swept at start).
+    pub fn credentials_dir(&self) -> PathBuf {
+        self.state_dir.join("tmp")
+    }
+
     pub fn new(state_dir: PathBuf) -> AgentConfig {
         AgentConfig {
             server: None,
             state_dir,
             retry_budget: Duration::from_secs(600),
             allow_commands: Vec::new(),
+            allow_hooks: Vec::new(),
             sticker_dir: None,
             max_concurrent_tasks: 8,
         }

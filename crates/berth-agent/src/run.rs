@@ -22,13 +22,32 @@ use crate::AgentError;
 /// How long running tasks get to finish (and report) when the agent stops.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
+/// Removes the `docker-config-*` registry logins an earlier agent process left in
+/// [`AgentConfig::credentials_dir`] (it was killed while a compose task ran). Only one agent
+/// process runs per state dir, so none of them is in use.
+pub fn sweep_credentials(config: &AgentConfig) {
+    let dir = config.credentials_dir();
+    match berth_exec::compose::sweep_credentials(&dir) {
+        Ok(0) => {}
+        Ok(n) => {
+            tracing::warn!(dir = %dir.display(), removed = n, "removed registry logins left by an earlier agent process")
+        }
+        Err(e) => {
+            tracing::error!(dir = %dir.display(), error = %e, "cannot sweep leftover registry logins")
+        }
+    }
+}
+
 /// Runs until `shutdown` resolves (Ok: exit 0) or a failure decides the exit code.
 pub async fn run(
     config: AgentConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    config.validate()?;
     let state = StateDir(config.state_dir.clone());
     let identity = state.load()?;
+    // A compose task's registry login outlives a kill -9 of the agent: remove it before anything.
+    sweep_credentials(&config);
     let server = config
         .server
         .clone()

@@ -74,12 +74,17 @@ impl Runner {
                 .clone()
                 .unwrap_or_else(|| config.state_dir.join("stickers")),
         );
-        let docker = Arc::new(DockerExecutor::new(stickers.clone()));
+        let docker = Arc::new(
+            DockerExecutor::new(stickers.clone()).with_allowed_hooks(config.allow_hooks.clone()),
+        );
         let executors: Vec<Arc<dyn Executor>> = vec![
             Arc::new(HealthCheck),
             Arc::new(Stickers(stickers.clone())),
             docker.clone(),
-            Arc::new(ComposeExecutor::new(stickers.clone())),
+            Arc::new(
+                ComposeExecutor::new(stickers.clone(), config.credentials_dir())
+                    .with_allowed_hooks(config.allow_hooks.clone()),
+            ),
             Arc::new(Inspect {
                 stickers,
                 capabilities: capabilities.clone(),

@@ -594,3 +594,184 @@ fn heartbeat_reports_docker_and_compose_capabilities() {
     );
     assert_eq!(agent["status"], "online", "{agent:#}");
 }
+
+/// Standard base64, as docker's `config.json` stores `user:password`.
+fn base64(bytes: &[u8]) -> String {
+    const ABC: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ABC[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Every file under `root` whose bytes contain `needle`.
+fn files_containing(root: &Path, needle: &[u8]) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(path),
+                Ok(t)
+                    if t.is_file()
+                        && std::fs::read(&path)
+                            .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) =>
+                {
+                    found.push(path)
+                }
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+/// The `docker-config-*` registry logins in the agent's credentials dir.
+fn logins(agent: &Agent) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(agent.state_dir.join("tmp"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("docker-config-")
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Issue 9 item 6: an agent killed -9 while a compose task holds a registry login leaves it in
+/// its own 0700 state dir (never in /tmp), and the restarted agent removes it before anything
+/// else; no file under the test's directories holds the password afterwards.
+#[test]
+fn a_registry_login_left_by_a_killed_agent_is_in_its_state_dir_and_swept_at_restart() {
+    let Some(mut w) = World::start(
+        "a_registry_login_left_by_a_killed_agent_is_in_its_state_dir_and_swept_at_restart",
+        &[],
+        &["--allow-hook", "/bin/sh"],
+    ) else {
+        return;
+    };
+    let login = Some((w.env.user.as_str(), w.env.password.as_str()));
+    let web = make_image(
+        &w.env.auth_registry,
+        w.prefix(),
+        "web",
+        Variant::Healthy,
+        "private",
+        login,
+    );
+    let root = w.agent.state_dir.parent().unwrap().to_path_buf();
+    let (started, release) = (root.join("hook-started"), root.join("hook-release"));
+    // The pre-deploy hook holds the task (and so the login) until the test releases it; bounded,
+    // since nothing kills it once its agent is gone.
+    let hook = format!(
+        "touch {}; i=0; while [ ! -e {} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done",
+        started.display(),
+        release.display()
+    );
+    let payload = json!({
+        "artifacts": [{"type": "compose_lock", "name": "compose.yml",
+                       "content": format!("services:\n  web:\n    image: {}\n", web.reference())}],
+        "config": {"projectName": w.prefix(), "deploymentDirectory": root.join("deploy").display().to_string(),
+                   "expectedDigests": {"web": web.digest}},
+        "hooks": {"preDeploy": {"command": ["/bin/sh", "-c", hook]}},
+    });
+    let creds = [
+        format!("registryUsername={}", w.env.user),
+        format!("registryPassword={}", w.env.password),
+    ];
+    let id = w.create("compose.up", &payload, 120, &creds);
+    wait_for(DEPLOY, "the pre-deploy hook to run", || {
+        if started.exists() {
+            Ok(())
+        } else {
+            Err(w.server.task(&id).to_string())
+        }
+    });
+    w.agent.proc.kill9();
+    std::fs::write(&release, b"").unwrap();
+
+    let auth = base64(format!("{}:{}", w.env.user, w.env.password).as_bytes());
+    let left = logins(&w.agent);
+    assert_eq!(
+        left.len(),
+        1,
+        "the killed agent's login, in its state dir: {left:?}"
+    );
+    assert!(!files_containing(&left[0], auth.as_bytes()).is_empty());
+    use std::os::unix::fs::PermissionsExt;
+    for dir in [w.agent.state_dir.join("tmp"), left[0].clone()] {
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{}", dir.display());
+    }
+
+    w.agent.proc = restart_docker_agent(&w.server, &w.agent, "berth-agent (restarted)", &[]);
+    // Nothing else removes it now: only the restarted agent's start-up sweep can.
+    wait_for(DEPLOY, "the restarted agent to sweep the login", || {
+        w.agent.proc.assert_running();
+        let left = logins(&w.agent);
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    });
+    wait_agent_up(&w.server, &w.agent.id);
+    for secret in [w.env.password.as_bytes(), auth.as_bytes()] {
+        let found = files_containing(&root, secret);
+        assert!(found.is_empty(), "credentials left on disk: {found:?}");
+    }
+    w.agent.proc.assert_running();
+}
+
+/// Issue 9 item 5 through the agent binary: a hook runs only a program the agent was started
+/// with (`--allow-hook`); a deployer's `/bin/sh -c` fails `HOOK_NOT_ALLOWED`, once, with the host
+/// untouched. `--allow-command` does not allow hooks.
+#[test]
+fn a_hook_runs_only_when_the_agent_allows_its_program() {
+    let Some(w) = World::start(
+        "a_hook_runs_only_when_the_agent_allows_its_program",
+        &[],
+        &["--allow-hook", "/bin/touch", "--allow-command", "/bin/sh"],
+    ) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+    let marker = w.agent.state_dir.parent().unwrap().join("hook-ran");
+    let touch = format!("touch {}", marker.display());
+
+    let mut payload = v1.deploy(&name, port, docker_check(60));
+    payload["hooks"] = json!({"preDeploy": {"command": ["/bin/sh", "-c", touch]}});
+    let id = w.create("docker.run", &payload, 120, &[]);
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "failed", "{task:#}");
+    assert_eq!(task["errorCode"], "HOOK_NOT_ALLOWED", "{task:#}");
+    assert_eq!(task["result"]["retriable"], false, "{task:#}");
+    assert_eq!(attempts(&task).len(), 1, "{task:#}");
+    assert!(!marker.exists(), "the shell never ran");
+    assert!(container_id(&name).is_none(), "nothing was deployed");
+
+    payload["hooks"] =
+        json!({"preDeploy": {"command": ["/bin/touch", marker.display().to_string()]}});
+    let id = w.create("docker.run", &payload, 120, &[]);
+    let task = w.settle(&id);
+    assert_eq!(task["state"], "succeeded", "{task:#}");
+    assert!(marker.exists(), "the allowed hook ran");
+    wait_serving(port, "v1");
+}

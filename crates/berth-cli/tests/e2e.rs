@@ -890,3 +890,32 @@ fn berth_dev_starts_a_server_and_an_agent_that_runs_a_task() {
         "port {port} still accepts connections after berth dev exited"
     );
 }
+
+/// `--allow-hook` (or `BERTH_AGENT_ALLOW_HOOKS`) takes absolute, clean paths only: anything else
+/// is a configuration error (78), never a name looked up in `PATH`.
+#[test]
+fn agent_with_a_relative_allow_hook_exits_78() {
+    let tmp = tempdir();
+    let state = tmp.path().join("agent");
+    let server = "https://127.0.0.1:9";
+    let mut flag = Proc::spawn(
+        "berth-agent --allow-hook sh",
+        agent_command(&state, &["--server", server, "--allow-hook", "sh"]),
+    );
+    assert_eq!(flag.wait_code(EXIT), 78, "{}", flag.stderr());
+    assert!(
+        flag.stderr().contains("--allow-hook sh"),
+        "{}",
+        flag.stderr()
+    );
+
+    let mut cmd = agent_command(&state, &["--server", server]);
+    cmd.env("BERTH_AGENT_ALLOW_HOOKS", "/bin/true,/usr/bin/../bin/sh");
+    let mut env = Proc::spawn("berth-agent BERTH_AGENT_ALLOW_HOOKS", cmd);
+    assert_eq!(env.wait_code(EXIT), 78, "{}", env.stderr());
+    assert!(
+        env.stderr().contains("/usr/bin/../bin/sh"),
+        "{}",
+        env.stderr()
+    );
+}

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use crate::engine::{self, engine_error, Engine, Judgement};
 use crate::error::ExecError;
-use crate::hooks;
+use crate::hooks::{self, AllowedHooks};
 use crate::process::{self, Ended, Spec};
 use crate::reference::{self, ImageRef};
 use crate::run::{millis_since, Log, Run, Stop};
@@ -50,23 +50,38 @@ const RESTORE_BUDGET: Duration = Duration::from_secs(300);
 ///
 /// Like [`DockerExecutor`](crate::docker::DockerExecutor), it reaches the engine lazily (to find
 /// the stack's containers and their health). Registry credentials (`registryUsername`,
-/// `registryPassword`, optional `registryServer`) are handed to compose through a private,
-/// temporary `DOCKER_CONFIG` directory that is removed afterwards.
+/// `registryPassword`, optional `registryServer`) are handed to compose through a private
+/// `DOCKER_CONFIG` directory, `docker-config-<uuid>` (0700) inside `credentials_dir` (made 0700),
+/// removed when the task ends on every path; [`sweep_credentials`] removes what a killed agent
+/// left. Hooks run only programs on
+/// [`with_allowed_hooks`](ComposeExecutor::with_allowed_hooks)' list (none by default).
 pub struct ComposeExecutor {
     stickers: StickerStore,
     engine: Engine,
     forced_command: Option<Vec<String>>,
     detected: tokio::sync::OnceCell<Vec<String>>,
+    allowed_hooks: AllowedHooks,
+    credentials_dir: PathBuf,
 }
 
 impl ComposeExecutor {
-    pub fn new(sticker_store: StickerStore) -> ComposeExecutor {
+    /// `credentials_dir` holds the temporary registry logins: the agent passes
+    /// `<state-dir>/tmp`, never a shared directory such as `/tmp`.
+    pub fn new(sticker_store: StickerStore, credentials_dir: PathBuf) -> ComposeExecutor {
         ComposeExecutor {
             stickers: sticker_store,
             engine: Engine::new(),
             forced_command: None,
             detected: tokio::sync::OnceCell::new(),
+            allowed_hooks: AllowedHooks::default(),
+            credentials_dir,
         }
+    }
+
+    /// The programs pre- and post-deploy hooks may run (absolute paths, matched exactly).
+    pub fn with_allowed_hooks(mut self, programs: Vec<PathBuf>) -> ComposeExecutor {
+        self.allowed_hooks = AllowedHooks::new(programs);
+        self
     }
 
     /// Uses this compose command (e.g. `["docker-compose"]`) instead of detecting one.
@@ -251,7 +266,7 @@ struct Plan {
     release_name: Option<String>,
 }
 
-fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
+fn plan(p: &DeployTaskPayload, allowed_hooks: &AllowedHooks) -> Result<Plan, ExecError> {
     let c = &p.config;
     let project = c
         .project_name
@@ -276,14 +291,7 @@ fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
     if let Some(h) = &c.health_check {
         engine::validate_health_check(h)?;
     }
-    for (hook, name) in [
-        (&p.hooks.pre_deploy, "pre-deploy"),
-        (&p.hooks.post_deploy, "post-deploy"),
-    ] {
-        if let Some(h) = hook {
-            hooks::validate(h, name)?;
-        }
-    }
+    hooks::validate_all(&p.hooks, allowed_hooks)?;
     Ok(Plan {
         project,
         dir,
@@ -305,15 +313,82 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ExecError> {
     })
 }
 
-/// A private `DOCKER_CONFIG` with one registry login for compose, removed on drop.
+/// The name prefix of a registry login directory inside the credentials directory.
+pub const DOCKER_CONFIG_PREFIX: &str = "docker-config-";
+
+/// Removes every `docker-config-*` left in `credentials_dir` by an agent that was killed while a
+/// compose task held a registry login. The agent calls it at start, before any task runs.
+/// Returns how many it removed; a missing directory is nothing to sweep.
+pub fn sweep_credentials(credentials_dir: &Path) -> std::io::Result<usize> {
+    let entries = match std::fs::read_dir(credentials_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        if !entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(DOCKER_CONFIG_PREFIX)
+        {
+            continue;
+        }
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(&path)?;
+        } else {
+            std::fs::remove_file(&path)?;
+        }
+        removed += 1;
+    }
+    Ok(removed)
+}
+
+/// Creates `dir` if needed and makes it 0700, refusing a symlink or a non-directory.
+fn private_dir(dir: &Path) -> Result<(), ExecError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let io = |what: &'static str| {
+        move |source| ExecError::Io {
+            what,
+            path: dir.display().to_string(),
+            source,
+        }
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io("cannot create"))?;
+    let meta = std::fs::symlink_metadata(dir).map_err(io("cannot inspect"))?;
+    if !meta.is_dir() {
+        return Err(io("is not a directory")(std::io::Error::other(
+            "the credentials directory must be a real directory",
+        )));
+    }
+    if meta.permissions().mode() & 0o777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("cannot make 0700"))?;
+    }
+    Ok(())
+}
+
+/// A private `DOCKER_CONFIG` with one registry login for compose, removed by
+/// [`remove`](DockerConfigDir::remove) or, on any other path (error, cancellation, panic), on drop.
 struct DockerConfigDir(PathBuf);
 
 impl DockerConfigDir {
-    fn create(server: &str, user: &str, password: &str) -> Result<DockerConfigDir, ExecError> {
+    fn create(
+        parent: &Path,
+        server: &str,
+        user: &str,
+        password: &str,
+    ) -> Result<DockerConfigDir, ExecError> {
         use base64::Engine as _;
         use std::os::unix::fs::DirBuilderExt;
-        let dir =
-            std::env::temp_dir().join(format!("berth-docker-config-{}", uuid::Uuid::new_v4()));
+        private_dir(parent)?;
+        let dir = parent.join(format!("{DOCKER_CONFIG_PREFIX}{}", uuid::Uuid::new_v4()));
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&dir)
@@ -327,6 +402,17 @@ impl DockerConfigDir {
         let config = serde_json::json!({"auths": {server: {"auth": auth}}});
         write_atomic(&guard.0.join("config.json"), config.to_string().as_bytes())?;
         Ok(guard)
+    }
+
+    /// Removes the login now, saying so in the log when it cannot.
+    fn remove(self, log: &mut Log) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            log.line(format!(
+                "warning: could not remove the registry login {}: {e}",
+                self.0.display()
+            ));
+        }
+        // Drop tries again, and finds nothing.
     }
 }
 
@@ -431,7 +517,7 @@ impl ComposeExecutor {
         run: &mut Run<'_>,
         payload: &DeployTaskPayload,
     ) -> Result<String, ExecError> {
-        let plan = plan(payload)?;
+        let plan = plan(payload, &self.allowed_hooks)?;
         run.output("projectName", plan.project.clone());
         run.output(
             "services",
@@ -466,20 +552,21 @@ impl ComposeExecutor {
         let result = self
             .apply(run, docker, &plan, &compose, &mut touched, payload)
             .await;
-        match result {
-            Ok(()) => {}
-            Err(e) => {
-                if touched.up_ran {
-                    let rolled_back =
-                        restore(docker, &plan, &compose, &touched, &mut run.log).await;
-                    run.output("rolledBack", rolled_back);
-                } else if touched.lock_written {
-                    // Nothing running changed: put the lock file back as it was.
-                    restore_lock_file(&plan.dir, touched.had_previous, &mut run.log);
-                }
-                return Err(e);
+        if result.is_err() {
+            if touched.up_ran {
+                let rolled_back = restore(docker, &plan, &compose, &touched, &mut run.log).await;
+                run.output("rolledBack", rolled_back);
+            } else if touched.lock_written {
+                // Nothing running changed: put the lock file back as it was.
+                restore_lock_file(&plan.dir, touched.had_previous, &mut run.log);
             }
         }
+        // The login is needed no longer: gone before the sticker, whatever happened.
+        drop(compose);
+        if let Some(login) = config_dir {
+            login.remove(&mut run.log);
+        }
+        result?;
 
         let sticker = Sticker {
             name: plan.project.clone(),
@@ -541,6 +628,7 @@ impl ComposeExecutor {
         run.log
             .line(format!("using registry credentials for {server}"));
         DockerConfigDir::create(
+            &self.credentials_dir,
             &server,
             login.username.as_deref().unwrap_or_default(),
             login.password.as_deref().unwrap_or_default(),
@@ -591,7 +679,15 @@ impl ComposeExecutor {
             ),
         ];
         if let Some(hook) = &payload.hooks.pre_deploy {
-            hooks::run_hook(run, hook, "pre-deploy", Some(&plan.dir), hook_env.clone()).await?;
+            hooks::run_hook(
+                run,
+                hook,
+                "pre-deploy",
+                Some(&plan.dir),
+                hook_env.clone(),
+                &self.allowed_hooks,
+            )
+            .await?;
         }
 
         // 3. Pull, then check what the engine now has against the digests.
@@ -656,7 +752,15 @@ impl ComposeExecutor {
 
         // 6. Post-deploy hook.
         if let Some(hook) = &payload.hooks.post_deploy {
-            hooks::run_hook(run, hook, "post-deploy", Some(&plan.dir), hook_env).await?;
+            hooks::run_hook(
+                run,
+                hook,
+                "post-deploy",
+                Some(&plan.dir),
+                hook_env,
+                &self.allowed_hooks,
+            )
+            .await?;
         }
         Ok(())
     }
@@ -935,8 +1039,12 @@ mod tests {
 
     #[test]
     fn the_registry_login_lives_only_as_long_as_its_guard() {
-        let guard = DockerConfigDir::create("127.0.0.1:5000", "u", "secret").unwrap();
+        let parent = tempfile::tempdir().unwrap();
+        let guard =
+            DockerConfigDir::create(&parent.path().join("tmp"), "127.0.0.1:5000", "u", "secret")
+                .unwrap();
         let path = guard.0.clone();
+        assert_eq!(path.parent(), Some(parent.path().join("tmp").as_path()));
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(path.join("config.json")).unwrap()).unwrap();
         assert_eq!(config["auths"]["127.0.0.1:5000"]["auth"], "dTpzZWNyZXQ=");
@@ -966,6 +1074,9 @@ mod tests {
             },
             ..Default::default()
         };
-        assert_eq!(plan(&p).unwrap_err().code(), "COMPOSE_LOCK_MISSING");
+        assert_eq!(
+            plan(&p, &AllowedHooks::default()).unwrap_err().code(),
+            "COMPOSE_LOCK_MISSING"
+        );
     }
 }

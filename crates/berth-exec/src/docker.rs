@@ -4,13 +4,15 @@
 //! stop the current container and rename it `<name>-previous-<unix ms>` → create (berth labels,
 //! env, ports, volumes, restart policy, limits) → start → wait healthy → post-deploy hook →
 //! remove the previous container → write the sticker. Nothing running is touched before the
-//! digest is verified and the pre-deploy hook passed; any failure (or cancellation) after that
+//! digest is verified and the pre-deploy hook passed (and nothing at all, not even the pull, when
+//! a hook names a program off the agent's allow-list); any failure (or cancellation) after that
 //! removes the new container and restores the previous one under its name.
 //!
 //! Payload values reach the engine only as API fields, never through a shell.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use berth_proto::kind::TaskKind;
@@ -31,7 +33,7 @@ use tokio::time::Instant;
 
 use crate::engine::{self, engine_error, Engine, Judgement};
 use crate::error::ExecError;
-use crate::hooks;
+use crate::hooks::{self, AllowedHooks};
 use crate::reference::{self, ImageRef};
 use crate::run::{millis_since, Log, Run, Stop};
 use crate::sticker::{Sticker, StickerStore};
@@ -49,10 +51,12 @@ const RESTORE_BUDGET: Duration = Duration::from_secs(120);
 /// `unix://` socket, else `/var/run/docker.sock`), so constructing the executor never fails; an
 /// engine that cannot be reached makes that task fail with the retriable `DOCKER_UNAVAILABLE`.
 /// Registry logins come from the task's credentials `registryUsername` and `registryPassword`
-/// (optionally `registryServer`, default: the image's registry host).
+/// (optionally `registryServer`, default: the image's registry host). Hooks run only programs
+/// on [`with_allowed_hooks`](DockerExecutor::with_allowed_hooks)' list (none by default).
 pub struct DockerExecutor {
     stickers: StickerStore,
     engine: Engine,
+    allowed_hooks: AllowedHooks,
 }
 
 impl DockerExecutor {
@@ -60,7 +64,14 @@ impl DockerExecutor {
         DockerExecutor {
             stickers: sticker_store,
             engine: Engine::new(),
+            allowed_hooks: AllowedHooks::default(),
         }
+    }
+
+    /// The programs pre- and post-deploy hooks may run (absolute paths, matched exactly).
+    pub fn with_allowed_hooks(mut self, programs: Vec<PathBuf>) -> DockerExecutor {
+        self.allowed_hooks = AllowedHooks::new(programs);
+        self
     }
 
     /// Every container with berth labels, with state and health: for the agent's `inspect`.
@@ -125,7 +136,7 @@ struct Plan {
     previous_digest: Option<String>,
 }
 
-fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
+fn plan(p: &DeployTaskPayload, allowed_hooks: &AllowedHooks) -> Result<Plan, ExecError> {
     let c = &p.config;
     let name = c
         .container_name
@@ -203,14 +214,7 @@ fn plan(p: &DeployTaskPayload) -> Result<Plan, ExecError> {
     if let Some(h) = &c.health_check {
         engine::validate_health_check(h)?;
     }
-    for (hook, name) in [
-        (&p.hooks.pre_deploy, "pre-deploy"),
-        (&p.hooks.post_deploy, "post-deploy"),
-    ] {
-        if let Some(h) = hook {
-            hooks::validate(h, name)?;
-        }
-    }
+    hooks::validate_all(&p.hooks, allowed_hooks)?;
     if let Some(prev) = &p.previous_digest {
         if !reference::is_sha256_digest(prev) {
             return Err(ExecError::InvalidPayload(format!(
@@ -410,7 +414,7 @@ impl DockerExecutor {
         run: &mut Run<'_>,
         payload: &DeployTaskPayload,
     ) -> Result<String, ExecError> {
-        let plan = plan(payload)?;
+        let plan = plan(payload, &self.allowed_hooks)?;
         let reference = format!("{}@{}", plan.image.repository, plan.digest);
         run.output("containerName", plan.name.clone());
         run.output("image", plan.image.repository.clone());
@@ -472,7 +476,15 @@ impl DockerExecutor {
             ("BERTH_DIGEST".to_string(), plan.digest.clone()),
         ];
         if let Some(hook) = &payload.hooks.pre_deploy {
-            hooks::run_hook(run, hook, "pre-deploy", None, hook_env.clone()).await?;
+            hooks::run_hook(
+                run,
+                hook,
+                "pre-deploy",
+                None,
+                hook_env.clone(),
+                &self.allowed_hooks,
+            )
+            .await?;
         }
         run.stop.check()?;
 
@@ -659,7 +671,15 @@ impl DockerExecutor {
         run.log.line(format!("{} is healthy", plan.name));
 
         if let Some(hook) = &payload.hooks.post_deploy {
-            hooks::run_hook(run, hook, "post-deploy", None, hook_env).await?;
+            hooks::run_hook(
+                run,
+                hook,
+                "post-deploy",
+                None,
+                hook_env,
+                &self.allowed_hooks,
+            )
+            .await?;
         }
         Ok(id)
     }
@@ -727,6 +747,8 @@ impl DockerExecutor {
                 "container name {name:?} is invalid"
             )));
         }
+        // Hooks the agent does not allow fail the rollback before it looks anything up.
+        hooks::validate_all(&payload.deploy.hooks, &self.allowed_hooks)?;
         if let Some(target) = &payload.target_digest {
             // A redeploy of that digest, with the rest of the payload.
             let mut deploy = payload.deploy.clone();
@@ -1036,30 +1058,52 @@ mod tests {
             ..Default::default()
         };
         let d = format!("sha256:{}", "a".repeat(64));
-        assert!(plan(&base("127.0.0.1:5000/web", Some(&d))).is_ok());
-        assert!(plan(&base(&format!("127.0.0.1:5000/web@{d}"), None)).is_ok());
+        assert!(plan(
+            &base("127.0.0.1:5000/web", Some(&d)),
+            &AllowedHooks::default()
+        )
+        .is_ok());
+        assert!(plan(
+            &base(&format!("127.0.0.1:5000/web@{d}"), None),
+            &AllowedHooks::default()
+        )
+        .is_ok());
         assert_eq!(
-            plan(&base("127.0.0.1:5000/web:1.0", None))
-                .unwrap_err()
-                .code(),
+            plan(
+                &base("127.0.0.1:5000/web:1.0", None),
+                &AllowedHooks::default()
+            )
+            .unwrap_err()
+            .code(),
             "DIGEST_REQUIRED"
         );
         assert_eq!(
-            plan(&base("web", Some("sha256:abc"))).unwrap_err().code(),
+            plan(&base("web", Some("sha256:abc")), &AllowedHooks::default())
+                .unwrap_err()
+                .code(),
             "DIGEST_REQUIRED"
         );
         let other = format!("sha256:{}", "b".repeat(64));
         assert_eq!(
-            plan(&base(&format!("web@{d}"), Some(&other)))
-                .unwrap_err()
-                .code(),
+            plan(
+                &base(&format!("web@{d}"), Some(&other)),
+                &AllowedHooks::default()
+            )
+            .unwrap_err()
+            .code(),
             "INVALID_PAYLOAD"
         );
         let mut p = base("web", Some(&d));
         p.config.container_name = Some("web; rm -rf /".into());
-        assert_eq!(plan(&p).unwrap_err().code(), "INVALID_PAYLOAD");
+        assert_eq!(
+            plan(&p, &AllowedHooks::default()).unwrap_err().code(),
+            "INVALID_PAYLOAD"
+        );
         let mut p = base("web", Some(&d));
         p.config.restart_policy = Some("sometimes".into());
-        assert_eq!(plan(&p).unwrap_err().code(), "INVALID_PAYLOAD");
+        assert_eq!(
+            plan(&p, &AllowedHooks::default()).unwrap_err().code(),
+            "INVALID_PAYLOAD"
+        );
     }
 }

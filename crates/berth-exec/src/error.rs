@@ -29,6 +29,8 @@ pub enum ExecError {
     HealthCheckFailed(String),
     #[error("{hook} hook failed: {detail}")]
     HookFailed { hook: &'static str, detail: String },
+    #[error("the {hook} hook's program {program:?} is not on this agent's hook allow-list (--allow-hook; an absolute path, matched exactly)")]
+    HookNotAllowed { hook: &'static str, program: String },
     #[error("{hook} hook timed out after {seconds}s and was killed")]
     HookTimeout { hook: &'static str, seconds: u64 },
     #[error("docker engine refused to {action} {target}: {detail}")]
@@ -82,6 +84,7 @@ impl ExecError {
             ExecError::HealthCheckUnavailable(_) => "HEALTH_CHECK_UNAVAILABLE",
             ExecError::HealthCheckFailed(_) => error_types::HEALTH_CHECK_FAILED,
             ExecError::HookFailed { .. } => "HOOK_FAILED",
+            ExecError::HookNotAllowed { .. } => error_types::HOOK_NOT_ALLOWED,
             ExecError::HookTimeout { .. } => "HOOK_TIMEOUT",
             ExecError::Engine { .. } => "DOCKER_ERROR",
             ExecError::NoPreviousContainer(_) => "NO_PREVIOUS_CONTAINER",

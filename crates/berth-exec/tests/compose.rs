@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use berth_exec::compose::{BACKUP_FILE, LOCK_FILE};
+use berth_exec::compose::{sweep_credentials, BACKUP_FILE, DOCKER_CONFIG_PREFIX, LOCK_FILE};
 use berth_exec::sticker::StickerStore;
 use berth_exec::{ComposeExecutor, Executor};
 use berth_test_utils::docker::*;
@@ -77,7 +77,10 @@ async fn two_services_up_then_an_unhealthy_upgrade_restores_the_backup() {
         None,
     );
     let state = tempfile::tempdir().unwrap();
-    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")));
+    let exec = ComposeExecutor::new(
+        StickerStore::new(state.path().join("stickers")),
+        state.path().join("tmp"),
+    );
     let command = exec
         .compose_command()
         .await
@@ -155,7 +158,10 @@ async fn two_services_up_then_an_unhealthy_upgrade_restores_the_backup() {
 async fn a_lock_that_does_not_match_is_refused_before_anything_is_written() {
     // No engine needed: the lock is checked before compose is even looked for.
     let state = tempfile::tempdir().unwrap();
-    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")));
+    let exec = ComposeExecutor::new(
+        StickerStore::new(state.path().join("stickers")),
+        state.path().join("tmp"),
+    );
     let dir = state.path().join("deploy");
     let d = |c: char| format!("sha256:{}", c.to_string().repeat(64));
     let web = Image {
@@ -230,7 +236,10 @@ async fn pulls_with_registry_credentials_and_refuses_a_wrong_password() {
         login,
     );
     let state = tempfile::tempdir().unwrap();
-    let exec = ComposeExecutor::new(StickerStore::new(state.path().join("stickers")));
+    let exec = ComposeExecutor::new(
+        StickerStore::new(state.path().join("stickers")),
+        state.path().join("tmp"),
+    );
     let command = exec
         .compose_command()
         .await
@@ -260,4 +269,224 @@ async fn pulls_with_registry_credentials_and_refuses_a_wrong_password() {
         .unwrap()
         .contains(&env.password));
     assert_eq!(http_body(port).await.as_deref(), Some("private"));
+}
+
+/// Every file under `root` whose bytes contain `needle`.
+fn files_containing(root: &std::path::Path, needle: &[u8]) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(path),
+                Ok(t)
+                    if t.is_file()
+                        && std::fs::read(&path)
+                            .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) =>
+                {
+                    found.push(path)
+                }
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+/// The registry login directories in `credentials_dir`.
+fn logins(credentials_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(credentials_dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(DOCKER_CONFIG_PREFIX)
+                })
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Issue 9 item 6: while compose pulls, the registry login lives in a 0700 directory under the
+/// credentials dir the agent names (not in /tmp), and it is gone after success, failure and
+/// cancellation alike.
+#[tokio::test]
+async fn the_registry_login_lives_in_the_private_credentials_dir_and_is_always_removed() {
+    use base64::Engine as _;
+    use std::os::unix::fs::PermissionsExt;
+    let Some(env) =
+        env("the_registry_login_lives_in_the_private_credentials_dir_and_is_always_removed")
+    else {
+        return;
+    };
+    let prefix = unique("berth-test");
+    let mut cleanup = Cleanup::new(&prefix);
+    let login = Some((env.user.as_str(), env.password.as_str()));
+    let web = make_image(
+        &env.auth_registry,
+        &prefix,
+        "web",
+        Variant::Healthy,
+        "private",
+        login,
+    );
+    let state = tempfile::tempdir().unwrap();
+    let credentials = state.path().join("tmp");
+    let sh = "/bin/sh";
+    let exec = ComposeExecutor::new(
+        StickerStore::new(state.path().join("stickers")),
+        credentials.clone(),
+    )
+    .with_allowed_hooks(vec![sh.into()]);
+    let command = exec
+        .compose_command()
+        .await
+        .expect("docker compose or docker-compose");
+    let dir = state.path().join("deploy");
+    cleanup.compose_project(&command, &prefix, &dir);
+    let port = free_port();
+    let content = lock(&[("web", &web, port)]);
+    let auth =
+        base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", env.user, env.password));
+    let secrets = [env.password.as_bytes(), auth.as_bytes()];
+
+    // A wrong password fails the pull (first, while the image is not local yet): removed.
+    let wrong = with_login(
+        task(
+            "compose.up",
+            payload(&prefix, &dir, &content, &[("web", &web)]),
+        ),
+        &env.user,
+        "not-the-password-41d2",
+    );
+    assert_failed(&exec.execute(&wrong).await, "REGISTRY_AUTH_FAILED");
+    assert!(logins(&credentials).is_empty(), "removed after a failure");
+
+    // The pre-deploy hook runs while the login exists: it signals, then waits for the test.
+    let started = state.path().join("hook-started");
+    let release = state.path().join("hook-release");
+    let mut p = payload(&prefix, &dir, &content, &[("web", &web)]);
+    p["hooks"] = json!({"preDeploy": {"command": [sh, "-c", format!(
+        "touch {}; while [ ! -e {} ]; do sleep 0.1; done",
+        started.display(), release.display()
+    )], "timeout": 120}});
+    let deploy = with_login(task("compose.up", p.clone()), &env.user, &env.password);
+    let watch = async {
+        wait_until(
+            Duration::from_secs(60),
+            "the pre-deploy hook to start",
+            || {
+                let started = started.clone();
+                async move { started.exists() }
+            },
+        )
+        .await;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&credentials), 0o700, "the credentials dir is private");
+        let held = logins(&credentials);
+        assert_eq!(
+            held.len(),
+            1,
+            "one login, under the credentials dir: {held:?}"
+        );
+        assert_eq!(mode(&held[0]), 0o700);
+        assert!(
+            !files_containing(&held[0], auth.as_bytes()).is_empty(),
+            "the login is the one compose uses"
+        );
+        std::fs::write(&release, b"").unwrap();
+    };
+    let (outcome, ()) = tokio::join!(exec.execute(&deploy), watch);
+    assert_success(&outcome);
+    assert_eq!(http_body(port).await.as_deref(), Some("private"));
+    assert!(logins(&credentials).is_empty(), "removed after success");
+
+    // Cancelled while the login exists: removed as well.
+    std::fs::remove_file(&started).unwrap();
+    std::fs::remove_file(&release).unwrap();
+    let cancelled = with_login(task("compose.up", p), &env.user, &env.password);
+    let cancel = cancelled.cancel.clone();
+    let watch = async {
+        wait_until(
+            Duration::from_secs(60),
+            "the pre-deploy hook to start",
+            || {
+                let started = started.clone();
+                async move { started.exists() }
+            },
+        )
+        .await;
+        assert_eq!(logins(&credentials).len(), 1);
+        cancel.cancel();
+    };
+    let (outcome, ()) = tokio::join!(exec.execute(&cancelled), watch);
+    assert_failed(&outcome, "CANCELLED");
+    assert!(
+        logins(&credentials).is_empty(),
+        "removed after cancellation"
+    );
+
+    for secret in secrets {
+        let left = files_containing(state.path(), secret);
+        assert!(left.is_empty(), "credentials left on disk: {left:?}");
+    }
+}
+
+/// The agent's start-up sweep: a login left by a killed agent goes; nothing else is touched.
+#[test]
+fn the_sweep_removes_leftover_logins_only() {
+    let state = tempfile::tempdir().unwrap();
+    let credentials = state.path().join("tmp");
+    assert_eq!(
+        sweep_credentials(&credentials).unwrap(),
+        0,
+        "no dir: nothing to do"
+    );
+    let leftover = credentials.join(format!("{DOCKER_CONFIG_PREFIX}0b5e"));
+    std::fs::create_dir_all(&leftover).unwrap();
+    std::fs::write(
+        leftover.join("config.json"),
+        r#"{"auths":{"r":{"auth":"c2VjcmV0"}}}"#,
+    )
+    .unwrap();
+    std::fs::write(credentials.join("unrelated"), "keep").unwrap();
+    assert_eq!(sweep_credentials(&credentials).unwrap(), 1);
+    assert!(!leftover.exists());
+    assert!(credentials.join("unrelated").exists());
+}
+
+/// Issue 9 item 5 for compose: a hook off the allow-list fails before the lock file is written.
+#[tokio::test]
+async fn a_compose_hook_not_on_the_allow_list_fails_before_anything_is_written() {
+    let state = tempfile::tempdir().unwrap();
+    let dir = state.path().join("deploy");
+    let digest = format!("sha256:{}", "4".repeat(64));
+    let web = Image {
+        repository: "127.0.0.1:9/berth-test-never/web".into(),
+        digest: digest.clone(),
+    };
+    let content = lock(&[("web", &web, 9)]);
+    let marker = state.path().join("hook-ran");
+    let exec = ComposeExecutor::new(
+        StickerStore::new(state.path().join("stickers")),
+        state.path().join("tmp"),
+    )
+    .with_allowed_hooks(vec!["/bin/true".into()])
+    .with_compose_command(vec!["/bin/false".into()]);
+    for hook in ["preDeploy", "postDeploy"] {
+        let mut p = payload("berth-test-never", &dir, &content, &[("web", &web)]);
+        p["hooks"] =
+            json!({hook: {"command": ["/bin/sh", "-c", format!("touch {}", marker.display())]}});
+        let outcome = exec.execute(&task("compose.up", p)).await;
+        assert_failed(&outcome, "HOOK_NOT_ALLOWED");
+        assert!(!outcome.retriable);
+        assert!(!marker.exists());
+        assert!(!dir.exists(), "nothing was written");
+    }
 }

@@ -12,8 +12,23 @@ use berth_test_utils::{free_port, wait_until};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// An executor whose hooks may run the programs these tests' hooks name.
 fn executor(dir: &tempfile::TempDir) -> DockerExecutor {
-    DockerExecutor::new(StickerStore::new(dir.path().join("stickers")))
+    DockerExecutor::new(StickerStore::new(dir.path().join("stickers"))).with_allowed_hooks(
+        ["docker", "touch", "echo", "sh", "false"]
+            .map(|p| program(p).into())
+            .to_vec(),
+    )
+}
+
+/// The absolute path of `name` in `PATH`: hooks name programs by absolute path.
+fn program(name: &str) -> String {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("{name} is not in PATH"))
+        .display()
+        .to_string()
 }
 
 /// A `docker.run` payload for `image` as container `name`, published on `port`, with an
@@ -126,7 +141,7 @@ async fn upgrade_keeps_previous_until_healthy_then_rolls_back_on_request() {
     // removed: its output proves `<name>-previous-<ts>` existed while v2 was being checked.
     let mut payload = deploy(&v2, &name, port, docker_check(30));
     payload["hooks"] = json!({"postDeploy": {"command": [
-        "docker", "ps", "-a", "--format", "seen {{.Names}}", "--filter", format!("name={name}-previous-")
+        program("docker"), "ps", "-a", "--format", "seen {{.Names}}", "--filter", format!("name={name}-previous-")
     ], "timeout": 30}});
     let outcome = exec.execute(&task("docker.run", payload)).await;
     assert_success(&outcome);
@@ -344,7 +359,8 @@ async fn digest_mismatch_leaves_the_running_container_untouched() {
         ),
     };
     let mut payload = deploy(&forged, &name, port, docker_check(30));
-    payload["hooks"] = json!({"preDeploy": {"command": ["touch", marker.display().to_string()]}});
+    payload["hooks"] =
+        json!({"preDeploy": {"command": [program("touch"), marker.display().to_string()]}});
     let outcome = exec.execute(&task("docker.run", payload)).await;
     assert_failed(&outcome, "DIGEST_MISMATCH");
     assert!(!outcome.retriable);
@@ -473,7 +489,8 @@ async fn registry_credentials_work_are_checked_and_never_logged() {
 
     // The right password, and a hook that prints it: the outcome carries it nowhere.
     let mut payload = deploy(&v1, &name, port, docker_check(30));
-    payload["hooks"] = json!({"preDeploy": {"command": ["echo", "token is", env.password]}});
+    payload["hooks"] =
+        json!({"preDeploy": {"command": [program("echo"), "token is", env.password]}});
     let outcome = exec
         .execute(&with_login(
             task("docker.run", payload),
@@ -505,7 +522,7 @@ async fn hook_timeout_and_cancellation_clean_up() {
     // A pre-deploy hook that outlives its timeout is killed, with what it started.
     let started = std::time::Instant::now();
     let mut payload = deploy(&v1, &name, port, docker_check(30));
-    payload["hooks"] = json!({"preDeploy": {"command": ["sh", "-c", "echo started; sleep 60 & sleep 60"], "timeout": 1}});
+    payload["hooks"] = json!({"preDeploy": {"command": [program("sh"), "-c", "echo started; sleep 60 & sleep 60"], "timeout": 1}});
     let outcome = exec.execute(&task("docker.run", payload)).await;
     assert_failed(&outcome, "HOOK_TIMEOUT");
     assert!(
@@ -517,7 +534,7 @@ async fn hook_timeout_and_cancellation_clean_up() {
 
     // A post-deploy hook that fails undoes the deployment.
     let mut payload = deploy(&v1, &name, port, docker_check(30));
-    payload["hooks"] = json!({"postDeploy": {"command": ["false"]}});
+    payload["hooks"] = json!({"postDeploy": {"command": [program("false")]}});
     let outcome = exec.execute(&task("docker.run", payload)).await;
     assert_failed(&outcome, "HOOK_FAILED");
     assert!(
@@ -553,4 +570,82 @@ async fn hook_timeout_and_cancellation_clean_up() {
         "the new container is removed: {}",
         outcome.logs
     );
+}
+
+/// Issue 9 item 5: a hook is a program on the agent's host, so it runs only when the agent
+/// allows that program; anything else fails closed before the host changes at all.
+#[tokio::test]
+async fn a_hook_not_on_the_allow_list_fails_closed_before_anything_changes() {
+    let Some(env) = env("a_hook_not_on_the_allow_list_fails_closed_before_anything_changes") else {
+        return;
+    };
+    let prefix = unique("berth-test");
+    let _cleanup = Cleanup::new(&prefix);
+    let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
+    let v2 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v2", None);
+    let dir = tempfile::tempdir().unwrap();
+    // The agent's default: no --allow-hook, so no hook may run.
+    let exec = DockerExecutor::new(StickerStore::new(dir.path().join("stickers")));
+    let name = format!("{prefix}-web");
+    let port = free_port();
+    assert_success(
+        &exec
+            .execute(&task(
+                "docker.run",
+                deploy(&v1, &name, port, docker_check(30)),
+            ))
+            .await,
+    );
+    let id = container_id(&name).unwrap();
+
+    // A shell as the pre-deploy hook: refused, nothing pulled, renamed or started.
+    let marker = dir.path().join("pre-deploy-ran");
+    let touch = format!("touch {}", marker.display());
+    for hooks in [
+        json!({"preDeploy": {"command": ["/bin/sh", "-c", touch]}}),
+        json!({"postDeploy": {"command": ["/bin/sh", "-c", touch]}}),
+        // A bare name or a relative path is never looked up.
+        json!({"preDeploy": {"command": ["touch", marker.display().to_string()]}}),
+        json!({"preDeploy": {"command": ["../../bin/touch", marker.display().to_string()]}}),
+    ] {
+        let mut payload = deploy(&v2, &name, port, docker_check(30));
+        payload["hooks"] = hooks.clone();
+        let outcome = exec.execute(&task("docker.run", payload)).await;
+        assert_failed(&outcome, "HOOK_NOT_ALLOWED");
+        assert!(!outcome.retriable, "{hooks}");
+        assert!(!marker.exists(), "the hook did not run: {hooks}");
+        assert_eq!(container_id(&name), Some(id.clone()), "same container");
+        assert!(container_names(&format!("{name}-previous-")).is_empty());
+        assert_eq!(
+            http_body(port).await.as_deref(),
+            Some("v1"),
+            "still serving"
+        );
+        assert!(
+            !outcome.logs.contains("pulling"),
+            "refused before the pull: {}",
+            outcome.logs
+        );
+
+        // The same hook in a rollback to v2 is refused just as early.
+        let outcome = exec
+            .execute(&task(
+                "rollback",
+                json!({"containerName": name, "targetDigest": v2.digest, "hooks": hooks}),
+            ))
+            .await;
+        assert_failed(&outcome, "HOOK_NOT_ALLOWED");
+        assert!(!marker.exists());
+        assert_eq!(container_id(&name), Some(id.clone()));
+    }
+
+    // A program on the list runs.
+    let allowed = DockerExecutor::new(StickerStore::new(dir.path().join("stickers")))
+        .with_allowed_hooks(vec![program("touch").into()]);
+    let mut payload = deploy(&v2, &name, port, docker_check(30));
+    payload["hooks"] =
+        json!({"preDeploy": {"command": [program("touch"), marker.display().to_string()]}});
+    assert_success(&allowed.execute(&task("docker.run", payload)).await);
+    assert!(marker.exists(), "the allowed hook ran");
+    assert_eq!(http_body(port).await.as_deref(), Some("v2"));
 }

@@ -34,8 +34,11 @@ async fn an_unreachable_engine_is_a_retriable_failure() {
         "config": {"projectName": "berth-test-never", "deploymentDirectory": dir.path().join("deploy").display().to_string(),
                    "expectedDigests": {"web": digest}},
     });
-    let exec = ComposeExecutor::new(StickerStore::new(dir.path().join("stickers")))
-        .with_compose_command(vec!["true".into()]);
+    let exec = ComposeExecutor::new(
+        StickerStore::new(dir.path().join("stickers")),
+        dir.path().join("tmp"),
+    )
+    .with_compose_command(vec!["true".into()]);
     let outcome = exec.execute(&task("compose.up", compose)).await;
     assert_failed(&outcome, "DOCKER_UNAVAILABLE");
     assert!(outcome.retriable);

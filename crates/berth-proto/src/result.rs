@@ -24,6 +24,8 @@ pub mod error_types {
     pub const STICKER_WRITE_FAILED: &str = "STICKER_WRITE_FAILED";
     pub const COMMAND_NOT_ALLOWED: &str = "COMMAND_NOT_ALLOWED";
     pub const COMMAND_FAILED: &str = "COMMAND_FAILED";
+    /// A deployment's hook names a program that is not on the agent's `--allow-hook` list.
+    pub const HOOK_NOT_ALLOWED: &str = "HOOK_NOT_ALLOWED";
 }
 
 /// Durations of the phases of a deployment, in milliseconds (DESIGN "Executors").

@@ -43,6 +43,16 @@ struct Args {
     /// A program `execute-command` tasks may run (absolute path; repeatable). None: off.
     #[arg(long = "allow-command", value_name = "PATH")]
     allow_commands: Vec<PathBuf>,
+    /// A program preDeploy/postDeploy hooks may run (absolute path, matched exactly, no PATH
+    /// lookup; repeatable or comma-separated). A separate list: --allow-command does not allow
+    /// hooks. None: a deployment with a hook fails with HOOK_NOT_ALLOWED before any change.
+    #[arg(
+        long = "allow-hook",
+        value_name = "PATH",
+        env = "BERTH_AGENT_ALLOW_HOOKS",
+        value_delimiter = ','
+    )]
+    allow_hooks: Vec<PathBuf>,
     /// Where version stickers are kept (default <state-dir>/stickers).
     #[arg(long)]
     sticker_dir: Option<PathBuf>,
@@ -122,6 +132,7 @@ async fn agent(args: Args) -> Result<(), AgentError> {
         server: args.server,
         retry_budget,
         allow_commands: args.allow_commands,
+        allow_hooks: args.allow_hooks,
         sticker_dir: args.sticker_dir,
         max_concurrent_tasks: args.max_concurrent_tasks,
         ..AgentConfig::new(args.state_dir)
