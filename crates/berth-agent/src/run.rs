@@ -48,6 +48,8 @@ pub async fn run(
     let acquire = AcquireSession {
         agent_id,
         instance_id: instance_id.clone(),
+        boot_id: None,
+        lock: None,
     };
     let client = link.current().client;
     let session = tokio::select! {
