@@ -16,6 +16,7 @@ mod config;
 mod enroll;
 mod error;
 mod heartbeat;
+mod installation;
 mod journal;
 mod link;
 mod renew;

@@ -13,6 +13,7 @@ use berth_proto::transport::{AcquireSession, ReleaseSession};
 use crate::capabilities;
 use crate::config::AgentConfig;
 use crate::heartbeat::Heartbeats;
+use crate::installation::Installation;
 use crate::link::{Link, SharedLink};
 use crate::retry::with_retries;
 use crate::state::StateDir;
@@ -64,9 +65,13 @@ pub async fn run(
     };
     let capabilities = Capabilities::new(docker.into_iter().chain(compose.clone()).collect());
 
+    // Held until this function returns: the proof to the next process of this installation.
+    let installation = Installation::claim(&state);
     let acquire = AcquireSession {
         agent_id,
         instance_id: instance_id.clone(),
+        boot_id: installation.boot_id.clone(),
+        lock: installation.lock_id(),
     };
     let client = link.current().client;
     let session = tokio::select! {

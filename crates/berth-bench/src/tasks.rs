@@ -217,6 +217,8 @@ pub(crate) async fn sessions(
                 .send(&AcquireSession {
                     agent_id: id,
                     instance_id: uuid::Uuid::new_v4().to_string(),
+                    boot_id: None,
+                    lock: None,
                 })
                 .await
                 .with_context(|| format!("acquiring the session of agent {id}"))?;

@@ -715,6 +715,172 @@ fn cloned_identity_is_refused_then_takes_over_and_fences_the_original() {
     });
 }
 
+/// A started agent process on `state_dir` (this agent's sticker dir), with the host's boot id
+/// read from `boot_id_file` instead of `/proc` when one is given (another "host").
+fn agent_on(
+    server: &Server,
+    agent: &Agent,
+    state_dir: &Path,
+    name: &str,
+    boot_id_file: Option<&Path>,
+) -> Proc {
+    let sticker_arg = agent.sticker_dir.display().to_string();
+    let mut cmd = agent_command(
+        state_dir,
+        &[
+            "--server",
+            &server.url,
+            "--sticker-dir",
+            &sticker_arg,
+            "--retry-budget-secs",
+            "120",
+        ],
+    );
+    if let Some(file) = boot_id_file {
+        cmd.env("BERTH_AGENT_BOOT_ID_FILE", file);
+    }
+    Proc::spawn(&format!("berth-agent {name}"), cmd)
+}
+
+/// The distinct contender instances the server's ALERT lines name.
+fn alerted_contenders(server_log: &str) -> BTreeSet<String> {
+    server_log
+        .lines()
+        .filter(|l| l.contains("ALERT"))
+        .filter_map(|l| {
+            let rest = &l[l.find("contender=")? + "contender=".len()..];
+            rest.split_whitespace().next().map(str::to_string)
+        })
+        .collect()
+}
+
+/// Waits until `contender` has been refused with SESSION_HELD (and keeps trying) and the server
+/// has logged an ALERT naming a contender beyond the first `alerted` ones.
+fn wait_refused_with_alert(server: &Server, contender: &mut Proc, alerted: usize) {
+    wait_for(
+        SETTLE,
+        &format!(
+            "{} to be refused with SESSION_HELD and an ALERT",
+            contender.name
+        ),
+        || {
+            let log = contender.stderr();
+            if let Some(status) = contender.try_status() {
+                panic!(
+                    "{} gave up ({status}) instead of retrying:\n{log}",
+                    contender.name
+                );
+            }
+            let contenders = alerted_contenders(&server.proc.stderr());
+            if log.contains("SESSION_HELD") && contenders.len() > alerted {
+                Ok(())
+            } else {
+                Err(format!("alerts for {contenders:?}; contender log:\n{log}"))
+            }
+        },
+    )
+}
+
+#[test]
+fn restart_after_kill9_takes_the_session_back_at_once_without_an_alert() {
+    let tmp = tempdir();
+    // Lease: 3 intervals = 15 s. A kill -9 leaves at least 10 s of it; waiting that out is the
+    // old behaviour.
+    let mut server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "5"],
+    );
+    let mut agent = Agent::register(&server, tmp.path(), "phoenix", &[]);
+    let first = wait_generation(&mut agent.proc, 1);
+
+    for round in 1..=2 {
+        agent.proc.kill9();
+        let killed = Instant::now();
+        agent.proc = agent_on(
+            &server,
+            &agent,
+            &agent.state_dir.clone(),
+            &format!("phoenix (restart {round})"),
+            None,
+        );
+        let generation = wait_generation(&mut agent.proc, first + round);
+        let took = killed.elapsed();
+        assert_eq!(generation, first + round);
+        assert!(
+            took < Duration::from_secs(10),
+            "the restart waited {took:?} for the dead process's lease:\n{}",
+            agent.proc.stderr()
+        );
+        let log = agent.proc.stderr();
+        assert!(
+            !log.contains("SESSION_HELD"),
+            "restart {round} was refused:\n{log}"
+        );
+        server.wait_agent(&agent.id, "the restarted agent online", |a| {
+            a["status"] == "online" && a["lastHeartbeat"].is_string()
+        });
+    }
+    round_trip(&server, &agent.id);
+    let log = server.proc.stderr();
+    assert!(
+        !log.contains("ALERT"),
+        "a restart raised a clone alert:\n{log}"
+    );
+    agent.proc.assert_running();
+    server.proc.assert_running();
+}
+
+#[test]
+fn a_copy_on_another_host_and_a_second_process_on_the_same_state_dir_are_refused() {
+    let tmp = tempdir();
+    let mut server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "5"],
+    );
+    let mut original = Agent::register(&server, tmp.path(), "solo", &[]);
+    let first = wait_generation(&mut original.proc, 1);
+
+    // The state dir copied to another host: another directory and another boot id.
+    let copy = tmp.path().join("solo-copy");
+    std::fs::create_dir(&copy).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for entry in std::fs::read_dir(&original.state_dir).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+        }
+    }
+    let other_boot = tmp.path().join("other-boot-id");
+    std::fs::write(&other_boot, "0f0e0d0c-0b0a-4908-8706-050403020100\n").unwrap();
+    let mut elsewhere = agent_on(
+        &server,
+        &original,
+        &copy,
+        "solo (copy elsewhere)",
+        Some(&other_boot),
+    );
+    wait_refused_with_alert(&server, &mut elsewhere, 0);
+    server.wait_agent(
+        &original.id,
+        "the agent degraded while a copy contends",
+        |a| a["status"] == "degraded",
+    );
+    elsewhere.kill9();
+
+    // A second live process on the same state dir, on the same host: it cannot take the lock.
+    let state_dir = original.state_dir.clone();
+    let mut second = agent_on(&server, &original, &state_dir, "solo (second)", None);
+    wait_refused_with_alert(&server, &mut second, 1);
+    assert!(
+        acquired_generations(&second.stderr()).is_empty()
+            && acquired_generations(&elsewhere.stderr()).is_empty(),
+        "a contender acquired a held session"
+    );
+    original.proc.assert_running();
+    assert_eq!(acquired_generations(&original.proc.stderr()), vec![first]);
+    server.proc.assert_running();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. executors that must refuse, and commands as argument vectors
 // ---------------------------------------------------------------------------------------------

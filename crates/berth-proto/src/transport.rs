@@ -26,6 +26,16 @@ pub struct AcquireSession {
     pub agent_id: AgentId,
     /// Random per agent process: a restarted or cloned process has another one.
     pub instance_id: String,
+    /// The host's boot id (`/proc/sys/kernel/random/boot_id`): another host, or the same host
+    /// after a reboot, has another one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
+    /// Sent only while this process holds the exclusive lock on its installation's
+    /// `<state-dir>/agent.lock`, which it keeps for its whole life: that file's identity on this
+    /// boot (`<device>:<inode>`). A contender that presents the holder's `bootId` and `lock`
+    /// holds the lock the holder held, so the holder is dead: it takes the session at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

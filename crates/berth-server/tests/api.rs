@@ -860,6 +860,8 @@ async fn a_refused_clone_cannot_renew_the_certificate() {
         .send(&berth_proto::transport::AcquireSession {
             agent_id: agent.id,
             instance_id: "the-clone".into(),
+            boot_id: None,
+            lock: None,
         })
         .await
         .unwrap_err();

@@ -66,6 +66,8 @@ async fn sessions_fence_stale_and_missing_generations() {
         .send(&AcquireSession {
             agent_id: agent.id,
             instance_id: "clone".into(),
+            boot_id: None,
+            lock: None,
         })
         .await
         .unwrap_err();
@@ -110,6 +112,69 @@ async fn sessions_fence_stale_and_missing_generations() {
         .send_with(&hb, &[(GENERATION_HEADER, &current)], None)
         .await
         .expect("current generation");
+    server.stop().await;
+}
+
+/// A restart of the same installation (same boot id, same held lock) takes a live session at
+/// once and clears nothing it should not: no conflict, no degraded mark. Anything else waits.
+#[tokio::test]
+async fn a_restart_holding_the_installation_lock_takes_the_session_at_once() {
+    let server = start().await;
+    let agent = server.agent("phoenix").await;
+    let acquire = |instance: &str, boot: Option<&str>, lock: Option<&str>| AcquireSession {
+        agent_id: agent.id,
+        instance_id: instance.into(),
+        boot_id: boot.map(str::to_owned),
+        lock: lock.map(str::to_owned),
+    };
+    let first = agent
+        .client
+        .send(&acquire("p1", Some("boot-a"), Some("8:42")))
+        .await
+        .expect("session")
+        .generation;
+    let restarted = agent
+        .client
+        .send(&acquire("p2", Some("boot-a"), Some("8:42")))
+        .await
+        .expect("the restart takes the live session");
+    assert_eq!(restarted.generation, first + 1);
+    let shown = server
+        .admin()
+        .send(&GetAgent { id: agent.id })
+        .await
+        .unwrap();
+    assert_ne!(shown.status, AgentStatus::Degraded);
+
+    for (boot, lock) in [
+        (Some("boot-b"), Some("8:42")),
+        (Some("boot-a"), Some("8:43")),
+        (Some("boot-a"), None),
+        (None, Some("8:42")),
+    ] {
+        let err = agent
+            .client
+            .send(&acquire("clone", boot, lock))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            code(&err),
+            (409, "SESSION_HELD".into()),
+            "{boot:?} {lock:?}"
+        );
+    }
+    let err = agent
+        .client
+        .send(&acquire("odd", Some("boot-a/x"), Some("8:42")))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));
+    let shown = server
+        .admin()
+        .send(&GetAgent { id: agent.id })
+        .await
+        .unwrap();
+    assert_eq!(shown.status, AgentStatus::Degraded);
     server.stop().await;
 }
 

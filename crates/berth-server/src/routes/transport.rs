@@ -44,7 +44,8 @@ fn transport_enabled(state: &SharedState) -> ApiResult<()> {
     }
 }
 
-/// Acquire the session lease (mTLS). A second live process with the same identity is refused.
+/// Acquire the session lease (mTLS). A second live process with the same identity is refused,
+/// unless it holds the lock the holder held on the same boot (the holder is dead: a restart).
 #[utoipa::path(post, path = "/api/v1/agents/{id}/session", tag = "agent-runtime", request_body = AcquireSession,
     params(("id" = String, Path, format = Uuid)),
     responses(
@@ -64,6 +65,7 @@ pub async fn acquire_session(
             "instanceId must be 1-128 characters",
         ));
     }
+    let restart_key = restart_key(&req)?;
     let now = state.config.clock.now();
     let lease_expires_at = now + state.config.heartbeat_interval * 3;
     match state
@@ -72,6 +74,7 @@ pub async fn acquire_session(
             id,
             &peer.fingerprint,
             &req.instance_id,
+            restart_key.as_deref(),
             now,
             lease_expires_at,
         )
@@ -81,7 +84,7 @@ pub async fn acquire_session(
             generation,
             lease_expires_at,
         } => {
-            tracing::info!(agent_id = %id, generation, instance = %req.instance_id, "session acquired");
+            tracing::info!(agent_id = %id, generation, instance = %req.instance_id, holds_lock = restart_key.is_some(), "session acquired");
             Ok(Json(Session {
                 generation,
                 lease_expires_at,
@@ -113,6 +116,26 @@ pub async fn acquire_session(
         }
         SessionOutcome::Revoked => Err(agent_revoked(&state)),
     }
+}
+
+/// What a session request proves about its process: it holds its installation's lock (`lock`)
+/// on this boot (`bootId`). A later process presenting the same key holds the same lock, so the
+/// holder that recorded it is dead (the store lets it take the live lease). Without both, None.
+fn restart_key(req: &AcquireSession) -> ApiResult<Option<String>> {
+    let field = |name: &str, value: &Option<String>| match value.as_deref() {
+        Some(v) if v.is_empty() || v.len() > 128 || v.contains('/') => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::INVALID_REQUEST,
+            format!("{name} must be 1-128 characters without '/'"),
+        )),
+        v => Ok(v.map(str::to_owned)),
+    };
+    Ok(
+        match (field("bootId", &req.boot_id)?, field("lock", &req.lock)?) {
+            (Some(boot), Some(lock)) => Some(format!("{boot}/{lock}")),
+            _ => None,
+        },
+    )
 }
 
 /// Release the session lease on a graceful stop (mTLS, with the generation).

@@ -170,6 +170,8 @@ impl TestAgent {
             .send(&AcquireSession {
                 agent_id: self.id,
                 instance_id: uuid::Uuid::new_v4().to_string(),
+                boot_id: None,
+                lock: None,
             })
             .await
             .expect("session")

@@ -906,7 +906,7 @@ pub async fn session_lease(store: &DynStore) {
     let ttl = Duration::seconds(30);
 
     let first = store
-        .acquire_session(agent.id, &fp, "instance-a", t, t + ttl)
+        .acquire_session(agent.id, &fp, "instance-a", None, t, t + ttl)
         .await
         .expect("acquire");
     assert_eq!(
@@ -922,6 +922,7 @@ pub async fn session_lease(store: &DynStore) {
             agent.id,
             &fp,
             "instance-b",
+            None,
             t + Duration::seconds(1),
             t + ttl,
         )
@@ -940,6 +941,7 @@ pub async fn session_lease(store: &DynStore) {
             agent.id,
             &fp,
             "instance-a",
+            None,
             t + Duration::seconds(2),
             t + Duration::seconds(40),
         )
@@ -958,6 +960,7 @@ pub async fn session_lease(store: &DynStore) {
             agent.id,
             &fp,
             "instance-b",
+            None,
             t + Duration::seconds(40),
             t + Duration::seconds(70),
         )
@@ -989,6 +992,7 @@ pub async fn session_lease(store: &DynStore) {
             agent.id,
             &fp,
             "instance-c",
+            None,
             t + Duration::seconds(41),
             t + Duration::seconds(71),
         )
@@ -1002,14 +1006,14 @@ pub async fn session_lease(store: &DynStore) {
     // A certificate that is not the binding, an unknown or a deleted agent: revoked.
     assert_eq!(
         store
-            .acquire_session(agent.id, &fingerprint(), "instance-a", t, t + ttl)
+            .acquire_session(agent.id, &fingerprint(), "instance-a", None, t, t + ttl)
             .await
             .expect("acquire"),
         SessionOutcome::Revoked
     );
     assert_eq!(
         store
-            .acquire_session(AgentId::new(), &fp, "instance-a", t, t + ttl)
+            .acquire_session(AgentId::new(), &fp, "instance-a", None, t, t + ttl)
             .await
             .expect("acquire"),
         SessionOutcome::Revoked
@@ -1021,10 +1025,90 @@ pub async fn session_lease(store: &DynStore) {
         .expect("delete"));
     assert_eq!(
         store
-            .acquire_session(doomed.id, &bound(&doomed), "instance-a", t, t + ttl)
+            .acquire_session(doomed.id, &bound(&doomed), "instance-a", None, t, t + ttl)
             .await
             .expect("acquire"),
         SessionOutcome::Revoked
+    );
+}
+
+/// A restart of the same installation takes a live lease at once: the contender presents the
+/// restart key its dead predecessor recorded. Another key, none, or a holder that recorded none
+/// is refused while the lease lives; the holder's key is replaced with each acquisition.
+pub async fn session_restart_takeover(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("phoenix")).await;
+    let fp = bound(&agent);
+    let t = now();
+    let at = |s: i64| t + Duration::seconds(s);
+    let acquire = |instance: &'static str, key: Option<&'static str>, s: i64| {
+        let fp = fp.clone();
+        async move {
+            store
+                .acquire_session(agent.id, &fp, instance, key, at(s), at(s + 30))
+                .await
+                .expect("acquire")
+        }
+    };
+    let generation = |outcome: SessionOutcome| match outcome {
+        SessionOutcome::Acquired { generation, .. } => generation,
+        other => panic!("expected the session, got {other:?}"),
+    };
+    let held_by = |outcome: SessionOutcome| match outcome {
+        SessionOutcome::Held {
+            holder_instance, ..
+        } => holder_instance,
+        other => panic!("expected SESSION_HELD, got {other:?}"),
+    };
+
+    assert_eq!(generation(acquire("p1", Some("boot-a/lock-1"), 0).await), 1);
+    // Another host (boot), another installation (lock), or no proof: held.
+    assert_eq!(
+        held_by(acquire("clone", Some("boot-b/lock-1"), 1).await),
+        "p1"
+    );
+    assert_eq!(
+        held_by(acquire("clone", Some("boot-a/lock-2"), 1).await),
+        "p1"
+    );
+    assert_eq!(held_by(acquire("second", None, 1).await), "p1");
+    store
+        .mark_agent_degraded(agent.id, at(60))
+        .await
+        .expect("mark degraded");
+    // The restart on the same boot with the same lock: at once, a new generation, and the
+    // degraded mark is cleared.
+    assert_eq!(generation(acquire("p2", Some("boot-a/lock-1"), 2).await), 2);
+    let record = HeartbeatRecord {
+        generation: 2,
+        ..heartbeat(&agent, AgentStatus::Online, at(3))
+    };
+    assert_eq!(
+        store.record_heartbeats(&[record]).await.expect("heartbeat"),
+        vec![HeartbeatOutcome::Applied]
+    );
+    let read = store
+        .get_agent(tenant.id, agent.id)
+        .await
+        .expect("get")
+        .expect("exists");
+    assert_eq!(read.status, AgentStatus::Online);
+    // Again and again: every restart records the key anew.
+    assert_eq!(generation(acquire("p3", Some("boot-a/lock-1"), 4).await), 3);
+    assert_eq!(
+        held_by(acquire("clone", Some("boot-b/lock-1"), 5).await),
+        "p3"
+    );
+    // A holder that proved nothing cannot be taken over early, whatever the contender claims.
+    assert_eq!(generation(acquire("p4", None, 40).await), 4);
+    assert_eq!(
+        held_by(acquire("p5", Some("boot-a/lock-1"), 41).await),
+        "p4"
+    );
+    // After the lease ends anyone takes it, as before.
+    assert_eq!(
+        generation(acquire("p5", Some("boot-a/lock-1"), 70).await),
+        5
     );
 }
 
@@ -1090,6 +1174,7 @@ pub async fn session_conflict_degrades(store: &DynStore) {
             agent.id,
             &bound(&agent),
             "instance-clone",
+            None,
             t + Duration::seconds(200),
             t + Duration::seconds(230),
         )
@@ -1145,6 +1230,7 @@ pub async fn heartbeat_fencing(store: &DynStore) {
             agent.id,
             &bound(&agent),
             "intruder",
+            None,
             t + Duration::seconds(60),
             t + Duration::seconds(90),
         )

@@ -60,6 +60,7 @@ macro_rules! conformance_cases {
             timestamps_round_trip,
             session_lease,
             session_conflict_degrades,
+            session_restart_takeover,
             heartbeat_fencing,
             task_create_idempotency,
             task_claim_order,
@@ -335,6 +336,7 @@ async fn session(store: &DynStore, agent: &Agent, at: OffsetDateTime) -> i64 {
             agent.id,
             &bound(agent),
             &instance,
+            None,
             at,
             at + Duration::seconds(30),
         )

@@ -191,13 +191,17 @@ pub trait AgentStore: Send + Sync {
     // --- sessions (fencing) ---
 
     /// Acquires the agent's session lease for `instance_id` when it is free, expired at `now`,
-    /// or already held by `instance_id`; acquiring increments `generation`. Checks the
-    /// certificate binding in the same transaction.
+    /// already held by `instance_id`, or held by a process whose `restart_key` equals this
+    /// `restart_key` (a restart of the same installation on the same boot: the contender holds
+    /// the lock the holder held until it died). Acquiring increments `generation`, records
+    /// `restart_key` (None: nothing proven) and clears the degraded mark. Checks the certificate
+    /// binding in the same transaction.
     async fn acquire_session(
         &self,
         agent: AgentId,
         certificate_fingerprint: &str,
         instance_id: &str,
+        restart_key: Option<&str>,
         now: OffsetDateTime,
         lease_expires_at: OffsetDateTime,
     ) -> Result<SessionOutcome>;

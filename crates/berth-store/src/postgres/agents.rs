@@ -349,14 +349,15 @@ impl AgentStore for PostgresStore {
         agent: AgentId,
         certificate_fingerprint: &str,
         instance_id: &str,
+        restart_key: Option<&str>,
         now: OffsetDateTime,
         lease_expires_at: OffsetDateTime,
     ) -> Result<SessionOutcome> {
         const OP: &str = "acquire session";
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let row = sqlx::query(
-            "SELECT certificate_fingerprint, session_instance_id, session_expires_at \
-             FROM agents WHERE id = $1 FOR NO KEY UPDATE",
+            "SELECT certificate_fingerprint, session_instance_id, session_expires_at, \
+             session_restart_key FROM agents WHERE id = $1 FOR NO KEY UPDATE",
         )
         .bind(agent.0)
         .fetch_optional(&mut *tx)
@@ -370,8 +371,10 @@ impl AgentStore for PostgresStore {
         }
         let holder = row.text_opt("session_instance_id")?;
         let expires = row.time_opt("session_expires_at")?;
+        let holder_key = row.text_opt("session_restart_key")?;
         if let (Some(holder), Some(expires)) = (holder, expires) {
-            if holder != instance_id && expires > millis(now) {
+            let restart = restart_key.is_some() && holder_key.as_deref() == restart_key;
+            if holder != instance_id && expires > millis(now) && !restart {
                 return Ok(SessionOutcome::Held {
                     holder_instance: holder,
                     lease_expires_at: expires,
@@ -380,12 +383,14 @@ impl AgentStore for PostgresStore {
         }
         let row = sqlx::query(
             "UPDATE agents SET generation = generation + 1, session_instance_id = $2, \
-             session_expires_at = $3, session_conflict_until = NULL WHERE id = $1 \
+             session_expires_at = $3, session_restart_key = $4, \
+             session_conflict_until = NULL WHERE id = $1 \
              RETURNING generation, session_expires_at",
         )
         .bind(agent.0)
         .bind(instance_id)
         .bind(millis(lease_expires_at))
+        .bind(restart_key)
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error(OP))?;

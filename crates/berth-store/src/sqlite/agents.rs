@@ -377,33 +377,39 @@ impl AgentStore for SqliteStore {
         agent: AgentId,
         certificate_fingerprint: &str,
         instance_id: &str,
+        restart_key: Option<&str>,
         now: OffsetDateTime,
         lease_expires_at: OffsetDateTime,
     ) -> Result<SessionOutcome> {
-        let (fingerprint, instance_id) =
-            (certificate_fingerprint.to_owned(), instance_id.to_owned());
+        let (fingerprint, instance_id, restart_key) = (
+            certificate_fingerprint.to_owned(),
+            instance_id.to_owned(),
+            restart_key.map(str::to_owned),
+        );
         self.writer
             .write("acquire session", move |tx| {
                 let row = tx.optional(
-                    "SELECT certificate_fingerprint, session_instance_id, session_expires_at \
-                     FROM agents WHERE id = ?1",
+                    "SELECT certificate_fingerprint, session_instance_id, session_expires_at, \
+                     session_restart_key FROM agents WHERE id = ?1",
                     [id_text(agent.0)],
                     |row| {
                         Ok((
                             row.text_opt("certificate_fingerprint")?,
                             row.text_opt("session_instance_id")?,
                             row.time_opt("session_expires_at")?,
+                            row.text_opt("session_restart_key")?,
                         ))
                     },
                 )?;
-                let Some((bound, holder, expires)) = row else {
+                let Some((bound, holder, expires, holder_key)) = row else {
                     return Ok(SessionOutcome::Revoked);
                 };
                 if bound.as_deref() != Some(fingerprint.as_str()) {
                     return Ok(SessionOutcome::Revoked);
                 }
                 if let (Some(holder), Some(expires)) = (holder, expires) {
-                    if holder != instance_id && expires > millis(now) {
+                    let restart = restart_key.is_some() && holder_key == restart_key;
+                    if holder != instance_id && expires > millis(now) && !restart {
                         return Ok(SessionOutcome::Held {
                             holder_instance: holder,
                             lease_expires_at: expires,
@@ -412,9 +418,15 @@ impl AgentStore for SqliteStore {
                 }
                 tx.one(
                     "UPDATE agents SET generation = generation + 1, session_instance_id = ?2, \
-                     session_expires_at = ?3, session_conflict_until = NULL WHERE id = ?1 \
+                     session_expires_at = ?3, session_restart_key = ?4, \
+                     session_conflict_until = NULL WHERE id = ?1 \
                      RETURNING generation, session_expires_at",
-                    params![id_text(agent.0), instance_id, unix_millis(lease_expires_at)],
+                    params![
+                        id_text(agent.0),
+                        instance_id,
+                        unix_millis(lease_expires_at),
+                        restart_key
+                    ],
                     |row| {
                         Ok(SessionOutcome::Acquired {
                             generation: row.int("generation")?,
