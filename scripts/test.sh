@@ -10,6 +10,12 @@ say() { echo "test.sh: $*" >&2; }
 
 command -v cargo >/dev/null || { say "cargo is missing: install Rust with rustup first"; exit 1; }
 
+# curl: the HTTP/2 refusal tests drive a second, independent HTTP/2 client.
+if ! command -v curl >/dev/null; then
+    apt-get install -y --no-install-recommends curl >&2 \
+        || { apt-get update >&2 && apt-get install -y --no-install-recommends curl >&2; }
+fi
+
 BERTH_TEST_POSTGRES_URL="$(bash scripts/postgres.sh | tail -n 1)"
 export BERTH_TEST_POSTGRES_URL
 say "PostgreSQL for tests: ${BERTH_TEST_POSTGRES_URL%%@*}@…"
