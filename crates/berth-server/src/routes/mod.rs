@@ -57,8 +57,7 @@ pub fn router(state: SharedState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(axum::middleware::from_fn(request_span))
-        .layer(axum::middleware::from_fn(header_limit))
+        .layer(axum::middleware::from_fn(request_edge))
         .with_state(state)
 }
 
@@ -67,9 +66,17 @@ pub fn router(state: SharedState) -> Router {
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 pub const MAX_HEADERS: usize = 100;
 
-/// `431 HEADERS_TOO_LARGE` with `{code, detail}`, over HTTP/1.1 and HTTP/2 alike. hyper answers a
+/// What every request passes once, in one middleware: the header limit, then one span.
+///
+/// `431 HEADERS_TOO_LARGE` with `{code, detail}`, over HTTP/1.1 and HTTP/2 alike; hyper answers a
 /// bare 431 only past its own, larger limits (see `tls.rs`).
-async fn header_limit(request: Request, next: Next) -> Response {
+///
+/// The span's agent, task, assignment and generation fields start empty; the extractors and
+/// handlers record them as they learn them ([`record`]). It is a debug span: at `info` the lines
+/// about a delivery (assigned, result recorded or refused) name those ids themselves, and the
+/// server does not pay for a span on every request (a span cost ~3 % of end-to-end tasks/s,
+/// BENCHMARKS.md).
+async fn request_edge(request: Request, next: Next) -> Response {
     let headers = request.headers();
     let bytes: usize = headers
         .iter()
@@ -87,22 +94,13 @@ async fn header_limit(request: Request, next: Next) -> Response {
         )
         .into_response();
     }
-    next.run(request).await
-}
-
-/// One span per request. Its agent, task, assignment and generation fields start empty; the
-/// extractors and handlers record them as they learn them ([`record`]), so with `RUST_LOG=info`
-/// every line about one task delivery carries its ids.
-async fn request_span(request: Request, next: Next) -> Response {
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or("unmatched", |p| p.as_str())
-        .to_string();
-    let span = tracing::info_span!(
+    let span = tracing::debug_span!(
         "request",
         method = %request.method(),
-        route,
+        route = request
+            .extensions()
+            .get::<MatchedPath>()
+            .map_or("unmatched", |p| p.as_str()),
         agent_id = tracing::field::Empty,
         generation = tracing::field::Empty,
         task_id = tracing::field::Empty,

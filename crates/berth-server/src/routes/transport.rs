@@ -21,6 +21,7 @@ use berth_proto::transport::{
 };
 use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, Task};
+use serde::Deserialize;
 
 use crate::auth::{agent_revoked, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
@@ -228,7 +229,11 @@ pub async fn poll(
                 state.metrics.task_assigned();
                 crate::routes::record("task_id", task.id);
                 crate::routes::record("assignment_id", attempt.assignment_id);
-                tracing::info!(task_type = %task.task_type, expires_at = %attempt.lease_expires_at, "task assigned");
+                tracing::info!(
+                    agent_id = %id, generation, task_id = %task.id,
+                    assignment_id = %attempt.assignment_id, task_type = %task.task_type,
+                    expires_at = %attempt.lease_expires_at, "task assigned"
+                );
                 let assignment = assignment(&state, &task, attempt)?;
                 return Ok(Json(AgentTaskPollResponse {
                     contract_version: CONTRACT_VERSION.into(),
@@ -363,7 +368,8 @@ fn refuse(reason: &'static str, code: &'static str, detail: impl Into<String>) -
 #[derive(Debug)]
 pub(crate) struct VerifiedResult {
     pub envelope: AgentTaskResultEnvelope,
-    pub result: Option<TaskResult>,
+    /// `resultData`, a verified `TaskResult`, as the JSON the store records (parsed once).
+    pub result_data: Option<serde_json::Value>,
     pub attempt: AttemptResult,
 }
 
@@ -435,11 +441,13 @@ pub(crate) fn verify_result(
             "agentId differs from the path",
         ));
     }
-    let result = match &envelope.result_data {
-        None => None,
+    let (result, result_data) = match &envelope.result_data {
+        None => (None, None),
         Some(text) => {
-            let result: TaskResult = serde_json::from_str(text)
-                .map_err(|e| malformed(format!("resultData is not a TaskResult: {e}")))?;
+            let not_a_result =
+                |e: serde_json::Error| malformed(format!("resultData is not a TaskResult: {e}"));
+            let data: serde_json::Value = serde_json::from_str(text).map_err(not_a_result)?;
+            let result = TaskResult::deserialize(&data).map_err(not_a_result)?;
             if result.task_id != task_id {
                 return Err(task_mismatch());
             }
@@ -448,7 +456,7 @@ pub(crate) fn verify_result(
                     "resultData.success disagrees with the envelope's success".into(),
                 ));
             }
-            Some(result)
+            (Some(result), Some(data))
         }
     };
     let attempt = match &result {
@@ -468,7 +476,7 @@ pub(crate) fn verify_result(
     };
     Ok(VerifiedResult {
         envelope,
-        result,
+        result_data,
         attempt,
     })
 }
@@ -509,7 +517,10 @@ pub async fn submit_result(
             .is_ok()
     })
     .map_err(|refusal| {
-        tracing::warn!(code = refusal.code, detail = %refusal.detail, "result refused");
+        tracing::warn!(
+            %agent_id, generation, %task_id, code = refusal.code, detail = %refusal.detail,
+            "result refused"
+        );
         state.metrics.result_rejected(refusal.reason);
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -517,15 +528,10 @@ pub async fn submit_result(
             refusal.detail,
         )
     })?;
-    if let Some(assignment) = verified.envelope.assignment_id {
+    let verified_assignment = verified.envelope.assignment_id;
+    if let Some(assignment) = verified_assignment {
         crate::routes::record("assignment_id", assignment);
     }
-    let result_data = verified
-        .result
-        .as_ref()
-        .map(serde_json::to_value)
-        .transpose()
-        .map_err(|e| ApiError::internal(&e))?;
     let outcome = state
         .store
         .complete_attempt(
@@ -536,7 +542,7 @@ pub async fn submit_result(
                 task_id,
                 assignment_id: verified.envelope.assignment_id,
                 result: verified.attempt,
-                result_data,
+                result_data: verified.result_data,
                 envelope: raw,
                 now: state.config.clock.now(),
             },
@@ -546,7 +552,10 @@ pub async fn submit_result(
     match outcome {
         CompleteOutcome::Recorded(task) => {
             state.metrics.result_accepted(task.state.as_str());
-            tracing::info!(state = %task.state, "result recorded");
+            tracing::info!(
+                %agent_id, generation, %task_id, assignment_id = ?verified_assignment,
+                state = %task.state, "result recorded"
+            );
             after_result(&state, &task).await;
             Ok(Json(ResultAck {
                 accepted: true,
@@ -560,7 +569,10 @@ pub async fn submit_result(
             state: task.state,
         })),
         CompleteOutcome::Fenced => {
-            tracing::warn!("result refused: the generation or the assignment is no longer current");
+            tracing::warn!(
+                %agent_id, generation, %task_id, assignment_id = ?verified_assignment,
+                "result refused: the generation or the assignment is no longer current"
+            );
             state.metrics.result_rejected("fenced");
             Err(fenced(
                 "the generation or the assignment is no longer current",
@@ -828,13 +840,16 @@ mod tests {
         for (result, expected) in cases {
             let verified = s.verify(&s.sign(s.envelope(&result))).unwrap();
             assert_eq!(verified.attempt, expected);
-            assert_eq!(verified.result.as_ref(), Some(&result));
+            assert_eq!(
+                verified.result_data,
+                Some(serde_json::to_value(&result).unwrap())
+            );
         }
         // No resultData at all: a success is a success, a failure is FAILED.
         let mut bare = s.envelope(&s.result(false, None));
         bare.as_object_mut().unwrap().remove("resultData");
         let verified = s.verify(&s.sign(bare)).unwrap();
-        assert!(verified.result.is_none());
+        assert!(verified.result_data.is_none());
         assert_eq!(
             verified.attempt,
             AttemptResult::Failed {
