@@ -74,7 +74,7 @@ pub const MAX_HEADERS: usize = 100;
 /// The span's agent, task, assignment and generation fields start empty; the extractors and
 /// handlers record them as they learn them ([`record`]). It is a debug span: at `info` the lines
 /// about a delivery (assigned, result recorded or refused) name those ids themselves, and the
-/// server does not pay for a span on every request (a span cost ~3 % of end-to-end tasks/s,
+/// server does not pay for a span on every request (an info span cost ~5 % of end-to-end tasks/s,
 /// BENCHMARKS.md).
 async fn request_edge(request: Request, next: Next) -> Response {
     let headers = request.headers();
