@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::error::{Context, ServerError};
 use axum::Router;
 use berth_crypto::ResultVerifier;
+use futures_util::future::Either;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use rustls::pki_types::pem::PemObject;
@@ -21,6 +22,7 @@ use rustls::RootCertStore;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
+use tracing::Instrument;
 
 use crate::bootstrap::Material;
 
@@ -178,7 +180,16 @@ pub(crate) async fn serve(
                     } else {
                         req.map(axum::body::Body::new)
                     };
-                    app.clone().oneshot(req)
+                    // Every request: the header limit, then its span around the whole answer.
+                    // Here rather than as router middleware, which cost a boxed future and a
+                    // service clone per request.
+                    match crate::routes::headers_too_large(req.headers()) {
+                        Some(refusal) => Either::Left(std::future::ready(Ok(refusal))),
+                        None => {
+                            let span = crate::routes::request_span(&req);
+                            Either::Right(app.clone().oneshot(req).instrument(span))
+                        }
+                    }
                 },
             );
             let mut builder = auto::Builder::new(TokioExecutor::new());

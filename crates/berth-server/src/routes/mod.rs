@@ -1,13 +1,10 @@
 //! The HTTP surface: one router, JSON errors everywhere (including unknown routes and methods).
 
 use axum::extract::DefaultBodyLimit;
-use axum::extract::{MatchedPath, Request};
 use axum::http::StatusCode;
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use berth_proto::error::codes;
-use tracing::Instrument;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -57,7 +54,6 @@ pub fn router(state: SharedState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(axum::middleware::from_fn(request_edge))
         .with_state(state)
 }
 
@@ -66,24 +62,16 @@ pub fn router(state: SharedState) -> Router {
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 pub const MAX_HEADERS: usize = 100;
 
-/// What every request passes once, in one middleware: the header limit, then one span.
-///
-/// `431 HEADERS_TOO_LARGE` with `{code, detail}`, over HTTP/1.1 and HTTP/2 alike; hyper answers a
-/// bare 431 only past its own, larger limits (see `tls.rs`).
-///
-/// The span's agent, task, assignment and generation fields start empty; the extractors and
-/// handlers record them as they learn them ([`record`]). It is a debug span: at `info` the lines
-/// about a delivery (assigned, result recorded or refused) name those ids themselves, and the
-/// server does not pay for a span on every request (an info span cost ~5 % of end-to-end tasks/s,
-/// BENCHMARKS.md).
-async fn request_edge(request: Request, next: Next) -> Response {
-    let headers = request.headers();
+/// `431 HEADERS_TOO_LARGE` with `{code, detail}`, over HTTP/1.1 and HTTP/2 alike, for a request
+/// whose headers pass hyper's own, larger limits (see `tls.rs`, which asks this for every
+/// request before routing it).
+pub(crate) fn headers_too_large(headers: &axum::http::HeaderMap) -> Option<Response> {
     let bytes: usize = headers
         .iter()
         .map(|(name, value)| name.as_str().len() + value.len() + 32)
         .sum();
-    if bytes > MAX_HEADER_BYTES || headers.len() > MAX_HEADERS {
-        return ApiError::new(
+    (bytes > MAX_HEADER_BYTES || headers.len() > MAX_HEADERS).then(|| {
+        ApiError::new(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             codes::HEADERS_TOO_LARGE,
             format!(
@@ -92,21 +80,25 @@ async fn request_edge(request: Request, next: Next) -> Response {
                 headers.len()
             ),
         )
-        .into_response();
-    }
-    let span = tracing::debug_span!(
+        .into_response()
+    })
+}
+
+/// The span of one request (`tls.rs` opens it around each request). Its agent, task, assignment
+/// and generation fields start empty; the extractors and handlers record them as they learn
+/// them ([`record`]). It is a debug span: at `info` the lines about a delivery (assigned, result
+/// recorded or refused) name those ids themselves, and the server does not pay for a span on
+/// every request (an info span cost ~5 % of end-to-end tasks/s, BENCHMARKS.md).
+pub(crate) fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    tracing::debug_span!(
         "request",
         method = %request.method(),
-        route = request
-            .extensions()
-            .get::<MatchedPath>()
-            .map_or("unmatched", |p| p.as_str()),
+        path = request.uri().path(),
         agent_id = tracing::field::Empty,
         generation = tracing::field::Empty,
         task_id = tracing::field::Empty,
         assignment_id = tracing::field::Empty,
-    );
-    next.run(request).instrument(span).await
+    )
 }
 
 /// Records one of the request span's ids (`agent_id`, `generation`, `task_id`, `assignment_id`).
