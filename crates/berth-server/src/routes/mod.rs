@@ -88,7 +88,7 @@ pub(crate) fn headers_too_large(headers: &axum::http::HeaderMap) -> Option<Respo
 /// and generation fields start empty; the extractors and handlers record them as they learn
 /// them ([`record`]). It is a debug span: at `info` the lines about a delivery (assigned, result
 /// recorded or refused) name those ids themselves, and the server does not pay for a span on
-/// every request (an info span cost ~5 % of end-to-end tasks/s, BENCHMARKS.md).
+/// every request (an info span was part of a 7 % cost in end-to-end tasks/s, BENCHMARKS.md).
 pub(crate) fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
     tracing::debug_span!(
         "request",
