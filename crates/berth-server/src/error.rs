@@ -31,6 +31,11 @@ impl ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, code, detail)
     }
 
+    /// `422`: the request is well-formed but refused; `code` says why.
+    pub fn unprocessable(code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, detail)
+    }
+
     pub fn not_found(what: &str) -> ApiError {
         ApiError::new(
             StatusCode::NOT_FOUND,

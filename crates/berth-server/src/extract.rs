@@ -54,24 +54,17 @@ impl<S: Send + Sync> FromRequest<S> for LosslessJson {
         let axum::Json(value) =
             axum::Json::<serde_json::Value>::from_bytes(&bytes).map_err(json_rejection)?;
         let text = std::str::from_utf8(&bytes).unwrap_or_default();
-        berth_proto::json::check_numbers(text).map_err(|detail| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                codes::INVALID_PAYLOAD,
-                detail,
-            )
-        })?;
+        berth_proto::json::check_numbers(text)
+            .map_err(|detail| ApiError::unprocessable(codes::INVALID_PAYLOAD, detail))?;
         Ok(LosslessJson(value))
     }
 }
 
 fn json_rejection(rejection: JsonRejection) -> ApiError {
     match rejection {
-        JsonRejection::JsonDataError(e) => ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            codes::INVALID_REQUEST,
-            e.body_text(),
-        ),
+        JsonRejection::JsonDataError(e) => {
+            ApiError::unprocessable(codes::INVALID_REQUEST, e.body_text())
+        }
         JsonRejection::JsonSyntaxError(e) => {
             ApiError::bad_request(codes::MALFORMED_JSON, e.body_text())
         }

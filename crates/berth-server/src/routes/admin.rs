@@ -178,9 +178,7 @@ pub fn validate_name(what: &str, name: &str) -> ApiResult<()> {
     if ok {
         Ok(())
     } else {
-        Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            codes::INVALID_REQUEST,
+        Err(ApiError::unprocessable(codes::INVALID_REQUEST,
             format!("{what} must be 1-63 characters of A-Z a-z 0-9 . _ - starting with a letter or digit"),
         ))
     }
@@ -188,13 +186,7 @@ pub fn validate_name(what: &str, name: &str) -> ApiResult<()> {
 
 /// At most 64 labels; keys like names (plus `/`), values up to 255 printable characters.
 pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
-    let invalid = |detail: String| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            codes::INVALID_REQUEST,
-            detail,
-        )
-    };
+    let invalid = |detail: String| ApiError::unprocessable(codes::INVALID_REQUEST, detail);
     if labels.len() > 64 {
         return Err(invalid("at most 64 labels".into()));
     }
@@ -212,9 +204,7 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
             return Err(invalid(format!("label {k:?} has a value over 255 bytes")));
         }
         if let Some(c) = v.chars().find(|c| berth_proto::task::is_deceptive_char(*c)) {
-            return Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                codes::INVALID_LABEL,
+            return Err(ApiError::unprocessable(codes::INVALID_LABEL,
                 format!(
                     "label {k:?} has a control, bidi-override or zero-width character (U+{:04X}) in its value",
                     u32::from(c)

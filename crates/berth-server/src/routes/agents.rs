@@ -48,13 +48,7 @@ fn to_wire(a: berth_store::Agent) -> Agent {
 }
 
 fn validate_capabilities(capabilities: &[Capability]) -> ApiResult<()> {
-    let invalid = |detail: String| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            codes::INVALID_REQUEST,
-            detail,
-        )
-    };
+    let invalid = |detail: String| ApiError::unprocessable(codes::INVALID_REQUEST, detail);
     if capabilities.len() > 32 {
         return Err(invalid("at most 32 capabilities".into()));
     }
@@ -107,8 +101,7 @@ pub async fn register(
         })?;
     validate_name("agent name", &req.name)?;
     if req.version.is_empty() || req.version.len() > 50 {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,
             "version must be 1-50 characters",
         ));
@@ -302,8 +295,7 @@ pub async fn heartbeat(
     ApiJson(req): ApiJson<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
     if matches!(req.status, AgentStatus::Offline | AgentStatus::Registered) {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,
             "an agent reports itself online or degraded",
         ));

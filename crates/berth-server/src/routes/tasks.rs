@@ -24,11 +24,7 @@ const DEFAULT_TIMEOUT_SECS: u32 = 300;
 const MAX_TIMEOUT_SECS: u32 = 86_400;
 
 fn unprocessable(detail: impl Into<String>) -> ApiError {
-    ApiError::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        codes::INVALID_REQUEST,
-        detail,
-    )
+    ApiError::unprocessable(codes::INVALID_REQUEST, detail)
 }
 
 pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
@@ -110,8 +106,7 @@ async fn select_agent(
         .min_by_key(|(_, open)| *open)
         .map(|(agent, _)| agent)
         .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::unprocessable(
                 codes::NO_MATCHING_AGENT,
                 format!(
                     "no online agent matches the selector and reports the {:?} capability",
@@ -124,13 +119,7 @@ async fn select_agent(
 /// The per-task limits, each with its own code (see `berth_proto::task`).
 fn check_limits(req: &CreateTask) -> ApiResult<()> {
     use berth_proto::task::{MAX_CREDENTIALS, MAX_VALUE_BYTES, MAX_VARIABLES, PRIORITY_RANGE};
-    let refuse = |code: &'static str, detail: String| {
-        Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            code,
-            detail,
-        ))
-    };
+    let refuse = |code: &'static str, detail: String| Err(ApiError::unprocessable(code, detail));
     if let Some(creds) = &req.credentials {
         if creds.len() > MAX_CREDENTIALS {
             return refuse(
@@ -208,15 +197,13 @@ pub async fn create(
         .as_deref()
         .is_some_and(berth_store::is_internal_key)
     {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        return Err(ApiError::unprocessable(
             codes::IDEMPOTENCY_KEY_RESERVED,
             "Idempotency-Key may not start with \"read-back:\", the server's own namespace",
         ));
     }
     let kind = TaskKind::parse(&req.task_type).ok_or_else(|| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        ApiError::unprocessable(
             codes::UNSUPPORTED_TASK_TYPE,
             format!(
                 "no agent runs tasks of type {:?}; the types are {}",
@@ -226,8 +213,7 @@ pub async fn create(
         )
     })?;
     kind.check_payload(&req.payload).map_err(|e| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        ApiError::unprocessable(
             codes::INVALID_PAYLOAD,
             format!("the {kind} payload is invalid: {e}"),
         )
@@ -251,8 +237,7 @@ pub async fn create(
                 .await?
                 .ok_or_else(|| ApiError::not_found("agent"))?;
             if !can_run(&agent, kind) {
-                return Err(ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
+                return Err(ApiError::unprocessable(
                     codes::CAPABILITY_MISSING,
                     format!(
                         "agent {id} does not report the {:?} capability that {kind} needs",

@@ -60,8 +60,7 @@ pub async fn acquire_session(
     ApiJson(req): ApiJson<AcquireSession>,
 ) -> ApiResult<Json<Session>> {
     if req.instance_id.is_empty() || req.instance_id.len() > 128 {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,
             "instanceId must be 1-128 characters",
         ));
@@ -124,11 +123,12 @@ pub async fn acquire_session(
 /// holder that recorded it is dead (the store lets it take the live lease). Without both, None.
 fn restart_key(req: &AcquireSession) -> ApiResult<Option<String>> {
     let field = |name: &str, value: &Option<String>| match value.as_deref() {
-        Some(v) if v.is_empty() || v.len() > 128 || v.contains('/') => Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            codes::INVALID_REQUEST,
-            format!("{name} must be 1-128 characters without '/'"),
-        )),
+        Some(v) if v.is_empty() || v.len() > 128 || v.contains('/') => {
+            Err(ApiError::unprocessable(
+                codes::INVALID_REQUEST,
+                format!("{name} must be 1-128 characters without '/'"),
+            ))
+        }
         v => Ok(v.map(str::to_owned)),
     };
     Ok(
@@ -179,12 +179,9 @@ pub async fn poll(
     ApiJson(req): ApiJson<AgentTaskPollRequest>,
 ) -> ApiResult<Json<AgentTaskPollResponse>> {
     transport_enabled(&state)?;
-    if req.contract_version != CONTRACT_VERSION {
-        return Err(unsupported_contract(&state, &req.contract_version));
-    }
+    check_contract(&req.contract_version).map_err(|refusal| refusal.answer(&state))?;
     if req.agent_id != id {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        return Err(ApiError::unprocessable(
             codes::AGENT_ID_MISMATCH,
             "agentId differs from the path",
         ));
@@ -336,15 +333,16 @@ fn journal_key(task: &Task) -> String {
     format!("{}/{}", task.tenant_id, task.id)
 }
 
-fn unsupported_contract(state: &SharedState, version: &str) -> ApiError {
-    state
-        .metrics
-        .result_rejected("unsupported_contract_version");
-    ApiError::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
+/// The one contract this server speaks, for polls and results alike.
+fn check_contract(version: &str) -> Result<(), Refusal> {
+    if version == CONTRACT_VERSION {
+        return Ok(());
+    }
+    Err(refuse(
+        "unsupported_contract_version",
         codes::UNSUPPORTED_CONTRACT_VERSION,
         format!("contract version {version:?} is not {CONTRACT_VERSION}"),
-    )
+    ))
 }
 
 /// Why a result was refused before it reached the store: the metric reason, the code, and a
@@ -354,6 +352,14 @@ pub(crate) struct Refusal {
     pub reason: &'static str,
     pub code: &'static str,
     pub detail: String,
+}
+
+impl Refusal {
+    /// Counts the refusal by its reason and answers it as a `422`.
+    fn answer(self, state: &SharedState) -> ApiError {
+        state.metrics.result_rejected(self.reason);
+        ApiError::unprocessable(self.code, self.detail)
+    }
 }
 
 fn refuse(reason: &'static str, code: &'static str, detail: impl Into<String>) -> Refusal {
@@ -385,14 +391,7 @@ pub(crate) fn verify_result(
     verifies: impl FnOnce(&str, &[u8], &[u8]) -> bool,
 ) -> Result<VerifiedResult, Refusal> {
     let text = |name: &str| raw.get(name).and_then(|v| v.as_str()).unwrap_or_default();
-    let version = text("contractVersion");
-    if version != CONTRACT_VERSION {
-        return Err(refuse(
-            "unsupported_contract_version",
-            codes::UNSUPPORTED_CONTRACT_VERSION,
-            format!("contract version {version:?} is not {CONTRACT_VERSION}"),
-        ));
-    }
+    check_contract(text("contractVersion"))?;
     let signature = text("signature");
     if signature.is_empty() {
         return Err(refuse(
@@ -521,12 +520,7 @@ pub async fn submit_result(
             %agent_id, generation, %task_id, code = refusal.code, detail = %refusal.detail,
             "result refused"
         );
-        state.metrics.result_rejected(refusal.reason);
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            refusal.code,
-            refusal.detail,
-        )
+        refusal.answer(&state)
     })?;
     let verified_assignment = verified.envelope.assignment_id;
     if let Some(assignment) = verified_assignment {

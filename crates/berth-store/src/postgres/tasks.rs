@@ -196,95 +196,95 @@ impl TaskStore for PostgresStore {
             Binding::Revoked => return Ok(ClaimOutcome::Revoked),
         }
         let now = millis(now);
-        // Every answer from here commits, so that a head failed as unrunnable stays failed.
-        let head = loop {
-            let head = sqlx::query(concat!(
-                "SELECT ",
-                task_columns!(),
-                " FROM tasks WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
+        // Every answer from here commits (once, below), so that a head failed as unrunnable
+        // stays failed.
+        let outcome = 'claim: {
+            let head = loop {
+                let head = sqlx::query(concat!(
+                    "SELECT ",
+                    task_columns!(),
+                    " FROM tasks WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
                  ORDER BY priority DESC, seq LIMIT 1"
-            ))
-            .bind(agent.0)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error(OP))?
-            .map(|row| rows::read_task(&row))
-            .transpose()?;
-            let Some(head) = head else {
-                tx.commit().await.map_err(db_error(OP))?;
-                return Ok(ClaimOutcome::Empty);
-            };
-            let Some(code) = lifecycle::unrunnable(&head.task_type, capabilities) else {
-                break head;
-            };
-            sqlx::query(
-                "UPDATE tasks SET state = 'failed', error_code = $2, finished_at = $3, \
+                ))
+                .bind(agent.0)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db_error(OP))?
+                .map(|row| rows::read_task(&row))
+                .transpose()?;
+                let Some(head) = head else {
+                    break 'claim ClaimOutcome::Empty;
+                };
+                let Some(code) = lifecycle::unrunnable(&head.task_type, capabilities) else {
+                    break head;
+                };
+                sqlx::query(
+                    "UPDATE tasks SET state = 'failed', error_code = $2, finished_at = $3, \
                  updated_at = $3 WHERE id = $1",
-            )
-            .bind(head.id.0)
-            .bind(code)
-            .bind(now)
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-        };
-        if head.state == TaskState::RetryWait && head.next_attempt_at.is_some_and(|t| t > now) {
-            tx.commit().await.map_err(db_error(OP))?;
-            return Ok(ClaimOutcome::Empty);
-        }
-        if head.side_effects {
-            let busy = sqlx::query(
-                "SELECT 1 AS found FROM tasks WHERE agent_id = $1 AND state = 'leased' \
-                 AND side_effects LIMIT 1",
-            )
-            .bind(agent.0)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-            if busy.is_some() {
-                tx.commit().await.map_err(db_error(OP))?;
-                return Ok(ClaimOutcome::Empty);
+                )
+                .bind(head.id.0)
+                .bind(code)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error(OP))?;
+            };
+            if head.state == TaskState::RetryWait && head.next_attempt_at.is_some_and(|t| t > now) {
+                break 'claim ClaimOutcome::Empty;
             }
-        }
-        let assignment = AssignmentId::new();
-        let lease_expires_at = lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
-        // Conditional: an operator may have cancelled the head since we read it.
-        let claimed = sqlx::query(concat!(
-            "UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
+            if head.side_effects {
+                let busy = sqlx::query(
+                    "SELECT 1 AS found FROM tasks WHERE agent_id = $1 AND state = 'leased' \
+                 AND side_effects LIMIT 1",
+                )
+                .bind(agent.0)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db_error(OP))?;
+                if busy.is_some() {
+                    break 'claim ClaimOutcome::Empty;
+                }
+            }
+            let assignment = AssignmentId::new();
+            let lease_expires_at =
+                lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
+            // Conditional: an operator may have cancelled the head since we read it.
+            let claimed = sqlx::query(concat!(
+                "UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
              current_assignment = $2, lease_expires_at = $3, next_attempt_at = NULL, \
              updated_at = $4 WHERE id = $1 AND state IN ('pending', 'retry_wait') RETURNING ",
-            task_columns!()
-        ))
-        .bind(head.id.0)
-        .bind(assignment.0)
-        .bind(lease_expires_at)
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?;
-        let Some(claimed) = claimed else {
-            tx.commit().await.map_err(db_error(OP))?;
-            return Ok(ClaimOutcome::Empty);
-        };
-        let task = rows::read_task(&claimed)?;
-        let attempt = sqlx::query(concat!(
-            "INSERT INTO task_attempts (assignment_id, task_id, agent_id, generation, state, \
+                task_columns!()
+            ))
+            .bind(head.id.0)
+            .bind(assignment.0)
+            .bind(lease_expires_at)
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            let Some(claimed) = claimed else {
+                break 'claim ClaimOutcome::Empty;
+            };
+            let task = rows::read_task(&claimed)?;
+            let attempt = sqlx::query(concat!(
+                "INSERT INTO task_attempts (assignment_id, task_id, agent_id, generation, state, \
              assigned_at, lease_expires_at) VALUES ($1, $2, $3, $4, 'leased', $5, $6) \
              RETURNING ",
-            attempt_columns!()
-        ))
-        .bind(assignment.0)
-        .bind(task.id.0)
-        .bind(agent.0)
-        .bind(generation)
-        .bind(now)
-        .bind(lease_expires_at)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db_error(OP))?;
-        let attempt = rows::read_attempt(&attempt)?;
+                attempt_columns!()
+            ))
+            .bind(assignment.0)
+            .bind(task.id.0)
+            .bind(agent.0)
+            .bind(generation)
+            .bind(now)
+            .bind(lease_expires_at)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+            ClaimOutcome::Claimed(task, rows::read_attempt(&attempt)?)
+        };
         tx.commit().await.map_err(db_error(OP))?;
-        Ok(ClaimOutcome::Claimed(task, attempt))
+        Ok(outcome)
     }
 
     async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>> {
