@@ -24,6 +24,7 @@ mod report;
 mod resources;
 mod retry;
 mod run;
+mod start;
 mod state;
 mod tasks;
 

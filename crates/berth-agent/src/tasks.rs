@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
-use berth_exec::{Capabilities, ComposeExecutor, DockerExecutor, Executor, Outcome, Task};
+use berth_exec::{
+    Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck, Outcome, Task,
+};
 use berth_proto::headers::{GENERATION_HEADER, KNOWN_CANCELLATIONS_HEADER};
 use berth_proto::kind::TaskKind;
 use berth_proto::result::error_types;
@@ -31,6 +33,7 @@ use crate::journal::Journal;
 use crate::link::SharedLink;
 use crate::report::signed_envelope;
 use crate::retry::with_retries;
+use crate::start::{check_expiry, DeliveryLease};
 use crate::AgentError;
 
 /// A poll waits at most 25 s on the server; the client allows a little more.
@@ -123,6 +126,7 @@ impl Runner {
                 contract_version: CONTRACT_VERSION.into(),
                 agent_id: self.shared.agent_id,
                 capabilities: self.shared.capabilities.offered(),
+                start_handshake: true,
             };
             let permit = self
                 .slots
@@ -242,32 +246,65 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(a.assignment_id, token.clone());
-        let outcome = match self.journal.get(&a.idempotency_key) {
-            Some(recorded) => {
-                tracing::info!("redelivered task already completed; answering from the journal");
-                recorded
-            }
-            None => {
-                let outcome = self.execute(&a, token).await;
-                // Retriable failures are not journaled: a redelivery must try again.
-                if outcome.success || !outcome.retriable {
-                    if let Err(e) = self.journal.put(&a.idempotency_key, &outcome) {
-                        tracing::error!(error = %ErrorChain(&e), "could not journal the outcome");
-                    }
-                }
-                outcome
-            }
-        };
-        tracing::info!(success = outcome.success, error = ?outcome.error_type, "task finished");
-        self.report(&a, &outcome, started_at, started.elapsed())
-            .await;
+        if let Some(outcome) = self.outcome(&a, token).await {
+            tracing::info!(success = outcome.success, error = ?outcome.error_type, "task finished");
+            self.report(&a, &outcome, started_at, started.elapsed())
+                .await;
+        }
         self.running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&a.assignment_id);
     }
 
-    async fn execute(&self, a: &AgentTaskAssignment, cancel: CancellationToken) -> Outcome {
+    /// The journaled outcome of a redelivered task, or what running it gave; `None` when the
+    /// delivery is no longer this process's to run. Nothing touches the host unless the delivery
+    /// is still ours: not expired, and (with side effects) confirmed by the server. A refused
+    /// delivery is dropped unreported, and the server hands it out again once its lease lapses.
+    async fn outcome(&self, a: &AgentTaskAssignment, token: CancellationToken) -> Option<Outcome> {
+        if let Some(recorded) = self.journal.get(&a.idempotency_key) {
+            tracing::info!("redelivered task already completed; answering from the journal");
+            return Some(recorded);
+        }
+        let lease = self.lease(a);
+        let refused = match &lease {
+            Some(lease) => lease.confirm().await,
+            None => check_expiry(a.expires_at),
+        };
+        if let Err(why) = refused {
+            tracing::warn!(%why, "not running the task: the delivery is no longer ours");
+            return None;
+        }
+        let lease = lease.map_or_else(Lease::unfenced, |l| Lease::new(l));
+        let outcome = self.execute(a, token, lease).await;
+        // Retriable failures are not journaled: a redelivery must try again.
+        if outcome.success || !outcome.retriable {
+            if let Err(e) = self.journal.put(&a.idempotency_key, &outcome) {
+                tracing::error!(error = %ErrorChain(&e), "could not journal the outcome");
+            }
+        }
+        Some(outcome)
+    }
+
+    /// The lease the executor confirms before irreversible steps: with side effects, the start
+    /// handshake; a read-only task has nothing irreversible to fence.
+    fn lease(&self, a: &AgentTaskAssignment) -> Option<Arc<DeliveryLease>> {
+        a.side_effects.then(|| {
+            Arc::new(DeliveryLease::new(
+                self.link.clone(),
+                &self.generation,
+                self.agent_id,
+                a,
+            ))
+        })
+    }
+
+    async fn execute(
+        &self,
+        a: &AgentTaskAssignment,
+        cancel: CancellationToken,
+        lease: Lease,
+    ) -> Outcome {
         let payload = match serde_json::from_str(&a.payload) {
             Ok(p) => p,
             Err(e) => {
@@ -295,6 +332,7 @@ impl Shared {
             variables: a.variables.clone(),
             timeout,
             cancel: cancel.clone(),
+            lease,
         };
         let work = executor.execute(&task);
         tokio::pin!(work);
@@ -415,7 +453,9 @@ mod tests {
             );
         }
         let run = |a: AgentTaskAssignment| async move {
-            shared.execute(&a, CancellationToken::new()).await
+            shared
+                .execute(&a, CancellationToken::new(), Lease::unfenced())
+                .await
         };
         let o = run(assignment("docker.exec", "{}", "00:00:10")).await;
         assert_eq!(

@@ -247,6 +247,8 @@ fn poll_request(w: &Worker) -> AgentTaskPollRequest {
         agent_id: w.id,
         // Seed capability strings, as berth-agent offers them on a host with Docker.
         capabilities: vec![capability::AGENT.into(), capability::DOCKER.into()],
+        // `inspect` is read-only: there is no start to confirm.
+        start_handshake: false,
     }
 }
 

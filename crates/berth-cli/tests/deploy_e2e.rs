@@ -468,17 +468,14 @@ fn agent_killed_mid_deploy_leaves_the_task_unknown_and_never_reruns_it() {
     w.agent.proc.assert_running();
 }
 
-/// (b) The late result is fenced, and read-back proves the deployment. Deterministic order:
-/// the agent (one task slot) is SIGSTOPped while its long-poll is held, the `docker.run`
-/// (timeout 15 s) is leased into that poll, and the lease (15 s + 1 s grace) runs out while the
-/// agent is stopped: `unknown`, and a read-back is queued. After SIGCONT the agent runs the
-/// assignment it already holds (its own 15 s timer starts then), writes the sticker, and its
-/// result is refused as FENCED; only then does its single slot take the read-back, which finds
-/// the sticker with the task's id: `succeeded` by read-back.
+/// (b) A `docker.run` leased into a stopped agent (SIGSTOP while its long-poll is held) never
+/// started: the agent confirms a start before it touches the host, so the lost lease (15 s + 1 s
+/// grace) provably did nothing and the task is requeued, not `unknown`. Resumed, the agent finds
+/// the delivery it holds stale and drops it; the next delivery deploys once.
 #[test]
-fn late_result_is_fenced_and_read_back_proves_the_deploy() {
+fn a_docker_run_leased_into_a_stopped_agent_is_requeued_and_deploys_once() {
     let Some(mut w) = World::start(
-        "late_result_is_fenced_and_read_back_proves_the_deploy",
+        "a_docker_run_leased_into_a_stopped_agent_is_requeued_and_deploys_once",
         &["--heartbeat-interval-secs", "1", "--lease-grace-secs", "1"],
         &["--max-concurrent-tasks", "1"],
     ) else {
@@ -515,49 +512,86 @@ fn late_result_is_fenced_and_read_back_proves_the_deploy() {
         fixtures::docker(&["rm", "-f", &name]);
     }
     let id = leased.expect("a docker.run leased into the stopped agent");
-    let unknown = w.server.wait_task_state(&id, DEPLOY, "unknown");
-    assert_eq!(attempts(&unknown)[0]["state"], "expired", "{unknown:#}");
+    let requeued = w.server.wait_task_state(&id, DEPLOY, "retry_wait");
+    assert_eq!(attempts(&requeued)[0]["state"], "expired", "{requeued:#}");
+    assert_eq!(attempts(&requeued)[0]["startedAt"], Value::Null);
     assert!(container_id(&name).is_none(), "the stopped agent deployed");
-    wait_for(DEPLOY, "the read-back to be queued", || {
-        let rbs = w
-            .server
-            .try_cli(&["task", "ls", "--type", "read-sticker"])?;
-        rbs.as_array()
-            .into_iter()
-            .flatten()
-            .find(|t| t["readBackOf"] == id.as_str())
-            .cloned()
-            .ok_or_else(|| rbs.to_string())
-    });
 
     w.agent.proc.signal(libc::SIGCONT);
-    let done = w
-        .server
-        .wait_task(&id, DEPLOY, "decided by read-back", |t| {
-            t["state"] != "unknown"
-        });
+    let done = w.settle(&id);
     assert_eq!(done["state"], "succeeded", "{done:#}");
-    assert_eq!(done["readBack"], true, "{done:#}");
-    assert_eq!(done["result"]["found"], true, "{done:#}");
-    assert_eq!(done["result"]["sticker"]["taskId"], id.as_str(), "{done:#}");
-    assert_eq!(
-        done["result"]["sticker"]["digest"],
-        v1.digest.as_str(),
-        "{done:#}"
+    assert_eq!(done["readBack"], false, "{done:#}");
+    assert_eq!(attempts(&done).len(), 2, "{done:#}");
+    assert!(attempts(&done)[1]["startedAt"].is_string(), "{done:#}");
+    let log = w.agent.proc.stderr();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&id) && l.contains("not running the task")),
+        "the resumed agent did not drop its stale delivery:\n{log}"
     );
-    assert_eq!(attempts(&done).len(), 1, "re-run: {done:#}");
-    // The agent's own result for the expired delivery was refused.
-    wait_for(DEPLOY, "the agent to log FENCED", || {
-        let log = w.agent.proc.stderr();
-        if log.lines().any(|l| l.contains(&id) && l.contains("FENCED")) {
+    assert_eq!(http_body(port).as_deref(), Some("v1"));
+    assert_eq!(container_names(&name), vec![name.clone()], "deployed once");
+    w.agent.proc.assert_running();
+}
+
+/// (c) A process fenced after its start does not swap containers. The `docker.run` starts (the
+/// server records it), then runs a 6 s pre-deploy hook; meanwhile the agent is stopped and a
+/// second process on its state dir takes the session. Resumed, the first process leaves the host
+/// alone: its lease check right before the swap is refused (or its fenced heartbeat cancels the
+/// work first), no container is created, and it exits. The delivery started, so its lost lease makes the task `unknown`, and
+/// read-back (by the new process) finds nothing deployed.
+#[test]
+fn a_process_fenced_after_its_start_does_not_swap_containers() {
+    let Some(mut w) = World::start(
+        "a_process_fenced_after_its_start_does_not_swap_containers",
+        &["--heartbeat-interval-secs", "1", "--lease-grace-secs", "1"],
+        &["--max-concurrent-tasks", "1", "--allow-hook", "/bin/sleep"],
+    ) else {
+        return;
+    };
+    let v1 = w.image(Variant::Healthy, "v1");
+    let name = format!("{}-web", w.prefix());
+    let port = free_port();
+    let mut payload = v1.deploy(&name, port, http_check(port, 14));
+    payload["hooks"] = json!({"preDeploy": {"command": ["/bin/sleep", "6"]}});
+    let id = w.create("docker.run", &payload, 20, &[]);
+    wait_for(DEPLOY, "the delivery to start", || {
+        let t = w.server.task(&id);
+        match attempts(&t).first() {
+            Some(a) if a["startedAt"].is_string() => Ok(()),
+            _ => Err(t.to_string()),
+        }
+    });
+    w.agent.proc.signal(libc::SIGSTOP);
+    let mut second = restart_docker_agent(&w.server, &w.agent, "berth-agent (second)", &[]);
+    wait_for(DEPLOY, "the second process to take the session", || {
+        let log = second.stderr();
+        if log.contains("session acquired") {
             Ok(())
         } else {
             Err(log)
         }
     });
-    assert_eq!(http_body(port).as_deref(), Some("v1"));
-    assert_eq!(container_names(&name), vec![name.clone()], "deployed once");
-    w.agent.proc.assert_running();
+    w.agent.proc.signal(libc::SIGCONT);
+    let code = w.agent.proc.wait_code(EXIT);
+    let log = w.agent.proc.stderr();
+    assert_eq!(code, 1, "the fenced process's exit code:\n{log}");
+    // Whichever noticed first stopped it before the swap: the executor's lease check
+    // (LEASE_LOST), or the fenced heartbeat, which cancels the running work (CANCELLED).
+    assert!(
+        log.lines().any(|l| l.contains(&id)
+            && (l.contains("LEASE_LOST") || l.contains("CANCELLED"))),
+        "the task went on after the fence:\n{log}"
+    );
+    assert!(container_id(&name).is_none(), "the fenced process deployed");
+
+    let resolved = w.server.wait_task(&id, DEPLOY, "read-back evidence", |t| {
+        t["result"]["found"].is_boolean()
+    });
+    assert_eq!(resolved["state"], "unknown", "{resolved:#}");
+    assert_eq!(resolved["result"]["found"], false, "{resolved:#}");
+    assert!(container_id(&name).is_none(), "deployed after all");
+    second.assert_running();
 }
 
 // ---------------------------------------------------------------------------------------------

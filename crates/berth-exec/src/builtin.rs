@@ -16,7 +16,7 @@ use serde_json::json;
 
 use crate::redact::redact;
 use crate::sticker::{Sticker, StickerStore};
-use crate::{parse_payload, probe, Executor, Outcome, Task};
+use crate::{parse_payload, probe, ExecError, Executor, Outcome, Task};
 
 const MAX_OUTPUT: usize = 64 * 1024;
 
@@ -116,6 +116,9 @@ impl Executor for Stickers {
             written_at: time::OffsetDateTime::now_utc(),
             extra: p.extra,
         };
+        if let Err(e) = task.lease.confirm().await {
+            return lease_lost(e);
+        }
         match self.0.write(&sticker) {
             Ok(path) => Outcome::ok(format!("sticker written to {}", path.display()))
                 .with_output("sticker", json!(sticker)),
@@ -220,6 +223,11 @@ impl Executor for Inspect {
     }
 }
 
+/// The outcome of a step not taken because the delivery's lease no longer held.
+fn lease_lost(e: ExecError) -> Outcome {
+    Outcome::failed(e.code(), e.chain(), e.retriable())
+}
+
 /// `execute-command`: only programs on the allow-list the agent was started with.
 pub struct ExecuteCommand {
     pub allowed: Vec<PathBuf>,
@@ -260,6 +268,9 @@ impl Executor for ExecuteCommand {
                 format!("{program} is not on this agent's allow-list"),
                 false,
             );
+        }
+        if let Err(e) = task.lease.confirm().await {
+            return lease_lost(e);
         }
         let mut command = tokio::process::Command::new(program);
         command
@@ -332,7 +343,50 @@ mod tests {
             variables: Default::default(),
             timeout: Duration::from_secs(10),
             cancel: Default::default(),
+            lease: crate::Lease::unfenced(),
         }
+    }
+
+    struct Fenced;
+
+    #[async_trait::async_trait]
+    impl crate::LeaseCheck for Fenced {
+        async fn confirm(&self) -> Result<(), String> {
+            Err("FENCED".into())
+        }
+    }
+
+    /// Without its lease, `write-sticker` writes nothing and `execute-command` starts nothing.
+    #[tokio::test]
+    async fn without_its_lease_nothing_is_written_or_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StickerStore::new(dir.path().join("stickers"));
+        let fenced = |mut task: Task| {
+            task.lease = crate::Lease::new(Arc::new(Fenced));
+            task
+        };
+        let o = Stickers(store.clone())
+            .execute(&fenced(task(
+                "write-sticker",
+                json!({"name": "site", "releaseId": "r1"}),
+            )))
+            .await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::LEASE_LOST), "{o:?}");
+        assert!(o.retriable, "not journaled: a later delivery runs it");
+        assert!(store.read("site").unwrap().is_none(), "written without a lease");
+
+        let marker = dir.path().join("ran");
+        let touch = ExecuteCommand {
+            allowed: vec!["/usr/bin/touch".into()],
+        };
+        let o = touch
+            .execute(&fenced(task(
+                "execute-command",
+                json!({"command": ["/usr/bin/touch", marker.display().to_string()]}),
+            )))
+            .await;
+        assert_eq!(o.error_type.as_deref(), Some(error_types::LEASE_LOST), "{o:?}");
+        assert!(!marker.exists(), "ran without a lease");
     }
 
     #[test]

@@ -646,6 +646,7 @@ impl ComposeExecutor {
         payload: &DeployTaskPayload,
     ) -> Result<(), ExecError> {
         // 1. Lock file, with the previous one kept as the backup.
+        run.confirm_lease("writing the lock file").await?;
         let lock = plan.dir.join(LOCK_FILE);
         match std::fs::read(&lock) {
             Ok(previous) => {
@@ -717,6 +718,7 @@ impl ComposeExecutor {
         run.log.line("pulled images verified against their digests");
 
         // 4. Up.
+        run.confirm_lease("compose up").await?;
         let started = Instant::now();
         touched.up_ran = true;
         let up = compose

@@ -476,6 +476,7 @@ impl DockerExecutor {
             ("BERTH_DIGEST".to_string(), plan.digest.clone()),
         ];
         if let Some(hook) = &payload.hooks.pre_deploy {
+            run.confirm_lease("the pre-deploy hook").await?;
             hooks::run_hook(
                 run,
                 hook,
@@ -486,7 +487,7 @@ impl DockerExecutor {
             )
             .await?;
         }
-        run.stop.check()?;
+        run.confirm_lease("the container swap").await?;
 
         // 3.–7. Everything from here on is undone on failure.
         let deploy_started = Instant::now();
@@ -797,6 +798,7 @@ impl DockerExecutor {
         run.log
             .line(format!("rolling {name} back to {previous_name}"));
 
+        run.confirm_lease("the container swap").await?;
         let started = Instant::now();
         let mut failed_name = None;
         // The replaced container (id, was running), to put back if the swap fails.

@@ -63,6 +63,8 @@ pub enum ExecError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the delivery's lease no longer holds, so nothing irreversible was done: {0}")]
+    LeaseLost(String),
     #[error("the task was cancelled")]
     Cancelled,
     #[error("the task ran out of time")]
@@ -95,6 +97,7 @@ impl ExecError {
             ExecError::ComposeUnavailable(_) => "COMPOSE_UNAVAILABLE",
             ExecError::Compose { .. } => "COMPOSE_FAILED",
             ExecError::Io { .. } => "IO_ERROR",
+            ExecError::LeaseLost(_) => error_types::LEASE_LOST,
             ExecError::Cancelled => error_types::CANCELLED,
             ExecError::TimedOut => error_types::TIMEOUT,
         }
@@ -107,6 +110,8 @@ impl ExecError {
             ExecError::DockerUnavailable(_)
                 | ExecError::RegistryUnavailable { .. }
                 | ExecError::PullFailed { .. }
+                // Not journaled: a later delivery of the task runs it for real.
+                | ExecError::LeaseLost(_)
         )
     }
 

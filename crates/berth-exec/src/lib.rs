@@ -6,6 +6,7 @@
 //! leaves an executor has the task's credential values redacted.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use berth_proto::kind::{decode_payload, TaskKind};
@@ -52,6 +53,50 @@ pub struct Task {
     /// Cancelled when the operator cancels the task or the agent is fenced: stop, clean up,
     /// and return an outcome with `error_type: CANCELLED`.
     pub cancel: CancellationToken,
+    /// Asked right before each irreversible step (the sticker write, the container swap, the
+    /// compose `up`, a hook): the step is taken only while the delivery's lease holds.
+    pub lease: Lease,
+}
+
+/// Whether a delivery's lease still holds: the agent asks its server (the start handshake).
+#[async_trait::async_trait]
+pub trait LeaseCheck: Send + Sync {
+    /// `Err` with the reason once the lease is gone or cannot be confirmed.
+    async fn confirm(&self) -> Result<(), String>;
+}
+
+/// The lease of one delivery, as executors see it.
+#[derive(Clone)]
+pub struct Lease(Option<Arc<dyn LeaseCheck>>);
+
+impl Lease {
+    pub fn new(check: Arc<dyn LeaseCheck>) -> Lease {
+        Lease(Some(check))
+    }
+
+    /// A lease nobody can take away: for read-only tasks, which have nothing irreversible to
+    /// fence, and for running an executor outside an agent (tests).
+    pub fn unfenced() -> Lease {
+        Lease(None)
+    }
+
+    /// `Err(LeaseLost)` unless the lease still holds.
+    pub async fn confirm(&self) -> Result<(), ExecError> {
+        match &self.0 {
+            None => Ok(()),
+            Some(check) => check.confirm().await.map_err(ExecError::LeaseLost),
+        }
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Lease(fenced)"
+        } else {
+            "Lease(unfenced)"
+        })
+    }
 }
 
 /// What happened. The agent journals it as is and reports it as a

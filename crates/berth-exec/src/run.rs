@@ -134,6 +134,15 @@ impl<'t> Run<'t> {
         }
     }
 
+    /// Right before an irreversible step: the run must not be stopped, and the delivery's lease
+    /// must still hold (see [`crate::Lease`]).
+    pub async fn confirm_lease(&mut self, step: &str) -> Result<(), ExecError> {
+        self.stop.check()?;
+        self.task.lease.confirm().await?;
+        self.log.line(format!("lease confirmed before {step}"));
+        Ok(())
+    }
+
     pub fn output(&mut self, key: &str, value: impl Into<serde_json::Value>) {
         self.outputs.insert(key.to_string(), value.into());
     }

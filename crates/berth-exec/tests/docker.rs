@@ -649,3 +649,71 @@ async fn a_hook_not_on_the_allow_list_fails_closed_before_anything_changes() {
     assert!(marker.exists(), "the allowed hook ran");
     assert_eq!(http_body(port).await.as_deref(), Some("v2"));
 }
+
+/// A lease that no longer holds: what the agent's start handshake answers once the server has
+/// fenced the delivery.
+struct Fenced;
+
+#[async_trait::async_trait]
+impl berth_exec::LeaseCheck for Fenced {
+    async fn confirm(&self) -> Result<(), String> {
+        Err("FENCED by the server".into())
+    }
+}
+
+/// Issue 9 item 1: an executor asks for its lease right before the irreversible step, and
+/// without it leaves the running container alone: no swap on `docker.run` or `rollback`, and no
+/// pre-deploy hook. The failure is retriable (a later delivery runs the task for real).
+#[tokio::test]
+async fn without_its_lease_a_deploy_swaps_nothing() {
+    let Some(env) = env("without_its_lease_a_deploy_swaps_nothing") else {
+        return;
+    };
+    let prefix = unique("berth-test");
+    let _cleanup = Cleanup::new(&prefix);
+    let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
+    let v2 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v2", None);
+    let dir = tempfile::tempdir().unwrap();
+    let exec = executor(&dir);
+    let name = format!("{prefix}-web");
+    let port = free_port();
+    assert_success(
+        &exec
+            .execute(&task(
+                "docker.run",
+                deploy(&v1, &name, port, docker_check(30)),
+            ))
+            .await,
+    );
+    let id = container_id(&name).unwrap();
+    let fenced = |mut task: berth_exec::Task| {
+        task.lease = berth_exec::Lease::new(std::sync::Arc::new(Fenced));
+        task
+    };
+
+    let marker = dir.path().join("pre-deploy-ran");
+    let mut payload = deploy(&v2, &name, port, docker_check(30));
+    payload["hooks"] =
+        json!({"preDeploy": {"command": [program("touch"), marker.display().to_string()]}});
+    let outcome = exec.execute(&fenced(task("docker.run", payload))).await;
+    assert_failed(&outcome, "LEASE_LOST");
+    assert!(outcome.retriable, "{outcome:?}");
+    assert!(!marker.exists(), "the pre-deploy hook ran without the lease");
+    assert_eq!(container_id(&name), Some(id.clone()), "same container");
+    assert!(container_names(&format!("{name}-previous-")).is_empty());
+    assert_eq!(http_body(port).await.as_deref(), Some("v1"));
+
+    // A rollback (to the kept predecessor) is refused at its swap just the same.
+    let mut payload = deploy(&v2, &name, port, docker_check(30));
+    payload["config"]["cleanupPrevious"] = json!(false);
+    assert_success(&exec.execute(&task("docker.run", payload)).await);
+    assert_eq!(container_names(&format!("{name}-previous-")).len(), 1);
+    let current = container_id(&name).unwrap();
+    let outcome = exec
+        .execute(&fenced(task("rollback", json!({"containerName": name}))))
+        .await;
+    assert_failed(&outcome, "LEASE_LOST");
+    assert_eq!(container_id(&name), Some(current), "no rollback swap");
+    assert_eq!(container_names(&format!("{name}-previous-")).len(), 1);
+    assert_eq!(http_body(port).await.as_deref(), Some("v2"));
+}

@@ -58,7 +58,8 @@ pub mod codes {
     pub const INTERNAL: &str = "INTERNAL";
     // --- task transport ---
     pub const SESSION_HELD: &str = "SESSION_HELD";
-    /// Stale or missing generation, or a result for an assignment that is no longer current.
+    /// Stale or missing generation, or a start or result for an assignment that is no longer
+    /// current (its lease ended, or the task was handed out again).
     pub const FENCED: &str = "FENCED";
     pub const TRANSPORT_DISABLED: &str = "TRANSPORT_DISABLED";
     pub const SIGNATURE_MISSING: &str = "SIGNATURE_MISSING";

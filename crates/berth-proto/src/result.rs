@@ -26,6 +26,10 @@ pub mod error_types {
     pub const COMMAND_FAILED: &str = "COMMAND_FAILED";
     /// A deployment's hook names a program that is not on the agent's `--allow-hook` list.
     pub const HOOK_NOT_ALLOWED: &str = "HOOK_NOT_ALLOWED";
+    /// The delivery's lease no longer held right before an irreversible step (the server fenced
+    /// it, or its `expiresAt` passed), so the step was not taken. Retriable: the agent does not
+    /// journal it, and a later delivery runs the task for real.
+    pub const LEASE_LOST: &str = "LEASE_LOST";
 }
 
 /// Durations of the phases of a deployment, in milliseconds (DESIGN "Executors").

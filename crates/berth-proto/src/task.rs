@@ -188,6 +188,15 @@ pub struct AttemptView {
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub lease_expires_at: OffsetDateTime,
+    /// When the agent's start handshake was confirmed: from then on the delivery may have had
+    /// effects. Absent for a delivery that never started (or whose agent does not ask).
+    #[serde(
+        default,
+        with = "crate::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub started_at: Option<OffsetDateTime>,
     #[serde(
         default,
         with = "crate::rfc3339::option",

@@ -93,6 +93,12 @@ pub struct AgentTaskPollRequest {
     /// `requiredCapability` is among them are handed out on this poll.
     #[serde(default)]
     pub capabilities: Vec<String>,
+    /// The agent confirms every delivery with side effects through [`StartTask`] before it
+    /// touches the host. The server then knows that a lost delivery it never saw started did
+    /// nothing, and requeues it instead of making it `unknown`. Seed 000 agents leave it out:
+    /// their lost side-effecting deliveries stay `unknown`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub start_handshake: bool,
 }
 
 impl Request for AgentTaskPollRequest {
@@ -153,6 +159,44 @@ pub struct AgentTaskAssignment {
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub expires_at: OffsetDateTime,
     pub side_effects: bool,
+}
+
+/// `POST …/agents/{agentId}/tasks/{taskId}/start` (mTLS, with the generation): the agent asks,
+/// before any side effect, whether this delivery is still its to run. Yes only while the
+/// generation is current and the assignment is the task's live lease; the yes is recorded on the
+/// delivery (it may have run from then on). Asking again for the same delivery is harmless.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct StartTask {
+    #[serde(skip)]
+    pub agent_id: AgentId,
+    #[serde(skip)]
+    pub task_id: TaskId,
+    pub assignment_id: AssignmentId,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TaskStarted {
+    pub assignment_id: AssignmentId,
+    /// When the delivery was first confirmed.
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub started_at: OffsetDateTime,
+    /// The lease's deadline: past it the agent takes no irreversible step.
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub expires_at: OffsetDateTime,
+}
+
+impl Request for StartTask {
+    type Response = TaskStarted;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("{}/tasks/{}/start", agent_runtime(self.agent_id), self.task_id)
+    }
 }
 
 /// The signed result. The signed bytes are the RFC 8785 (JCS) canonical JSON of this object

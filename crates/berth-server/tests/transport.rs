@@ -55,6 +55,16 @@ async fn assignment(agent: &TestAgent, generation: i64) -> AgentTaskAssignment {
         .expect("an assignment")
 }
 
+/// The next assignment of a poll that promises the start handshake, as berth-agent polls.
+async fn promised(agent: &TestAgent, generation: i64) -> AgentTaskAssignment {
+    agent
+        .poll_promising_start(generation)
+        .await
+        .expect("poll")
+        .assignment
+        .expect("an assignment")
+}
+
 #[tokio::test]
 async fn sessions_fence_stale_and_missing_generations() {
     let server = start().await;
@@ -615,6 +625,71 @@ async fn a_lost_lease_with_side_effects_is_unknown_until_read_back_proves_it() {
         code(&agent.submit(generation, late).await.unwrap_err()),
         (409, "FENCED".into())
     );
+    server.stop().await;
+}
+
+/// The start handshake: a lost delivery with side effects that its agent promised to start, and
+/// never started, provably did nothing and runs again; once started it may have run, and only
+/// read-back can tell. A start is confirmed only for the live lease of the current generation.
+#[tokio::test]
+async fn a_lost_side_effect_that_never_started_runs_again_and_a_started_one_is_unknown() {
+    let server = start_with(|c| c.lease_grace = Duration::ZERO).await;
+    let agent = server.agent("starter").await;
+    let generation = agent.session().await;
+    let mut request = task(agent.id, "write-sticker", json!({"name": "web"}));
+    request.timeout_seconds = Some(1);
+    let t = create(&server, request).await;
+    // Never started: requeued with its error, not unknown.
+    let first = promised(&agent, generation).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the lost delivery to be requeued",
+        || async { show(&server, &t).await.state == TaskState::RetryWait },
+    )
+    .await;
+    assert_eq!(
+        show(&server, &t).await.error_code.as_deref(),
+        Some("LEASE_EXPIRED")
+    );
+    let late = agent
+        .start(generation, t.id, first.assignment_id)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&late), (409, "FENCED".into()), "a lost delivery may not start");
+
+    // The next delivery: refused for another generation or task, confirmed (once) otherwise.
+    let second = promised(&agent, generation).await;
+    assert_eq!(second.task_id, t.id);
+    let stale = agent
+        .start(generation + 1, t.id, second.assignment_id)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&stale), (409, "FENCED".into()));
+    let missing = agent
+        .start(generation, berth_proto::TaskId::new(), second.assignment_id)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&missing), (404, "NOT_FOUND".into()));
+    let started = agent
+        .start(generation, t.id, second.assignment_id)
+        .await
+        .expect("start");
+    assert_eq!(started.assignment_id, second.assignment_id);
+    assert_eq!(started.expires_at, second.expires_at);
+    let again = agent
+        .start(generation, t.id, second.assignment_id)
+        .await
+        .expect("start again");
+    assert_eq!(again.started_at, started.started_at, "the first start counts");
+
+    // Started, then lost: it may have run, so unknown, and read back instead of re-run.
+    wait_until(
+        Duration::from_secs(30),
+        "the started delivery to become unknown",
+        || async { show(&server, &t).await.state == TaskState::Unknown },
+    )
+    .await;
+    assert_eq!(assignment(&agent, generation).await.task_type, "read-sticker");
     server.stop().await;
 }
 

@@ -77,13 +77,27 @@ pub(crate) fn accept_completion(
             Refused::Fenced
         });
     }
-    if task.state != TaskState::Leased
-        || task.current_assignment != Some(attempt.assignment_id)
-        || attempt.lease_expires_at < now
-    {
+    if !is_live_lease(task, &attempt, now) {
         return Err(Refused::Fenced);
     }
     Ok(attempt)
+}
+
+/// Whether `attempt` is `task`'s current delivery and its lease holds at `now`: what a result
+/// and a start must both find.
+pub(crate) fn is_live_lease(task: &Task, attempt: &Attempt, now: OffsetDateTime) -> bool {
+    attempt.state == AttemptState::Leased
+        && task.state == TaskState::Leased
+        && task.current_assignment == Some(attempt.assignment_id)
+        && attempt.lease_expires_at >= now
+}
+
+/// Whether a delivery that ended without a result may have changed the host: its task has side
+/// effects and its agent either confirmed the start or never promised to ask
+/// ([`Attempt::start_handshake`], which seed 000 agents do not send). Only a delivery that
+/// provably never started is safe to hand out again.
+pub(crate) fn may_have_run(side_effects: bool, attempt: Option<&Attempt>) -> bool {
+    side_effects && attempt.is_none_or(|a| !a.start_handshake || a.started_at.is_some())
 }
 
 /// Why [`accept_completion`] refused a result.
@@ -139,16 +153,16 @@ pub(crate) fn completion_transition(
     }
 }
 
-/// A lease that ran out: a task with side effects may have run, so it becomes `unknown` (never
-/// re-run automatically); one without is requeued like a retriable failure.
+/// A lease that ran out: a delivery that [`may_have_run`] makes its task `unknown` (never re-run
+/// automatically); any other is requeued like a retriable failure.
 pub(crate) fn expiry_transition(
-    side_effects: bool,
+    may_have_run: bool,
     attempts: u32,
     cancel_requested: bool,
     policy: &RetryPolicy,
     now: OffsetDateTime,
 ) -> Transition {
-    if side_effects {
+    if may_have_run {
         Transition {
             state: TaskState::Unknown,
             attempt: AttemptState::Expired,
@@ -278,14 +292,15 @@ mod tests {
         let lost = Some(LEASE_EXPIRED);
         #[rustfmt::skip]
         let table: Vec<(bool, u32, bool, Transition)> = vec![
-            // (side_effects, attempts, cancel_requested) => transition
-            // Side effects: it may have run, so unknown, whatever the budget or a cancellation.
+            // (may_have_run, attempts, cancel_requested) => transition
+            // It may have run: unknown, whatever the budget or a cancellation.
             (true, 1, false, expect(T::Unknown, A::Expired, None, lost, false)),
             (true, 5, false, expect(T::Unknown, A::Expired, None, lost, false)),
             (true, 6, false, expect(T::Unknown, A::Expired, None, lost, false)),
             (true, 1, true, expect(T::Unknown, A::Expired, None, lost, false)),
             (true, 5, true, expect(T::Unknown, A::Expired, None, lost, false)),
-            // Read-only: requeued like a retriable failure.
+            // Provably did nothing (read-only, or never started): requeued like a retriable
+            // failure.
             (false, 1, false, expect(T::RetryWait, A::Expired, Some(s(1)), lost, false)),
             (false, 2, false, expect(T::RetryWait, A::Expired, Some(s(8)), lost, false)),
             (false, 3, false, expect(T::RetryWait, A::Expired, Some(s(64)), lost, false)),
@@ -295,12 +310,39 @@ mod tests {
             (false, 1, true, expect(T::Cancelled, A::Expired, None, lost, true)),
             (false, 5, true, expect(T::Cancelled, A::Expired, None, lost, true)),
         ];
-        for (side_effects, attempts, cancel_requested, expected) in table {
+        for (may_have_run, attempts, cancel_requested, expected) in table {
             assert_eq!(
-                expiry_transition(side_effects, attempts, cancel_requested, &policy, NOW),
+                expiry_transition(may_have_run, attempts, cancel_requested, &policy, NOW),
                 expected,
-                "side_effects={side_effects} after {attempts} attempts, \
+                "may_have_run={may_have_run} after {attempts} attempts, \
                  cancel_requested={cancel_requested}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_promised_start_that_never_came_proves_nothing_ran() {
+        let attempt = |start_handshake, started: bool| Attempt {
+            start_handshake,
+            started_at: started.then_some(NOW),
+            ..attempt_of(&leased_task(AssignmentId::new()), AttemptState::Leased, None)
+        };
+        #[rustfmt::skip]
+        let table = [
+            // (side_effects, attempt) => may have run
+            (true, Some(attempt(true, false)), false),
+            (true, Some(attempt(true, true)), true),
+            // A seed 000 agent never asks: whatever it was handed may have run.
+            (true, Some(attempt(false, false)), true),
+            (true, None, true),
+            (false, Some(attempt(false, false)), false),
+            (false, Some(attempt(true, true)), false),
+        ];
+        for (side_effects, attempt, expected) in table {
+            assert_eq!(
+                may_have_run(side_effects, attempt.as_ref()),
+                expected,
+                "side_effects={side_effects} {attempt:?}"
             );
         }
     }
@@ -348,9 +390,9 @@ mod tests {
                         NOW,
                     ));
                 }
-                for side_effects in [false, true] {
+                for may_have_run in [false, true] {
                     transitions.push(expiry_transition(
-                        side_effects,
+                        may_have_run,
                         attempts,
                         cancel_requested,
                         &policy,
@@ -410,6 +452,8 @@ mod tests {
             finished_at: None,
             envelope: envelope.map(|e| serde_json::json!({ "e": e })),
             error_code: None,
+            start_handshake: false,
+            started_at: None,
         }
     }
 

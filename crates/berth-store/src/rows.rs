@@ -42,7 +42,7 @@ pub(crate) use task_columns;
 macro_rules! attempt_columns {
     () => {
         "assignment_id, task_id, agent_id, generation, state, assigned_at, lease_expires_at, \
-         finished_at, envelope, error_code"
+         finished_at, envelope, error_code, start_handshake, started_at"
     };
 }
 pub(crate) use attempt_columns;
@@ -217,6 +217,8 @@ pub(crate) fn read_attempt(row: &impl ColumnReader) -> Result<Attempt, StoreErro
         finished_at: row.time_opt("finished_at")?,
         envelope: row.json_opt("envelope")?,
         error_code: row.text_opt("error_code")?,
+        start_handshake: row.flag("start_handshake")?,
+        started_at: row.time_opt("started_at")?,
     })
 }
 

@@ -329,6 +329,7 @@ pub fn task(task_type: &str, payload: serde_json::Value) -> Task {
         variables: BTreeMap::new(),
         timeout: Duration::from_secs(120),
         cancel: CancellationToken::new(),
+        lease: berth_exec::Lease::unfenced(),
     }
 }
 

@@ -40,6 +40,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
             transport::release_session
         ))
         .routes(routes!(transport::poll))
+        .routes(routes!(transport::start_task))
         .routes(routes!(transport::submit_result))
         .routes(routes!(tasks::create, tasks::list))
         .routes(routes!(tasks::get))

@@ -17,10 +17,14 @@ use berth_proto::kind::TaskKind;
 use berth_proto::result::{error_types, TaskResult};
 use berth_proto::transport::{
     self, AcquireSession, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest,
-    AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, Session, CONTRACT_VERSION,
+    AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, Session, StartTask,
+    TaskStarted, CONTRACT_VERSION,
 };
 use berth_proto::{AgentId, ErrorBody, TaskId};
-use berth_store::{AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, Task};
+use berth_store::{
+    AttemptResult, ClaimOutcome, CompleteOutcome, Completion, SessionOutcome, StartAttempt,
+    StartOutcome, Task,
+};
 use serde::Deserialize;
 
 use crate::auth::{agent_revoked, AgentCaller, FencedAgent};
@@ -202,6 +206,7 @@ pub async fn poll(
                 generation,
                 &peer.fingerprint,
                 &req.capabilities,
+                req.start_handshake,
                 now,
                 state.config.lease_grace,
             )
@@ -478,6 +483,71 @@ pub(crate) fn verify_result(
         result_data,
         attempt,
     })
+}
+
+/// Confirm, before any side effect, that an assignment is still the agent's to run (mTLS, with
+/// the generation). Yes only while the generation is current and the assignment is the task's
+/// live lease; the yes is recorded, so a lost delivery that never got one is requeued instead of
+/// becoming `unknown`. Asking again for the same assignment answers the same.
+#[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks/{taskId}/start", tag = "agent-runtime",
+    request_body = StartTask,
+    params(("agentId" = String, Path, format = Uuid), ("taskId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
+    responses(
+        (status = 200, body = TaskStarted),
+        (status = 404, body = ErrorBody, description = "NOT_FOUND: no such task for this agent"),
+        (status = 409, body = ErrorBody, description = "FENCED: stale generation, or an assignment that is no longer the task's live lease"),
+        (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
+    ))]
+pub async fn start_task(
+    State(state): State<SharedState>,
+    // The extractor checked that the certificate names the path's agent.
+    FencedAgent {
+        id: agent_id,
+        peer,
+        generation,
+    }: FencedAgent,
+    ApiPath((_, task_id)): ApiPath<(AgentId, TaskId)>,
+    ApiJson(req): ApiJson<StartTask>,
+) -> ApiResult<Json<TaskStarted>> {
+    crate::routes::record("task_id", task_id);
+    crate::routes::record("assignment_id", req.assignment_id);
+    transport_enabled(&state)?;
+    let outcome = state
+        .store
+        .start_attempt(StartAttempt {
+            agent_id,
+            generation,
+            certificate_fingerprint: peer.fingerprint.to_string(),
+            task_id,
+            assignment_id: req.assignment_id,
+            now: state.config.clock.now(),
+        })
+        .await?;
+    match outcome {
+        StartOutcome::Started(attempt) => {
+            let started_at = attempt.started_at.unwrap_or(attempt.assigned_at);
+            tracing::info!(
+                %agent_id, generation, %task_id, assignment_id = %attempt.assignment_id,
+                %started_at, "task start confirmed"
+            );
+            Ok(Json(TaskStarted {
+                assignment_id: attempt.assignment_id,
+                started_at,
+                expires_at: attempt.lease_expires_at,
+            }))
+        }
+        StartOutcome::Fenced => {
+            tracing::warn!(
+                %agent_id, generation, %task_id, assignment_id = %req.assignment_id,
+                "start refused: the generation or the assignment is no longer current"
+            );
+            Err(fenced(
+                "the generation or the assignment is no longer current: do not run it",
+            ))
+        }
+        StartOutcome::Revoked => Err(agent_revoked(&state)),
+        StartOutcome::NotFound => Err(ApiError::not_found("task")),
+    }
 }
 
 /// Submit the signed result of an assignment (mTLS, with the generation).

@@ -13,7 +13,7 @@ use berth_proto::agent::RegisterAgent;
 use berth_proto::result::TaskResult;
 use berth_proto::transport::{
     AcquireSession, AgentTaskPollRequest, AgentTaskPollResponse, AgentTaskResultEnvelope,
-    ResultAck, ALG_ECDSA_SHA256, CONTRACT_VERSION, GENERATION_HEADER,
+    ResultAck, StartTask, TaskStarted, ALG_ECDSA_SHA256, CONTRACT_VERSION, GENERATION_HEADER,
 };
 use berth_proto::AgentId;
 use berth_proto::{AssignmentId, TaskId};
@@ -213,10 +213,29 @@ impl TestAgent {
         generation: i64,
         capabilities: &[&str],
     ) -> Result<AgentTaskPollResponse, berth_client::ClientError> {
+        self.poll_request(generation, capabilities, false).await
+    }
+
+    /// A poll that promises the start handshake, as berth-agent polls.
+    pub async fn poll_promising_start(
+        &self,
+        generation: i64,
+    ) -> Result<AgentTaskPollResponse, berth_client::ClientError> {
+        self.poll_request(generation, &["docker", "compose", "ssh"], true)
+            .await
+    }
+
+    async fn poll_request(
+        &self,
+        generation: i64,
+        capabilities: &[&str],
+        start_handshake: bool,
+    ) -> Result<AgentTaskPollResponse, berth_client::ClientError> {
         let request = AgentTaskPollRequest {
             contract_version: CONTRACT_VERSION.into(),
             agent_id: self.id,
             capabilities: capabilities.iter().map(|c| c.to_string()).collect(),
+            start_handshake,
         };
         let g = generation.to_string();
         self.client
@@ -257,6 +276,24 @@ impl TestAgent {
         let g = generation.to_string();
         self.client
             .send_with(&RawResult(envelope), &[(GENERATION_HEADER, &g)], None)
+            .await
+    }
+
+    /// The start handshake for `assignment` of `task`.
+    pub async fn start(
+        &self,
+        generation: i64,
+        task: TaskId,
+        assignment: AssignmentId,
+    ) -> Result<TaskStarted, berth_client::ClientError> {
+        let g = generation.to_string();
+        let request = StartTask {
+            agent_id: self.id,
+            task_id: task,
+            assignment_id: assignment,
+        };
+        self.client
+            .send_with(&request, &[(GENERATION_HEADER, &g)], None)
             .await
     }
 }

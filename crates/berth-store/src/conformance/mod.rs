@@ -20,8 +20,8 @@ use crate::{
     Agent, AgentFilter, AgentUpdate, Attempt, AttemptResult, AttemptState, CancelOutcome,
     ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome, DynStore, HeartbeatOutcome,
     HeartbeatRecord, LeaseSweep, NewAgent, NewApiToken, NewRegistrationToken, NewTask, Page,
-    RegisterError, RetryOutcome, RetryPolicy, SessionOutcome, StaleSweep, StoreError, Task,
-    TaskFilter, TaskState, Tenant,
+    RegisterError, RetryOutcome, RetryPolicy, SessionOutcome, StaleSweep, StartAttempt,
+    StartOutcome, StoreError, Task, TaskFilter, TaskState, Tenant,
 };
 
 mod agents;
@@ -72,6 +72,7 @@ macro_rules! conformance_cases {
             task_claim_concurrent,
             task_complete_transitions,
             task_stale_assignment,
+            task_start_handshake,
             task_cancel,
             task_retry,
             lease_expiry,
@@ -401,6 +402,7 @@ async fn claim(
             generation,
             &bound(agent),
             &all_capabilities(),
+            false,
             at,
             GRACE,
         )

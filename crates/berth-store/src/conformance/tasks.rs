@@ -144,6 +144,8 @@ pub async fn task_claim_order(store: &DynStore) {
             finished_at: None,
             envelope: None,
             error_code: None,
+            start_handshake: false,
+            started_at: None,
         }
     );
     assert_eq!(task_now(store, &task).await, (task.clone(), vec![attempt]));
@@ -248,6 +250,7 @@ pub async fn task_claim_fencing(store: &DynStore) {
                 generation,
                 &fingerprint(),
                 &all_capabilities(),
+                false,
                 t,
                 GRACE
             )
@@ -262,6 +265,7 @@ pub async fn task_claim_fencing(store: &DynStore) {
                 generation,
                 &bound(&agent),
                 &all_capabilities(),
+                false,
                 t,
                 GRACE
             )
@@ -355,6 +359,7 @@ pub async fn task_claim_concurrent(store: &DynStore) {
                             generation,
                             &bound(&agent),
                             &all_capabilities(),
+                            false,
                             now(),
                             GRACE,
                         )
@@ -583,6 +588,136 @@ pub async fn task_stale_assignment(store: &DynStore) {
         ]
     );
     assert_eq!(attempts[0].error_code.as_deref(), Some("LEASE_EXPIRED"));
+}
+
+/// The start handshake: a start is confirmed only for the live lease of the current generation's
+/// delivery, once (a repeat answers the first time); a lost delivery that promised to start and
+/// never did is requeued, one that started becomes `unknown`.
+pub async fn task_start_handshake(store: &DynStore) {
+    // Far-past epoch: see `sweep`.
+    let t = datetime!(1996-05-01 00:00:00.000_321 UTC);
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("starting")).await;
+    let generation = session(store, &agent, now()).await;
+    let mut deploy = deploy_task(tenant.id, agent.id, t);
+    deploy.timeout_seconds = 10;
+    let deploy = create(store, deploy).await;
+    let agent = &agent;
+    let claim = |at| async move {
+        match store
+            .claim_task(
+                agent.id,
+                generation,
+                &bound(agent),
+                &all_capabilities(),
+                true,
+                at,
+                GRACE,
+            )
+            .await
+            .expect("claim")
+        {
+            ClaimOutcome::Claimed(_, attempt) => attempt,
+            other => panic!("expected a claim, got {other:?}"),
+        }
+    };
+    let start = |attempt: &Attempt, generation, fingerprint: String, at| StartAttempt {
+        agent_id: agent.id,
+        generation,
+        certificate_fingerprint: fingerprint,
+        task_id: attempt.task_id,
+        assignment_id: attempt.assignment_id,
+        now: at,
+    };
+    let started = |outcome| match outcome {
+        StartOutcome::Started(attempt) => attempt,
+        other => panic!("expected a start, got {other:?}"),
+    };
+
+    // A delivery that promised the handshake and never started: its lost lease requeues it.
+    let first = claim(t).await;
+    assert!(first.start_handshake);
+    assert_eq!(first.started_at, None);
+    let swept = sweep(store, first.lease_expires_at).await;
+    assert_eq!(swept.unknown, vec![], "it provably did nothing");
+    let (waiting, _) = task_now(store, &deploy).await;
+    assert_eq!(swept.requeued, vec![waiting.clone()]);
+    assert_eq!(waiting.state, TaskState::RetryWait);
+    assert_eq!(waiting.error_code.as_deref(), Some("LEASE_EXPIRED"));
+    let late = store
+        .start_attempt(start(&first, generation, bound(agent), t))
+        .await
+        .expect("start");
+    assert_eq!(late, StartOutcome::Fenced, "the lost delivery may not start");
+
+    // The next delivery starts: refused for the wrong generation, another certificate, another
+    // assignment or task, and after its lease; confirmed once otherwise.
+    let due = waiting.next_attempt_at.expect("due");
+    let second = claim(due).await;
+    let ask = |s: StartAttempt| async move { store.start_attempt(s).await.expect("start") };
+    assert_eq!(
+        ask(start(&second, generation + 1, bound(agent), due)).await,
+        StartOutcome::Fenced
+    );
+    assert_eq!(
+        ask(start(&second, generation, fingerprint(), due)).await,
+        StartOutcome::Revoked
+    );
+    assert_eq!(
+        ask(StartAttempt {
+            assignment_id: AssignmentId::new(),
+            ..start(&second, generation, bound(agent), due)
+        })
+        .await,
+        StartOutcome::Fenced
+    );
+    assert_eq!(
+        ask(StartAttempt {
+            task_id: TaskId::new(),
+            ..start(&second, generation, bound(agent), due)
+        })
+        .await,
+        StartOutcome::NotFound
+    );
+    let after_lease = second.lease_expires_at + Duration::milliseconds(1);
+    assert_eq!(
+        ask(start(&second, generation, bound(agent), after_lease)).await,
+        StartOutcome::Fenced
+    );
+    let at = due + Duration::seconds(1);
+    let confirmed = started(ask(start(&second, generation, bound(agent), at)).await);
+    assert_eq!(confirmed.started_at, Some(millis(at)));
+    let again = started(
+        ask(start(
+            &second,
+            generation,
+            bound(agent),
+            at + Duration::seconds(1),
+        ))
+        .await,
+    );
+    assert_eq!(again.started_at, Some(millis(at)), "the first start counts");
+    // At the deadline itself the start still counts.
+    let edge = started(ask(start(&second, generation, bound(agent), second.lease_expires_at)).await);
+    assert_eq!(edge.started_at, Some(millis(at)));
+
+    // A started delivery that is lost may have run: unknown.
+    let swept = sweep(store, second.lease_expires_at).await;
+    assert_eq!(swept.requeued, vec![]);
+    assert_eq!(swept.unknown.len(), 1);
+    assert_eq!(swept.unknown[0].id, deploy.id);
+    assert_eq!(swept.unknown[0].state, TaskState::Unknown);
+    let (_, attempts) = task_now(store, &deploy).await;
+    assert_eq!(
+        attempts
+            .iter()
+            .map(|a| (a.state, a.start_handshake, a.started_at))
+            .collect::<Vec<_>>(),
+        vec![
+            (AttemptState::Expired, true, None),
+            (AttemptState::Expired, true, Some(millis(at))),
+        ]
+    );
 }
 
 pub async fn task_cancel(store: &DynStore) {
@@ -1354,6 +1489,7 @@ pub async fn task_claim_unrunnable_heads_fail(store: &DynStore) {
             generation,
             &bound(&agent),
             &["compose".to_string()],
+            false,
             t,
             GRACE,
         )
@@ -1376,7 +1512,7 @@ pub async fn task_claim_unrunnable_heads_fail(store: &DynStore) {
     // With nothing runnable left, the poll is empty, and the failures stay.
     assert_eq!(
         store
-            .claim_task(agent.id, generation, &bound(&agent), &[], t, GRACE)
+            .claim_task(agent.id, generation, &bound(&agent), &[], false, t, GRACE)
             .await
             .expect("claim"),
         ClaimOutcome::Empty

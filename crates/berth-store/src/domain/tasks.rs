@@ -117,6 +117,11 @@ pub struct Attempt {
     /// The verified result envelope, as JSON, including its signature.
     pub envelope: Option<serde_json::Value>,
     pub error_code: Option<String>,
+    /// The poll that took this delivery promised the start handshake: the agent confirms it
+    /// ([`TaskStore::start_attempt`]) before any side effect.
+    pub start_handshake: bool,
+    /// When the agent's start was confirmed; from then on the delivery may have had effects.
+    pub started_at: Option<OffsetDateTime>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -180,6 +185,28 @@ pub enum CompleteOutcome {
     /// This assignment already ended with an identical envelope: the task as it is.
     Duplicate(Task),
     /// Stale generation, or the assignment is not (or no longer) the task's current lease.
+    Fenced,
+    Revoked,
+    /// No such task for this agent.
+    NotFound,
+}
+
+/// The agent asks to start a delivery ([`TaskStore::start_attempt`]).
+#[derive(Debug, Clone)]
+pub struct StartAttempt {
+    pub agent_id: AgentId,
+    pub generation: i64,
+    pub certificate_fingerprint: String,
+    pub task_id: TaskId,
+    pub assignment_id: AssignmentId,
+    pub now: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum StartOutcome {
+    /// The delivery is the agent's to run; recorded as started (at its first confirmation).
+    Started(Attempt),
+    /// Stale generation, or the assignment is not (or no longer) the task's live lease.
     Fenced,
     Revoked,
     /// No such task for this agent.
@@ -258,7 +285,8 @@ pub trait TaskStore: Send + Sync {
     /// side effects while another side-effecting task of the agent is `leased`. A head the agent
     /// cannot run — a type no agent runs, or a kind whose capability is not among `capabilities`
     /// (the poll's seed strings) — fails there and then (`UNSUPPORTED_TASK_TYPE`,
-    /// `CAPABILITY_MISSING`), and the next task is considered.
+    /// `CAPABILITY_MISSING`), and the next task is considered. `start_handshake` is recorded on
+    /// the new delivery ([`Attempt::start_handshake`]).
     #[allow(clippy::too_many_arguments)]
     async fn claim_task(
         &self,
@@ -266,9 +294,18 @@ pub trait TaskStore: Send + Sync {
         generation: i64,
         certificate_fingerprint: &str,
         capabilities: &[String],
+        start_handshake: bool,
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome>;
+
+    /// The start handshake, in one transaction that checks the generation, the binding, and
+    /// that the assignment is the task's current, still-leased delivery whose lease has not run
+    /// out at `start.now` (the same checks as a result). Then `started_at` is set, once: a
+    /// repeated start of the same delivery answers `Started` with the first time. A lease sweep
+    /// and a start of one delivery are serialised, so a delivery the sweep saw unstarted was
+    /// never confirmed to its agent.
+    async fn start_attempt(&self, start: StartAttempt) -> Result<StartOutcome>;
 
     /// How many open tasks (pending, leased, retry_wait) each of `agents` has; a selector sends
     /// new work to the capable agent with the fewest.
@@ -309,8 +346,10 @@ pub trait TaskStore: Send + Sync {
         now: OffsetDateTime,
     ) -> Result<Option<RetryOutcome>>;
 
-    /// Leases that ran out at `now`: the attempt becomes `expired`; a task with side effects
-    /// becomes `unknown` (never re-run automatically), one without is requeued or dead-lettered
+    /// Leases that ran out at `now`: the attempt becomes `expired`; a task whose delivery may
+    /// have had effects (side effects, and a start that was confirmed or never promised:
+    /// `lifecycle::may_have_run`) becomes `unknown` (never re-run automatically), any other is
+    /// requeued or dead-lettered
     /// per `policy` (or `cancelled` if its cancellation was requested), with
     /// `error_code = LEASE_EXPIRED`. Row locks (SKIP LOCKED on PostgreSQL)
     /// so replicas can sweep concurrently without double transitions.

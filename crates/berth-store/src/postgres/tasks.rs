@@ -15,8 +15,8 @@ use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
     Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
-    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StoreError, Task, TaskFilter,
-    TaskState, TaskStore,
+    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
+    StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
 
 #[async_trait::async_trait]
@@ -173,6 +173,7 @@ impl TaskStore for PostgresStore {
         generation: i64,
         certificate_fingerprint: &str,
         capabilities: &[String],
+        start_handshake: bool,
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
@@ -268,8 +269,8 @@ impl TaskStore for PostgresStore {
             let task = rows::read_task(&claimed)?;
             let attempt = sqlx::query(concat!(
                 "INSERT INTO task_attempts (assignment_id, task_id, agent_id, generation, state, \
-             assigned_at, lease_expires_at) VALUES ($1, $2, $3, $4, 'leased', $5, $6) \
-             RETURNING ",
+             assigned_at, lease_expires_at, start_handshake) \
+             VALUES ($1, $2, $3, $4, 'leased', $5, $6, $7) RETURNING ",
                 attempt_columns!()
             ))
             .bind(assignment.0)
@@ -278,6 +279,7 @@ impl TaskStore for PostgresStore {
             .bind(generation)
             .bind(now)
             .bind(lease_expires_at)
+            .bind(start_handshake)
             .fetch_one(&mut *tx)
             .await
             .map_err(db_error(OP))?;
@@ -323,6 +325,72 @@ impl TaskStore for PostgresStore {
             Ok((TaskId(row.uuid("id")?), AssignmentId(assignment)))
         })
         .collect()
+    }
+
+    async fn start_attempt(&self, start: StartAttempt) -> Result<StartOutcome> {
+        const OP: &str = "start attempt";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        // FOR SHARE: the generation cannot move until this commits.
+        match check_binding(
+            &mut tx,
+            BINDING_SHARE,
+            start.agent_id,
+            &start.certificate_fingerprint,
+            start.generation,
+        )
+        .await?
+        {
+            Binding::Current => {}
+            Binding::Fenced => return Ok(StartOutcome::Fenced),
+            Binding::Revoked => return Ok(StartOutcome::Revoked),
+        }
+        // FOR UPDATE: the lease sweep locks the task row too, so a start and an expiry of one
+        // delivery never interleave; whichever waits sees the other's outcome.
+        let task = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE id = $1 AND agent_id = $2 FOR UPDATE"
+        ))
+        .bind(start.task_id.0)
+        .bind(start.agent_id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_task(&row))
+        .transpose()?;
+        let Some(task) = task else {
+            return Ok(StartOutcome::NotFound);
+        };
+        let attempt = sqlx::query(concat!(
+            "SELECT ",
+            attempt_columns!(),
+            " FROM task_attempts WHERE assignment_id = $1 AND task_id = $2"
+        ))
+        .bind(start.assignment_id.0)
+        .bind(task.id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_attempt(&row))
+        .transpose()?;
+        let now = millis(start.now);
+        let attempt = match attempt {
+            Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => attempt,
+            _ => return Ok(StartOutcome::Fenced),
+        };
+        let row = sqlx::query(concat!(
+            "UPDATE task_attempts SET started_at = COALESCE(started_at, $2) \
+             WHERE assignment_id = $1 RETURNING ",
+            attempt_columns!()
+        ))
+        .bind(attempt.assignment_id.0)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let attempt = rows::read_attempt(&row)?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(StartOutcome::Started(attempt))
     }
 
     async fn complete_attempt(
@@ -567,8 +635,19 @@ impl TaskStore for PostgresStore {
         let mut sweep = LeaseSweep::default();
         let mut agents = BTreeSet::new();
         for task in expired {
+            let attempt = sqlx::query(concat!(
+                "SELECT ",
+                attempt_columns!(),
+                " FROM task_attempts WHERE assignment_id = $1"
+            ))
+            .bind(task.current_assignment.map(|a| a.0))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?
+            .map(|row| rows::read_attempt(&row))
+            .transpose()?;
             let next = lifecycle::expiry_transition(
-                task.side_effects,
+                lifecycle::may_have_run(task.side_effects, attempt.as_ref()),
                 task.attempts,
                 task.cancel_requested,
                 policy,

@@ -13,8 +13,8 @@ use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
 use crate::{
     Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
-    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StoreError, Task, TaskFilter,
-    TaskState, TaskStore,
+    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
+    StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
 
 /// The tenant's task `id`, if it has one.
@@ -178,6 +178,7 @@ impl TaskStore for SqliteStore {
         generation: i64,
         certificate_fingerprint: &str,
         capabilities: &[String],
+        start_handshake: bool,
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
@@ -288,8 +289,8 @@ impl TaskStore for SqliteStore {
                 let attempt = tx.one(
                     concat!(
                         "INSERT INTO task_attempts (assignment_id, task_id, agent_id, \
-                         generation, state, assigned_at, lease_expires_at) \
-                         VALUES (?1, ?2, ?3, ?4, 'leased', ?5, ?6) RETURNING ",
+                         generation, state, assigned_at, lease_expires_at, start_handshake) \
+                         VALUES (?1, ?2, ?3, ?4, 'leased', ?5, ?6, ?7) RETURNING ",
                         attempt_columns!()
                     ),
                     params![
@@ -299,6 +300,7 @@ impl TaskStore for SqliteStore {
                         generation,
                         unix_millis(now),
                         unix_millis(lease_expires_at),
+                        start_handshake,
                     ],
                     |row| rows::read_attempt(row),
                 )?;
@@ -343,6 +345,62 @@ impl TaskStore for SqliteStore {
                         Ok((TaskId(row.uuid("id")?), AssignmentId(assignment)))
                     },
                 )
+            })
+            .await
+    }
+
+    async fn start_attempt(&self, start: StartAttempt) -> Result<StartOutcome> {
+        self.writer
+            .write("start attempt", move |tx| {
+                // The writer runs one operation at a time: neither the generation nor the lease
+                // (the sweep is a writer too) moves until this commits.
+                match binding(
+                    tx,
+                    start.agent_id,
+                    &start.certificate_fingerprint,
+                    start.generation,
+                )? {
+                    Binding::Current => {}
+                    Binding::Fenced => return Ok(StartOutcome::Fenced),
+                    Binding::Revoked => return Ok(StartOutcome::Revoked),
+                }
+                let task = tx.optional(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks WHERE id = ?1 AND agent_id = ?2"
+                    ),
+                    params![id_text(start.task_id.0), id_text(start.agent_id.0)],
+                    |row| rows::read_task(row),
+                )?;
+                let Some(task) = task else {
+                    return Ok(StartOutcome::NotFound);
+                };
+                let attempt = tx.optional(
+                    concat!(
+                        "SELECT ",
+                        attempt_columns!(),
+                        " FROM task_attempts WHERE assignment_id = ?1 AND task_id = ?2"
+                    ),
+                    params![id_text(start.assignment_id.0), id_text(task.id.0)],
+                    |row| rows::read_attempt(row),
+                )?;
+                let now = millis(start.now);
+                match attempt {
+                    Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => {
+                        tx.one(
+                            concat!(
+                                "UPDATE task_attempts SET started_at = COALESCE(started_at, ?2) \
+                                 WHERE assignment_id = ?1 RETURNING ",
+                                attempt_columns!()
+                            ),
+                            params![id_text(attempt.assignment_id.0), unix_millis(now)],
+                            |row| rows::read_attempt(row),
+                        )
+                        .map(StartOutcome::Started)
+                    }
+                    _ => Ok(StartOutcome::Fenced),
+                }
             })
             .await
     }
@@ -572,8 +630,17 @@ impl TaskStore for SqliteStore {
                 let mut sweep = LeaseSweep::default();
                 let mut agents = BTreeSet::new();
                 for task in expired {
+                    let attempt = tx.optional(
+                        concat!(
+                            "SELECT ",
+                            attempt_columns!(),
+                            " FROM task_attempts WHERE assignment_id = ?1"
+                        ),
+                        [task.current_assignment.map(|a| id_text(a.0))],
+                        |row| rows::read_attempt(row),
+                    )?;
                     let next = lifecycle::expiry_transition(
-                        task.side_effects,
+                        lifecycle::may_have_run(task.side_effects, attempt.as_ref()),
                         task.attempts,
                         task.cancel_requested,
                         &policy,
