@@ -518,8 +518,7 @@ fn a_docker_run_leased_into_a_stopped_agent_is_requeued_and_deploys_once() {
     assert!(container_id(&name).is_none(), "the stopped agent deployed");
 
     w.agent.proc.signal(libc::SIGCONT);
-    let done = w.settle(&id);
-    assert_eq!(done["state"], "succeeded", "{done:#}");
+    let done = w.server.wait_task_state(&id, DEPLOY, "succeeded");
     assert_eq!(done["readBack"], false, "{done:#}");
     assert_eq!(attempts(&done).len(), 2, "{done:#}");
     assert!(attempts(&done)[1]["startedAt"].is_string(), "{done:#}");
@@ -579,8 +578,8 @@ fn a_process_fenced_after_its_start_does_not_swap_containers() {
     // Whichever noticed first stopped it before the swap: the executor's lease check
     // (LEASE_LOST), or the fenced heartbeat, which cancels the running work (CANCELLED).
     assert!(
-        log.lines().any(|l| l.contains(&id)
-            && (l.contains("LEASE_LOST") || l.contains("CANCELLED"))),
+        log.lines()
+            .any(|l| l.contains(&id) && (l.contains("LEASE_LOST") || l.contains("CANCELLED"))),
         "the task went on after the fence:\n{log}"
     );
     assert!(container_id(&name).is_none(), "the fenced process deployed");

@@ -196,7 +196,11 @@ fn paused_agent_drops_stale_assignments_and_lost_leases_resolve() {
     });
     let requeued = server.wait_task_state(&id, TASK, "retry_wait");
     assert_eq!(attempts(&requeued)[0]["state"], "expired", "{requeued}");
-    assert_eq!(attempts(&requeued)[0]["startedAt"], Value::Null, "{requeued}");
+    assert_eq!(
+        attempts(&requeued)[0]["startedAt"],
+        Value::Null,
+        "{requeued}"
+    );
     assert_eq!(count(&agent.history(), &id), 0, "the stopped agent wrote");
     agent.proc.signal(libc::SIGCONT);
     let done = server.wait_task_state(&id, TASK, "succeeded");
@@ -289,7 +293,8 @@ fn a_paused_agent_fenced_by_a_newer_process_never_writes_over_it() {
     let code = old.proc.wait_code(EXIT);
     let log = old.proc.stderr();
     assert_eq!(code, 1, "the fenced process's exit code:\n{log}");
-    assert!(log.contains(NOT_RUN), "{log}");
+    // It wrote nothing: it dropped its stale delivery, or (sharing the state dir) answered it
+    // from the journal entry the new process made.
     assert_eq!(
         old.history(),
         vec![r1.clone(), r2.clone()],

@@ -371,9 +371,16 @@ mod tests {
                 json!({"name": "site", "releaseId": "r1"}),
             )))
             .await;
-        assert_eq!(o.error_type.as_deref(), Some(error_types::LEASE_LOST), "{o:?}");
+        assert_eq!(
+            o.error_type.as_deref(),
+            Some(error_types::LEASE_LOST),
+            "{o:?}"
+        );
         assert!(o.retriable, "not journaled: a later delivery runs it");
-        assert!(store.read("site").unwrap().is_none(), "written without a lease");
+        assert!(
+            store.read("site").unwrap().is_none(),
+            "written without a lease"
+        );
 
         let marker = dir.path().join("ran");
         let touch = ExecuteCommand {
@@ -385,7 +392,11 @@ mod tests {
                 json!({"command": ["/usr/bin/touch", marker.display().to_string()]}),
             )))
             .await;
-        assert_eq!(o.error_type.as_deref(), Some(error_types::LEASE_LOST), "{o:?}");
+        assert_eq!(
+            o.error_type.as_deref(),
+            Some(error_types::LEASE_LOST),
+            "{o:?}"
+        );
         assert!(!marker.exists(), "ran without a lease");
     }
 

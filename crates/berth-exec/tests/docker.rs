@@ -698,7 +698,10 @@ async fn without_its_lease_a_deploy_swaps_nothing() {
     let outcome = exec.execute(&fenced(task("docker.run", payload))).await;
     assert_failed(&outcome, "LEASE_LOST");
     assert!(outcome.retriable, "{outcome:?}");
-    assert!(!marker.exists(), "the pre-deploy hook ran without the lease");
+    assert!(
+        !marker.exists(),
+        "the pre-deploy hook ran without the lease"
+    );
     assert_eq!(container_id(&name), Some(id.clone()), "same container");
     assert!(container_names(&format!("{name}-previous-")).is_empty());
     assert_eq!(http_body(port).await.as_deref(), Some("v1"));

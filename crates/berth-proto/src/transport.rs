@@ -195,7 +195,11 @@ impl Request for StartTask {
     type Response = TaskStarted;
     const METHOD: Method = Method::Post;
     fn path(&self) -> String {
-        format!("{}/tasks/{}/start", agent_runtime(self.agent_id), self.task_id)
+        format!(
+            "{}/tasks/{}/start",
+            agent_runtime(self.agent_id),
+            self.task_id
+        )
     }
 }
 

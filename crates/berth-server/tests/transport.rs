@@ -655,7 +655,11 @@ async fn a_lost_side_effect_that_never_started_runs_again_and_a_started_one_is_u
         .start(generation, t.id, first.assignment_id)
         .await
         .unwrap_err();
-    assert_eq!(code(&late), (409, "FENCED".into()), "a lost delivery may not start");
+    assert_eq!(
+        code(&late),
+        (409, "FENCED".into()),
+        "a lost delivery may not start"
+    );
 
     // The next delivery: refused for another generation or task, confirmed (once) otherwise.
     let second = promised(&agent, generation).await;
@@ -680,7 +684,10 @@ async fn a_lost_side_effect_that_never_started_runs_again_and_a_started_one_is_u
         .start(generation, t.id, second.assignment_id)
         .await
         .expect("start again");
-    assert_eq!(again.started_at, started.started_at, "the first start counts");
+    assert_eq!(
+        again.started_at, started.started_at,
+        "the first start counts"
+    );
 
     // Started, then lost: it may have run, so unknown, and read back instead of re-run.
     wait_until(
@@ -689,7 +696,10 @@ async fn a_lost_side_effect_that_never_started_runs_again_and_a_started_one_is_u
         || async { show(&server, &t).await.state == TaskState::Unknown },
     )
     .await;
-    assert_eq!(assignment(&agent, generation).await.task_type, "read-sticker");
+    assert_eq!(
+        assignment(&agent, generation).await.task_type,
+        "read-sticker"
+    );
     server.stop().await;
 }
 

@@ -325,7 +325,11 @@ mod tests {
         let attempt = |start_handshake, started: bool| Attempt {
             start_handshake,
             started_at: started.then_some(NOW),
-            ..attempt_of(&leased_task(AssignmentId::new()), AttemptState::Leased, None)
+            ..attempt_of(
+                &leased_task(AssignmentId::new()),
+                AttemptState::Leased,
+                None,
+            )
         };
         #[rustfmt::skip]
         let table = [

@@ -648,7 +648,11 @@ pub async fn task_start_handshake(store: &DynStore) {
         .start_attempt(start(&first, generation, bound(agent), t))
         .await
         .expect("start");
-    assert_eq!(late, StartOutcome::Fenced, "the lost delivery may not start");
+    assert_eq!(
+        late,
+        StartOutcome::Fenced,
+        "the lost delivery may not start"
+    );
 
     // The next delivery starts: refused for the wrong generation, another certificate, another
     // assignment or task, and after its lease; confirmed once otherwise.
@@ -698,7 +702,15 @@ pub async fn task_start_handshake(store: &DynStore) {
     );
     assert_eq!(again.started_at, Some(millis(at)), "the first start counts");
     // At the deadline itself the start still counts.
-    let edge = started(ask(start(&second, generation, bound(agent), second.lease_expires_at)).await);
+    let edge = started(
+        ask(start(
+            &second,
+            generation,
+            bound(agent),
+            second.lease_expires_at,
+        ))
+        .await,
+    );
     assert_eq!(edge.started_at, Some(millis(at)));
 
     // A started delivery that is lost may have run: unknown.

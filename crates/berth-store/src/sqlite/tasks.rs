@@ -387,8 +387,8 @@ impl TaskStore for SqliteStore {
                 )?;
                 let now = millis(start.now);
                 match attempt {
-                    Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => {
-                        tx.one(
+                    Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => tx
+                        .one(
                             concat!(
                                 "UPDATE task_attempts SET started_at = COALESCE(started_at, ?2) \
                                  WHERE assignment_id = ?1 RETURNING ",
@@ -397,8 +397,7 @@ impl TaskStore for SqliteStore {
                             params![id_text(attempt.assignment_id.0), unix_millis(now)],
                             |row| rows::read_attempt(row),
                         )
-                        .map(StartOutcome::Started)
-                    }
+                        .map(StartOutcome::Started),
                     _ => Ok(StartOutcome::Fenced),
                 }
             })
