@@ -28,12 +28,6 @@ use serde_json::{json, Value};
 /// How long a deployment (pull, create, health check) may take on a loaded 2-core host.
 const DEPLOY: Duration = Duration::from_secs(120);
 
-fn attempts(task: &Value) -> &Vec<Value> {
-    task["attempts"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no attempts in {task}"))
-}
-
 /// The registries and the engine, or `None` (SKIP; a failure when services are required).
 fn docker_env(test: &str) -> Option<Env> {
     fixtures::env(test)
@@ -531,30 +525,14 @@ fn late_result_is_fenced_and_read_back_proves_the_deploy() {
     });
 
     w.agent.proc.signal(libc::SIGCONT);
-    let done = w
-        .server
-        .wait_task(&id, DEPLOY, "decided by read-back", |t| {
-            t["state"] != "unknown"
-        });
-    assert_eq!(done["state"], "succeeded", "{done:#}");
-    assert_eq!(done["readBack"], true, "{done:#}");
-    assert_eq!(done["result"]["found"], true, "{done:#}");
-    assert_eq!(done["result"]["sticker"]["taskId"], id.as_str(), "{done:#}");
+    let done = wait_proven_by_read_back(&w.server, &id, DEPLOY);
     assert_eq!(
         done["result"]["sticker"]["digest"],
         v1.digest.as_str(),
         "{done:#}"
     );
-    assert_eq!(attempts(&done).len(), 1, "re-run: {done:#}");
     // The agent's own result for the expired delivery was refused.
-    wait_for(DEPLOY, "the agent to log FENCED", || {
-        let log = w.agent.proc.stderr();
-        if log.lines().any(|l| l.contains(&id) && l.contains("FENCED")) {
-            Ok(())
-        } else {
-            Err(log)
-        }
-    });
+    wait_fenced_in_log(&mut w.agent.proc, &id);
     assert_eq!(http_body(port).as_deref(), Some("v1"));
     assert_eq!(container_names(&name), vec![name.clone()], "deployed once");
     w.agent.proc.assert_running();

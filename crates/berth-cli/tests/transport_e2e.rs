@@ -27,33 +27,8 @@ use serde_json::{json, Value};
 /// How long a task may take to reach a state that needs only the agent and the sweeper.
 const TASK: Duration = Duration::from_secs(60);
 
-fn attempts(task: &Value) -> &Vec<Value> {
-    task["attempts"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no attempts in {task}"))
-}
-
 fn count(history: &[String], task_id: &str) -> usize {
     history.iter().filter(|t| *t == task_id).count()
-}
-
-/// Waits until the agent's own log shows the server refused a result for `task_id` as FENCED.
-fn wait_fenced_in_log(agent: &mut Proc, task_id: &str) {
-    wait_for(
-        TASK,
-        &format!("{} to log FENCED for task {task_id}", agent.name),
-        || {
-            let log = agent.stderr();
-            if log
-                .lines()
-                .any(|l| l.contains(task_id) && l.contains("FENCED"))
-            {
-                Ok(())
-            } else {
-                Err(log)
-            }
-        },
-    );
 }
 
 /// The generation of the agent process's latest session, once it has logged one.
