@@ -11,10 +11,13 @@ say() { echo "test.sh: $*" >&2; }
 command -v cargo >/dev/null || { say "cargo is missing: install Rust with rustup first"; exit 1; }
 
 # curl: the HTTP/2 refusal tests drive a second, independent HTTP/2 client.
-if ! command -v curl >/dev/null; then
-    apt-get install -y --no-install-recommends curl >&2 \
-        || { apt-get update >&2 && apt-get install -y --no-install-recommends curl >&2; }
-fi
+# iproute2 (`ip`): the partition tests put an agent in a network namespace and cut its link.
+apt_install() {
+    apt-get install -y --no-install-recommends "$1" >&2 \
+        || { apt-get update >&2 && apt-get install -y --no-install-recommends "$1" >&2; }
+}
+command -v curl >/dev/null || apt_install curl
+command -v ip >/dev/null || apt_install iproute2
 
 BERTH_TEST_POSTGRES_URL="$(bash scripts/postgres.sh | tail -n 1)"
 export BERTH_TEST_POSTGRES_URL

@@ -28,12 +28,6 @@ use serde_json::{json, Value};
 /// How long a deployment (pull, create, health check) may take on a loaded 2-core host.
 const DEPLOY: Duration = Duration::from_secs(120);
 
-fn attempts(task: &Value) -> &Vec<Value> {
-    task["attempts"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no attempts in {task}"))
-}
-
 /// The registries and the engine, or `None` (SKIP; a failure when services are required).
 fn docker_env(test: &str) -> Option<Env> {
     fixtures::env(test)
@@ -522,12 +516,7 @@ fn a_docker_run_leased_into_a_stopped_agent_is_requeued_and_deploys_once() {
     assert_eq!(done["readBack"], false, "{done:#}");
     assert_eq!(attempts(&done).len(), 2, "{done:#}");
     assert!(attempts(&done)[1]["startedAt"].is_string(), "{done:#}");
-    let log = w.agent.proc.stderr();
-    assert!(
-        log.lines()
-            .any(|l| l.contains(&id) && l.contains("not running the task")),
-        "the resumed agent did not drop its stale delivery:\n{log}"
-    );
+    wait_in_log(&mut w.agent.proc, &id, NOT_RUN);
     assert_eq!(http_body(port).as_deref(), Some("v1"));
     assert_eq!(container_names(&name), vec![name.clone()], "deployed once");
     w.agent.proc.assert_running();
@@ -537,8 +526,8 @@ fn a_docker_run_leased_into_a_stopped_agent_is_requeued_and_deploys_once() {
 /// server records it), then runs a 6 s pre-deploy hook; meanwhile the agent is stopped and a
 /// second process on its state dir takes the session. Resumed, the first process leaves the host
 /// alone: its lease check right before the swap is refused (or its fenced heartbeat cancels the
-/// work first), no container is created, and it exits. The delivery started, so its lost lease makes the task `unknown`, and
-/// read-back (by the new process) finds nothing deployed.
+/// work first), no container is created, and it exits. The delivery started, so its lost lease
+/// makes the task `unknown`, and read-back (by the new process) finds nothing deployed.
 #[test]
 fn a_process_fenced_after_its_start_does_not_swap_containers() {
     let Some(mut w) = World::start(

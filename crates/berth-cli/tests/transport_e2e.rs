@@ -27,34 +27,9 @@ use serde_json::{json, Value};
 /// How long a task may take to reach a state that needs only the agent and the sweeper.
 const TASK: Duration = Duration::from_secs(60);
 
-fn attempts(task: &Value) -> &Vec<Value> {
-    task["attempts"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no attempts in {task}"))
-}
-
 fn count(history: &[String], task_id: &str) -> usize {
     history.iter().filter(|t| *t == task_id).count()
 }
-
-/// Waits until a line of the agent's own log about `task_id` contains `what`.
-fn wait_in_log(agent: &mut Proc, task_id: &str, what: &str) {
-    wait_for(
-        TASK,
-        &format!("{} to log {what:?} for task {task_id}", agent.name),
-        || {
-            let log = agent.stderr();
-            if log.lines().any(|l| l.contains(task_id) && l.contains(what)) {
-                Ok(())
-            } else {
-                Err(log)
-            }
-        },
-    );
-}
-
-/// What the agent logs when it drops a delivery that is no longer its to run.
-const NOT_RUN: &str = "not running the task";
 
 /// The generation of the agent process's latest session, once it has logged one.
 fn wait_generation(agent: &mut Proc, at_least: i64) -> i64 {

@@ -8,6 +8,8 @@
 
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -406,7 +408,11 @@ impl Server {
             }
         }
         let url = url.unwrap();
-        assert!(url.starts_with("https://127.0.0.1:"), "listening on {url}");
+        let host = listen.rsplit_once(':').map_or(listen, |(host, _)| host);
+        assert!(
+            url.starts_with(&format!("https://{host}:")),
+            "listening on {url}"
+        );
         let admin_token = match admin_token {
             Some(t) => t.to_string(),
             None => std::fs::read_to_string(data_dir.join("admin.token"))
@@ -621,7 +627,7 @@ impl Agent {
         root: &Path,
         name: &str,
         extra: &[&str],
-        command: fn(&Path, &[&str]) -> Command,
+        command: impl Fn(&Path, &[&str]) -> Command,
     ) -> Agent {
         let token = server.registration_token();
         let state_dir = root.join(name);
@@ -705,6 +711,52 @@ pub fn sticker_history(dir: &Path) -> Vec<String> {
         })
         .collect()
 }
+
+/// The attempts (deliveries) of a task as `berth task show` prints them.
+pub fn attempts(task: &Value) -> &Vec<Value> {
+    task["attempts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no attempts in {task}"))
+}
+
+/// Waits until read-back decides the `unknown` task `id`, and checks that it proved the task's
+/// one delivery ran: `succeeded` by read-back, found the sticker naming the task, and never ran
+/// the task again. Returns the task.
+pub fn wait_proven_by_read_back(server: &Server, id: &str, timeout: Duration) -> Value {
+    let done = server.wait_task(id, timeout, "decided by read-back", |t| {
+        t["state"] != "unknown"
+    });
+    assert_eq!(done["state"], "succeeded", "{done:#}");
+    assert_eq!(done["readBack"], true, "{done:#}");
+    assert_eq!(done["result"]["found"], true, "{done:#}");
+    assert_eq!(done["result"]["sticker"]["taskId"], id, "{done:#}");
+    assert_eq!(attempts(&done).len(), 1, "re-run: {done:#}");
+    done
+}
+
+/// Waits until a line of the agent's own log about `task_id` contains `what`.
+pub fn wait_in_log(agent: &mut Proc, task_id: &str, what: &str) {
+    wait_for(
+        SETTLE,
+        &format!("{} to log {what:?} for task {task_id}", agent.name),
+        || {
+            let log = agent.stderr();
+            if log.lines().any(|l| l.contains(task_id) && l.contains(what)) {
+                Ok(())
+            } else {
+                Err(log)
+            }
+        },
+    );
+}
+
+/// Waits until the agent's own log shows the server refused a result for `task_id` as FENCED.
+pub fn wait_fenced_in_log(agent: &mut Proc, task_id: &str) {
+    wait_in_log(agent, task_id, "FENCED")
+}
+
+/// What the agent logs when it drops a delivery that is no longer its to run.
+pub const NOT_RUN: &str = "not running the task";
 
 /// The session generations an agent process logged ("session acquired … generation=N").
 pub fn acquired_generations(stderr: &str) -> Vec<i64> {
