@@ -344,35 +344,19 @@ impl TaskStore for PostgresStore {
             Binding::Fenced => return Ok(StartOutcome::Fenced),
             Binding::Revoked => return Ok(StartOutcome::Revoked),
         }
-        // FOR UPDATE: the lease sweep locks the task row too, so a start and an expiry of one
+        // The task row locked: the lease sweep locks it too, so a start and an expiry of one
         // delivery never interleave; whichever waits sees the other's outcome.
-        let task = sqlx::query(concat!(
-            "SELECT ",
-            task_columns!(),
-            " FROM tasks WHERE id = $1 AND agent_id = $2 FOR UPDATE"
-        ))
-        .bind(start.task_id.0)
-        .bind(start.agent_id.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_task(&row))
-        .transpose()?;
-        let Some(task) = task else {
+        let Some((task, attempt)) = locked_delivery(
+            &mut tx,
+            OP,
+            start.agent_id,
+            start.task_id,
+            Some(start.assignment_id),
+        )
+        .await?
+        else {
             return Ok(StartOutcome::NotFound);
         };
-        let attempt = sqlx::query(concat!(
-            "SELECT ",
-            attempt_columns!(),
-            " FROM task_attempts WHERE assignment_id = $1 AND task_id = $2"
-        ))
-        .bind(start.assignment_id.0)
-        .bind(task.id.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_attempt(&row))
-        .transpose()?;
         let now = millis(start.now);
         let attempt = match attempt {
             Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => attempt,
@@ -414,43 +398,17 @@ impl TaskStore for PostgresStore {
             Binding::Fenced => return Ok(CompleteOutcome::Fenced),
             Binding::Revoked => return Ok(CompleteOutcome::Revoked),
         }
-        let task = sqlx::query(concat!(
-            "SELECT ",
-            task_columns!(),
-            " FROM tasks WHERE id = $1 AND agent_id = $2 FOR UPDATE"
-        ))
-        .bind(completion.task_id.0)
-        .bind(completion.agent_id.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_task(&row))
-        .transpose()?;
-        let Some(task) = task else {
+        let Some((task, attempt)) = locked_delivery(
+            &mut tx,
+            OP,
+            completion.agent_id,
+            completion.task_id,
+            completion.assignment_id,
+        )
+        .await?
+        else {
             return Ok(CompleteOutcome::NotFound);
         };
-        // Without an assignment id: the current delivery, or (for a duplicate) the last one.
-        let attempt = match completion.assignment_id.or(task.current_assignment) {
-            Some(assignment) => sqlx::query(concat!(
-                "SELECT ",
-                attempt_columns!(),
-                " FROM task_attempts WHERE assignment_id = $1 AND task_id = $2"
-            ))
-            .bind(assignment.0)
-            .bind(task.id.0),
-            None => sqlx::query(concat!(
-                "SELECT ",
-                attempt_columns!(),
-                " FROM task_attempts WHERE task_id = $1 \
-                 ORDER BY assigned_at DESC, assignment_id DESC LIMIT 1"
-            ))
-            .bind(task.id.0),
-        }
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_attempt(&row))
-        .transpose()?;
         let now = millis(completion.now);
         let attempt = match lifecycle::accept_completion(&task, attempt, &completion.envelope, now)
         {
@@ -780,4 +738,53 @@ impl TaskStore for PostgresStore {
     fn task_events(&self) -> broadcast::Receiver<AgentId> {
         self.events.subscribe()
     }
+}
+
+/// The agent's task, its row locked `FOR UPDATE`, with the delivery `assignment` names; without
+/// one, the task's current delivery, or (for a duplicate result) its last. `None`: no such task
+/// for this agent.
+async fn locked_delivery(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    op: &'static str,
+    agent: AgentId,
+    task: TaskId,
+    assignment: Option<AssignmentId>,
+) -> Result<Option<(Task, Option<Attempt>)>> {
+    let task = sqlx::query(concat!(
+        "SELECT ",
+        task_columns!(),
+        " FROM tasks WHERE id = $1 AND agent_id = $2 FOR UPDATE"
+    ))
+    .bind(task.0)
+    .bind(agent.0)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db_error(op))?
+    .map(|row| rows::read_task(&row))
+    .transpose()?;
+    let Some(task) = task else {
+        return Ok(None);
+    };
+    let attempt = match assignment.or(task.current_assignment) {
+        Some(assignment) => sqlx::query(concat!(
+            "SELECT ",
+            attempt_columns!(),
+            " FROM task_attempts WHERE assignment_id = $1 AND task_id = $2"
+        ))
+        .bind(assignment.0)
+        .bind(task.id.0),
+        None => sqlx::query(concat!(
+            "SELECT ",
+            attempt_columns!(),
+            " FROM task_attempts WHERE task_id = $1 \
+             ORDER BY assigned_at DESC, assignment_id DESC LIMIT 1"
+        ))
+        .bind(task.id.0),
+    }
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db_error(op))?
+    .map(|row| rows::read_attempt(&row))
+    .transpose()?;
+    Ok(Some((task, attempt)))
 }

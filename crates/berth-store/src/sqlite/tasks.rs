@@ -18,6 +18,50 @@ use crate::{
 };
 
 /// The tenant's task `id`, if it has one.
+/// The agent's task with the delivery `assignment` names; without one, the task's current
+/// delivery, or (for a duplicate result) its last. `None`: no such task for this agent.
+fn agent_delivery(
+    db: &Db<'_>,
+    agent: AgentId,
+    task: TaskId,
+    assignment: Option<AssignmentId>,
+) -> Result<Option<(Task, Option<Attempt>)>> {
+    let task = db.optional(
+        concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE id = ?1 AND agent_id = ?2"
+        ),
+        params![id_text(task.0), id_text(agent.0)],
+        |row| rows::read_task(row),
+    )?;
+    let Some(task) = task else {
+        return Ok(None);
+    };
+    let attempt = match assignment.or(task.current_assignment) {
+        Some(assignment) => db.optional(
+            concat!(
+                "SELECT ",
+                attempt_columns!(),
+                " FROM task_attempts WHERE assignment_id = ?1 AND task_id = ?2"
+            ),
+            params![id_text(assignment.0), id_text(task.id.0)],
+            |row| rows::read_attempt(row),
+        )?,
+        None => db.optional(
+            concat!(
+                "SELECT ",
+                attempt_columns!(),
+                " FROM task_attempts WHERE task_id = ?1 \
+                 ORDER BY assigned_at DESC, assignment_id DESC LIMIT 1"
+            ),
+            [id_text(task.id.0)],
+            |row| rows::read_attempt(row),
+        )?,
+    };
+    Ok(Some((task, attempt)))
+}
+
 fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>> {
     db.optional(
         concat!(
@@ -364,27 +408,11 @@ impl TaskStore for SqliteStore {
                     Binding::Fenced => return Ok(StartOutcome::Fenced),
                     Binding::Revoked => return Ok(StartOutcome::Revoked),
                 }
-                let task = tx.optional(
-                    concat!(
-                        "SELECT ",
-                        task_columns!(),
-                        " FROM tasks WHERE id = ?1 AND agent_id = ?2"
-                    ),
-                    params![id_text(start.task_id.0), id_text(start.agent_id.0)],
-                    |row| rows::read_task(row),
-                )?;
-                let Some(task) = task else {
+                let Some((task, attempt)) =
+                    agent_delivery(tx, start.agent_id, start.task_id, Some(start.assignment_id))?
+                else {
                     return Ok(StartOutcome::NotFound);
                 };
-                let attempt = tx.optional(
-                    concat!(
-                        "SELECT ",
-                        attempt_columns!(),
-                        " FROM task_attempts WHERE assignment_id = ?1 AND task_id = ?2"
-                    ),
-                    params![id_text(start.assignment_id.0), id_text(task.id.0)],
-                    |row| rows::read_attempt(row),
-                )?;
                 let now = millis(start.now);
                 match attempt {
                     Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => tx
@@ -431,43 +459,14 @@ impl TaskStore for SqliteStore {
                     Binding::Fenced => return Ok(CompleteOutcome::Fenced),
                     Binding::Revoked => return Ok(CompleteOutcome::Revoked),
                 }
-                let task = tx.optional(
-                    concat!(
-                        "SELECT ",
-                        task_columns!(),
-                        " FROM tasks WHERE id = ?1 AND agent_id = ?2"
-                    ),
-                    params![
-                        id_text(completion.task_id.0),
-                        id_text(completion.agent_id.0)
-                    ],
-                    |row| rows::read_task(row),
-                )?;
-                let Some(task) = task else {
+                let Some((task, attempt)) = agent_delivery(
+                    tx,
+                    completion.agent_id,
+                    completion.task_id,
+                    completion.assignment_id,
+                )?
+                else {
                     return Ok(CompleteOutcome::NotFound);
-                };
-                // Without an assignment id: the current delivery, or (for a duplicate) the
-                // last one.
-                let attempt = match completion.assignment_id.or(task.current_assignment) {
-                    Some(assignment) => tx.optional(
-                        concat!(
-                            "SELECT ",
-                            attempt_columns!(),
-                            " FROM task_attempts WHERE assignment_id = ?1 AND task_id = ?2"
-                        ),
-                        params![id_text(assignment.0), id_text(task.id.0)],
-                        |row| rows::read_attempt(row),
-                    )?,
-                    None => tx.optional(
-                        concat!(
-                            "SELECT ",
-                            attempt_columns!(),
-                            " FROM task_attempts WHERE task_id = ?1 \
-                             ORDER BY assigned_at DESC, assignment_id DESC LIMIT 1"
-                        ),
-                        [id_text(task.id.0)],
-                        |row| rows::read_attempt(row),
-                    )?,
                 };
                 let now = millis(completion.now);
                 let attempt =
