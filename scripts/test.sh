@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
 # and two local image registries with busybox-static for test images, all from Debian's
-# packages, all project-owned), checks formatting and lints, then runs every test. Idempotent;
-# run it as root on Debian 12 with a Rust toolchain (rustup) and a running Docker engine.
+# packages, all project-owned), checks formatting and lints, then runs every test, and last the
+# contract test (scripts/schemathesis.sh: schemathesis from PyPI against a live server).
+# Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup), python3 with venv and a
+# running Docker engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,14 +12,18 @@ say() { echo "test.sh: $*" >&2; }
 
 command -v cargo >/dev/null || { say "cargo is missing: install Rust with rustup first"; exit 1; }
 
-# curl: the HTTP/2 refusal tests drive a second, independent HTTP/2 client.
+# curl: the HTTP/2 refusal tests drive a second, independent HTTP/2 client; schemathesis.sh
+# acquires its agent's session with it.
 # iproute2 (`ip`): the partition tests put an agent in a network namespace and cut its link.
 apt_install() {
-    apt-get install -y --no-install-recommends "$1" >&2 \
-        || { apt-get update >&2 && apt-get install -y --no-install-recommends "$1" >&2; }
+    apt-get install -y --no-install-recommends "$@" >&2 \
+        || { apt-get update >&2 && apt-get install -y --no-install-recommends "$@" >&2; }
 }
 command -v curl >/dev/null || apt_install curl
 command -v ip >/dev/null || apt_install iproute2
+
+# python3 with venv: schemathesis.sh installs its pinned schemathesis into a venv of its own.
+python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3 python3-venv
 
 BERTH_TEST_POSTGRES_URL="$(bash scripts/postgres.sh | tail -n 1)"
 export BERTH_TEST_POSTGRES_URL
@@ -43,3 +49,6 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 say "cargo test"
 cargo test --workspace --locked
+
+say "schemathesis against a live server (scripts/schemathesis.sh)"
+bash scripts/schemathesis.sh

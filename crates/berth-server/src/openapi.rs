@@ -1,25 +1,52 @@
 //! The OpenAPI document, generated from the handlers' annotations through the router that serves
 //! them (`routes::declared`). A test compares it with the committed `openapi/berth.json`, so the
 //! contract cannot drift silently.
+//!
+//! A handler's annotation lists the answers its own code gives. The answers an operation gives
+//! because of what it *is* — how it authenticates, which parameters and body it takes — are
+//! added here, once, by [`common_refusals`]: the extractors that give them (`auth.rs`,
+//! `extract.rs`) and the connection (`routes::headers_too_large`) serve every route alike.
 
+use std::collections::BTreeMap;
+
+use berth_proto::error::codes;
+use utoipa::openapi::path::{Operation, ParameterIn};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
+
+/// The security scheme of API tokens (`auth::Caller`).
+pub const BEARER: &str = "bearer";
+/// The security scheme of agent-runtime calls (`auth::AgentCaller`, `auth::FencedAgent`): the
+/// agent's client certificate. Every agent route names it in `security(...)`.
+pub const AGENT_CERTIFICATE: &str = "agentCertificate";
 
 #[derive(OpenApi)]
 #[openapi(
     info(title = "berth", description = "berth control plane API"),
-    modifiers(&BearerAuth),
+    modifiers(&SecuritySchemes),
 )]
 struct ApiDoc;
 
-struct BearerAuth;
+struct SecuritySchemes;
 
-impl Modify for BearerAuth {
+impl Modify for SecuritySchemes {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
-            "bearer",
+            BEARER,
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        components.add_security_scheme(
+            AGENT_CERTIFICATE,
+            SecurityScheme::MutualTls {
+                description: Some(
+                    "the agent's client certificate, issued at registration or renewal; it \
+                     must be the one currently bound to the agent the path names"
+                        .into(),
+                ),
+                extensions: None,
+            },
         );
     }
 }
@@ -33,5 +60,189 @@ pub(crate) fn document_base() -> utoipa::openapi::OpenApi {
 pub fn openapi_json() -> String {
     let mut doc = crate::routes::declared().into_openapi();
     doc.info.version = "v1".to_string();
+    CommonResponses.modify(&mut doc);
     doc.to_pretty_json().unwrap_or_else(|_| "{}".to_string())
+}
+
+/// A refusal an operation gives because of its declaration: `(status, code, why)`.
+type Refusal = (u16, &'static str, &'static str);
+
+/// The refusals every operation gives because of how it is declared. Its security requirement
+/// says which auth extractor runs; a path, query or `X-Berth-Generation` parameter and a body
+/// say which other extractors do.
+fn common_refusals(op: &Operation) -> Vec<Refusal> {
+    let schemes: Vec<String> = op
+        .security
+        .iter()
+        .flatten()
+        .filter_map(|requirement| match serde_json::to_value(requirement) {
+            Ok(serde_json::Value::Object(names)) => Some(names.into_iter().map(|(name, _)| name)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let params = op.parameters.iter().flatten();
+    let in_path: Vec<&str> = params
+        .clone()
+        .filter(|p| p.parameter_in == ParameterIn::Path)
+        .map(|p| p.name.as_str())
+        .collect();
+    let has_query = params.clone().any(|p| p.parameter_in == ParameterIn::Query);
+    let fenced = params.clone().any(|p| {
+        p.parameter_in == ParameterIn::Header
+            && p.name
+                .eq_ignore_ascii_case(berth_proto::headers::GENERATION_HEADER)
+    });
+    let bearer = schemes.iter().any(|s| s == BEARER);
+    let agent = schemes.iter().any(|s| s == AGENT_CERTIFICATE);
+    let body = op.request_body.is_some();
+
+    let mut refusals: Vec<Refusal> = vec![(
+        431,
+        codes::HEADERS_TOO_LARGE,
+        "the request headers are larger than the server reads",
+    )];
+    if bearer {
+        refusals.push((
+            401,
+            codes::UNAUTHENTICATED,
+            "no Bearer token, or not a known one",
+        ));
+    }
+    if agent {
+        refusals.extend([
+            (
+                401,
+                codes::CLIENT_CERT_REQUIRED,
+                "the connection presented no client certificate",
+            ),
+            (
+                401,
+                codes::AGENT_REVOKED,
+                "the certificate is no longer bound to an agent (deleted or renewed): register again",
+            ),
+        ]);
+        if in_path.iter().any(|p| matches!(*p, "id" | "agentId")) {
+            refusals.push((
+                403,
+                codes::CERT_BINDING_MISMATCH,
+                "the client certificate belongs to another agent than the path names",
+            ));
+        }
+    }
+    if fenced {
+        refusals.push((
+            409,
+            codes::FENCED,
+            "X-Berth-Generation is missing, malformed or not the current session's",
+        ));
+    }
+    if !in_path.is_empty() {
+        refusals.extend([
+            (400, codes::INVALID_ID, "a path id is not a UUID"),
+            (
+                404,
+                codes::NOT_FOUND,
+                "no such object in the caller's tenant, or no route (an empty path segment)",
+            ),
+        ]);
+    }
+    if has_query {
+        refusals.push((
+            400,
+            codes::INVALID_REQUEST,
+            "an unknown or malformed query parameter",
+        ));
+    }
+    if body {
+        refusals.extend([
+            (400, codes::MALFORMED_JSON, "the body is not JSON"),
+            (400, codes::INVALID_REQUEST, "the body could not be read"),
+            (
+                413,
+                codes::PAYLOAD_TOO_LARGE,
+                "the body is larger than the server accepts",
+            ),
+            (
+                415,
+                codes::UNSUPPORTED_MEDIA_TYPE,
+                "the Content-Type is not application/json",
+            ),
+            (
+                422,
+                codes::INVALID_REQUEST,
+                "the JSON is not what this operation takes (a field missing, of the wrong type or out of range)",
+            ),
+        ]);
+    }
+    if bearer || agent || body {
+        refusals.push((
+            500,
+            codes::INTERNAL,
+            "an unexpected failure, logged by the server; never an answer to bad input",
+        ));
+    }
+    refusals
+}
+
+/// Adds [`common_refusals`] to every operation: a status the handler does not document gets a
+/// response of its own; one it documents gets the codes its description does not name yet.
+/// Every added response is an `ErrorBody`.
+struct CommonResponses;
+
+impl Modify for CommonResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for item in openapi.paths.paths.values_mut() {
+            let operations = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for op in operations.into_iter().flatten() {
+                let mut by_status: BTreeMap<u16, Vec<(&str, &str)>> = BTreeMap::new();
+                for (status, code, why) in common_refusals(op) {
+                    by_status.entry(status).or_default().push((code, why));
+                }
+                for (status, refusals) in by_status {
+                    let responses = &mut op.responses.responses;
+                    match responses.get_mut(&status.to_string()) {
+                        Some(RefOr::T(documented)) => {
+                            for (code, why) in refusals {
+                                if !names(&documented.description, code) {
+                                    documented.description.push_str(&format!("; {code}: {why}"));
+                                }
+                            }
+                        }
+                        Some(RefOr::Ref(_)) => {}
+                        None => {
+                            let description = refusals
+                                .iter()
+                                .map(|(code, why)| format!("{code}: {why}"))
+                                .collect::<Vec<_>>()
+                                .join("; ");
+                            let response = ResponseBuilder::new()
+                                .description(description)
+                                .content(
+                                    "application/json",
+                                    ContentBuilder::new()
+                                        .schema(Some(Ref::from_schema_name("ErrorBody")))
+                                        .build(),
+                                )
+                                .build();
+                            responses.insert(status.to_string(), RefOr::T(response));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `description` names `code` as a word (`CONFLICT` is not named by `CONSTRAINT_CONFLICT`).
+fn names(description: &str, code: &str) -> bool {
+    description
+        .split(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+        .any(|word| word == code)
 }

@@ -173,13 +173,9 @@ pub(crate) async fn serve(
             let service = hyper::service::service_fn(
                 move |mut req: hyper::Request<hyper::body::Incoming>| {
                     req.extensions_mut().insert(peer.clone());
-                    // HTTP/2: a body the handler leaves unread (a 413, a refusal before the
-                    // body) is read to its end after the answer; see `RequestBody`.
-                    let req = if req.version() == hyper::Version::HTTP_2 {
-                        req.map(|body| axum::body::Body::new(RequestBody(Some(body))))
-                    } else {
-                        req.map(axum::body::Body::new)
-                    };
+                    // A body the handler leaves unread (a 413, a refusal before the body) is
+                    // read to its end after the answer; see `RequestBody`.
+                    let req = req.map(|body| axum::body::Body::new(RequestBody(Some(body))));
                     // Every request: the header limit, then its span around the whole answer.
                     // Here rather than as router middleware, which cost a boxed future and a
                     // service clone per request.
@@ -217,12 +213,12 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-/// At most this much of an HTTP/2 request body a handler refused is read and thrown away, and
-/// for at most [`DRAIN_BODY_TIMEOUT`]; past either, the stream is reset.
+/// At most this much of a request body a handler refused is read and thrown away, and for at
+/// most [`DRAIN_BODY_TIMEOUT`]; past either, the stream is reset (the HTTP/1.1 connection closed).
 const DRAIN_BODY_BYTES: usize = 64 * 1024 * 1024;
 const DRAIN_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// An HTTP/2 request body that, dropped unread, is read to its end in the background.
+/// A request body that, dropped unread, is read to its end in the background.
 ///
 /// Dropping an h2 request body makes the `h2` crate reset the stream: `CANCEL` before the
 /// response is sent, `NO_ERROR` after. A handler that refuses a body (the 413 of
@@ -230,6 +226,11 @@ const DRAIN_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// (curl 7.88 with nghttp2: "Stream error in the HTTP/2 framing layer") reported the reset and
 /// never the `413 PAYLOAD_TOO_LARGE` answer. Read to its end instead, the client finishes its
 /// upload and reads the answer; the bytes are counted and discarded, never buffered.
+///
+/// HTTP/1.1 the same: hyper answers such a request as kept alive, then closes the connection
+/// unless the rest of the body had already arrived, so a client sending its next request on it
+/// (schemathesis did, after 405s and 415s) saw the connection drop. Read to its end, the
+/// connection serves the next request.
 struct RequestBody(Option<hyper::body::Incoming>);
 
 impl hyper::body::Body for RequestBody {

@@ -566,9 +566,11 @@ async fn agent_jwt_verifies_against_the_jwks() {
     server.stop().await;
 }
 
-#[tokio::test]
-async fn tls_1_2_is_refused() {
-    let server = start().await;
+/// A TLS client of this one protocol version that trusts the server's CA, without ALPN.
+fn tls_connector(
+    server: &common::TestServer,
+    version: &'static rustls::SupportedProtocolVersion,
+) -> tokio_rustls::TlsConnector {
     let mut roots = rustls::RootCertStore::empty();
     roots
         .add(rustls::pki_types::CertificateDer::from(
@@ -578,15 +580,23 @@ async fn tls_1_2_is_refused() {
     let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
         rustls::crypto::aws_lc_rs::default_provider(),
     ))
-    .with_protocol_versions(&[&rustls::version::TLS12])
+    .with_protocol_versions(&[version])
     .unwrap()
     .with_root_certificates(roots)
     .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}
+
+#[tokio::test]
+async fn tls_1_2_is_refused() {
+    let server = start().await;
     let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     assert!(
-        connector.connect(name, tcp).await.is_err(),
+        tls_connector(&server, &rustls::version::TLS12)
+            .connect(name, tcp)
+            .await
+            .is_err(),
         "a TLS 1.2 handshake must fail"
     );
     server.stop().await;
@@ -1027,5 +1037,195 @@ async fn oversized_headers_get_the_431_error_body() {
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 431);
+    server.stop().await;
+}
+
+/// Every answer to the refusals any operation can give — by its auth, its path ids, its body and
+/// the header limit — is one the operation documents, as an `ErrorBody`. The operations come
+/// from the served document, so a new route is probed as soon as it exists.
+#[tokio::test]
+async fn every_operation_documents_the_common_refusals() {
+    let server = start().await;
+    let admin = server.admin();
+    let agent = server.agent("documented").await;
+    let viewer = admin
+        .send(&CreateApiToken {
+            name: Some("viewer".into()),
+            role: Role::Viewer,
+        })
+        .await
+        .unwrap()
+        .token;
+    let doc: serde_json::Value = serde_json::from_str(&berth_server::openapi_json()).unwrap();
+    let anonymous = server.raw(None);
+    let with_cert = server.raw(Some(&agent.identity()));
+    let mut probed = 0;
+    for (template, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let secured = |scheme: &str| {
+                op["security"]
+                    .as_array()
+                    .is_some_and(|s| s.iter().any(|r| r.get(scheme).is_some()))
+            };
+            let (bearer, mtls) = (secured("bearer"), secured("agentCertificate"));
+            let has_path_ids = template.contains('{');
+            let path = |id: &str| {
+                template
+                    .replace("{id}", id)
+                    .replace("{agentId}", id)
+                    .replace("{taskId}", &uuid::Uuid::new_v4().to_string())
+            };
+            let agent_id = agent.id.to_string();
+            let method = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            // A request as the operation's rightful caller would start it.
+            let request = |url_path: String, authorized: bool| {
+                let client = if mtls && authorized {
+                    &with_cert
+                } else {
+                    &anonymous
+                };
+                let mut r = client
+                    .request(method.clone(), format!("{}{url_path}", server.url))
+                    .header(berth_proto::headers::GENERATION_HEADER, "1");
+                if bearer && authorized {
+                    r = r.bearer_auth(&server.admin_token);
+                }
+                r
+            };
+            let mut probes = vec![("oversized headers", {
+                let mut r = request(path(&agent_id), true);
+                // More fields than the server reads (`routes::MAX_HEADERS`), fewer than hyper's.
+                for i in 0..200 {
+                    r = r.header(format!("x-filler-{i}"), "x");
+                }
+                r
+            })];
+            if bearer || mtls {
+                probes.push(("no credentials", request(path(&agent_id), false)));
+            }
+            if bearer {
+                let r = request(path(&agent_id), false).bearer_auth(&viewer);
+                probes.push(("a viewer token", r));
+            }
+            if has_path_ids {
+                probes.push(("an id that is no UUID", request(path("not-a-uuid"), true)));
+            }
+            if op.get("requestBody").is_some() {
+                let json =
+                    |r: reqwest::RequestBuilder| r.header("content-type", "application/json");
+                probes.extend([
+                    (
+                        "no JSON content type",
+                        request(path(&agent_id), true).body("{}"),
+                    ),
+                    (
+                        "malformed JSON",
+                        json(request(path(&agent_id), true)).body("{"),
+                    ),
+                    (
+                        "JSON of another shape",
+                        json(request(path(&agent_id), true)).body("[1]"),
+                    ),
+                    (
+                        "an oversized body",
+                        json(request(path(&agent_id), true)).body(vec![b' '; 2 << 20]),
+                    ),
+                ]);
+            }
+            for (probe, request) in probes {
+                let response = request.send().await.unwrap();
+                let status = response.status().as_u16().to_string();
+                let body = response.text().await.unwrap();
+                let documented = &op["responses"][&status];
+                assert!(
+                    documented.is_object(),
+                    "{method} {template} with {probe}: {status} is not documented: {body}"
+                );
+                if status.starts_with('4') || status.starts_with('5') {
+                    let error: berth_proto::ErrorBody =
+                        serde_json::from_str(&body).unwrap_or_else(|e| {
+                            panic!("{method} {template} with {probe}: {e}: {body}")
+                        });
+                    assert_eq!(
+                        documented["content"]["application/json"]["schema"]["$ref"],
+                        "#/components/schemas/ErrorBody",
+                        "{method} {template} with {probe}: {status} {}",
+                        error.code
+                    );
+                }
+                probed += 1;
+            }
+        }
+    }
+    assert!(probed > 50, "only {probed} probes");
+    server.stop().await;
+}
+
+/// A request refused before its body is read (401, 405, 415, 413…) leaves an HTTP/1.1
+/// connection usable: the server reads the body it did not need, instead of closing a
+/// connection it answered as kept alive (a client reusing it then failed its next request).
+#[tokio::test]
+async fn a_refused_body_keeps_the_http_1_connection() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let server = start().await;
+    // No ALPN: HTTP/1.1.
+    let connector = tls_connector(&server, &rustls::version::TLS13);
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut stream = tokio::io::BufReader::new(connector.connect(name, tcp).await.unwrap());
+
+    // One answer: its status, after reading its head and its Content-Length body.
+    async fn answer<S: tokio::io::AsyncRead + Unpin>(
+        stream: &mut tokio::io::BufReader<S>,
+    ) -> std::io::Result<u16> {
+        let mut head = String::new();
+        loop {
+            let before = head.len();
+            if stream.read_line(&mut head).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            if head[before..].trim().is_empty() {
+                break;
+            }
+        }
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .unwrap_or(0);
+        stream.read_exact(&mut vec![0; length]).await?;
+        Ok(head[9..12].parse().unwrap())
+    }
+
+    let body = format!("{{\"pad\": \"{}\"}}", "x".repeat(4096));
+    for (method, path) in [("POST", "/api/v1/tasks"), ("PATCH", "/healthz")] {
+        // The head alone; the server answers before it needs the body, which follows the
+        // answer (as it does when a client's upload is slower than the server's refusal).
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.get_mut().write_all(head.as_bytes()).await.unwrap();
+        let refused = answer(&mut stream).await.unwrap();
+        assert!((400..500).contains(&refused), "{method} {path}: {refused}");
+        let next = async {
+            stream.get_mut().write_all(body.as_bytes()).await?;
+            let next = b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n";
+            stream.get_mut().write_all(next).await?;
+            answer(&mut stream).await
+        };
+        let next = tokio::time::timeout(Duration::from_secs(30), next)
+            .await
+            .expect("an answer within 30 s");
+        assert_eq!(
+            next.ok(),
+            Some(200),
+            "the connection of a refused {method} {path} was closed"
+        );
+    }
     server.stop().await;
 }

@@ -119,7 +119,9 @@ async fn issue_api_token(
     security(("bearer" = [])),
     responses(
         (status = 201, body = CreateAgentTokenResponse),
+        (status = 400, body = ErrorBody, description = "INVALID_REQUEST: expiresInSeconds out of range"),
         (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: a label or the environment is not a valid name; INVALID_LABEL"),
     ))]
 pub async fn create_agent_token(
     State(state): State<SharedState>,

@@ -83,6 +83,7 @@ fn validate_capabilities(capabilities: &[Capability]) -> ApiResult<()> {
         (status = 400, body = ErrorBody, description = "INVALID_CSR"),
         (status = 401, body = ErrorBody, description = "REGISTRATION_TOKEN_INVALID: unknown, used or expired"),
         (status = 409, body = ErrorBody, description = "AGENT_NAME_TAKEN"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: name, version, a label or a capability is invalid; INVALID_LABEL"),
     ))]
 pub async fn register(
     State(state): State<SharedState>,
@@ -229,7 +230,9 @@ pub async fn get(
 /// Replace an agent's labels and/or capabilities (admin).
 #[utoipa::path(put, path = "/api/v1/agents/{id}", tag = "agents", request_body = UpdateAgent,
     security(("bearer" = [])), params(("id" = String, Path, format = Uuid)),
-    responses((status = 200, body = Agent), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = Agent), (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: a label or a capability is invalid; INVALID_LABEL")))]
 pub async fn update(
     State(state): State<SharedState>,
     caller: Caller,
@@ -260,7 +263,8 @@ pub async fn update(
 /// Delete an agent (admin). Its certificate is refused from the next call on.
 #[utoipa::path(delete, path = "/api/v1/agents/{id}", tag = "agents", security(("bearer" = [])),
     params(("id" = String, Path, format = Uuid)),
-    responses((status = 200, body = Deleted), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = Deleted), (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody)))]
 pub async fn delete(
     State(state): State<SharedState>,
     caller: Caller,
@@ -278,13 +282,9 @@ pub async fn delete(
 /// Heartbeat (mTLS): status, resource usage and capabilities. Committed in a group with
 /// concurrent heartbeats; applied only while the certificate is the agent's binding.
 #[utoipa::path(post, path = "/api/v1/agents/{id}/heartbeat", tag = "agent-runtime", request_body = Heartbeat,
+    security(("agentCertificate" = [])),
     params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
-    responses(
-        (status = 200, body = HeartbeatResponse),
-        (status = 409, body = ErrorBody, description = "FENCED"),
-        (status = 401, body = ErrorBody, description = "CLIENT_CERT_REQUIRED or AGENT_REVOKED"),
-        (status = 403, body = ErrorBody, description = "CERT_BINDING_MISMATCH"),
-    ))]
+    responses((status = 200, body = HeartbeatResponse)))]
 pub async fn heartbeat(
     State(state): State<SharedState>,
     FencedAgent {
@@ -337,7 +337,7 @@ pub async fn heartbeat(
 
 /// A short-lived ES256 JWT for the calling agent (mTLS).
 #[utoipa::path(post, path = "/api/v1/agents/token", tag = "agent-runtime", request_body = IssueAgentJwt,
-    responses((status = 200, body = AgentJwt), (status = 401, body = ErrorBody)))]
+    security(("agentCertificate" = [])), responses((status = 200, body = AgentJwt)))]
 pub async fn issue_jwt(
     State(state): State<SharedState>,
     caller: AgentCaller,
@@ -372,8 +372,9 @@ pub async fn issue_jwt(
 /// Renew the calling agent's certificate with a fresh CSR (mTLS). The old certificate stops
 /// working as soon as the new binding is stored.
 #[utoipa::path(post, path = "/api/v1/agents/{id}/certificate", tag = "agent-runtime", request_body = RenewCertificate,
+    security(("agentCertificate" = [])),
     params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
-    responses((status = 200, body = RenewCertificateResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+    responses((status = 200, body = RenewCertificateResponse), (status = 400, body = ErrorBody, description = "INVALID_CSR"),
         (status = 409, body = ErrorBody, description = "FENCED: a process whose session generation is not current cannot rotate the binding")))]
 pub async fn renew_certificate(
     State(state): State<SharedState>,

@@ -169,6 +169,7 @@ fn check_limits(req: &CreateTask) -> ApiResult<()> {
     responses(
         (status = 201, body = TaskView, description = "created"),
         (status = 200, body = TaskView, description = "the task this Idempotency-Key created before"),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
         (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body"),
         (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD (also a number that would not arrive exactly), TOO_MANY_CREDENTIALS, TOO_MANY_VARIABLES, PRIORITY_OUT_OF_RANGE, INVALID_LABEL, CAPABILITY_MISSING, IDEMPOTENCY_KEY_RESERVED or NO_MATCHING_AGENT"),
     ))]
@@ -359,7 +360,8 @@ pub async fn get(
 /// `cancelled`; an `unknown` one is abandoned.
 #[utoipa::path(post, path = "/api/v1/tasks/{id}/cancel", tag = "tasks", security(("bearer" = [])),
     params(("id" = String, Path, format = Uuid)),
-    responses((status = 200, body = TaskView), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = TaskView), (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody)))]
 pub async fn cancel(
     State(state): State<SharedState>,
     caller: Caller,
@@ -383,7 +385,8 @@ pub async fn cancel(
 /// Retry an `unknown` or `dead_letter` task.
 #[utoipa::path(post, path = "/api/v1/tasks/{id}/retry", tag = "tasks", security(("bearer" = [])),
     params(("id" = String, Path, format = Uuid)),
-    responses((status = 200, body = TaskView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody, description = "TASK_NOT_RETRIABLE")))]
+    responses((status = 200, body = TaskView), (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody, description = "TASK_NOT_RETRIABLE")))]
 pub async fn retry(
     State(state): State<SharedState>,
     caller: Caller,

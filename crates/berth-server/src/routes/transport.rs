@@ -52,11 +52,10 @@ fn transport_enabled(state: &SharedState) -> ApiResult<()> {
 /// Acquire the session lease (mTLS). A second live process with the same identity is refused,
 /// unless it holds the lock the holder held on the same boot (the holder is dead: a restart).
 #[utoipa::path(post, path = "/api/v1/agents/{id}/session", tag = "agent-runtime", request_body = AcquireSession,
-    params(("id" = String, Path, format = Uuid)),
+    security(("agentCertificate" = [])), params(("id" = String, Path, format = Uuid)),
     responses(
         (status = 200, body = Session),
         (status = 409, body = ErrorBody, description = "SESSION_HELD: another live process holds this identity"),
-        (status = 401, body = ErrorBody, description = "AGENT_REVOKED"),
     ))]
 pub async fn acquire_session(
     State(state): State<SharedState>,
@@ -145,8 +144,9 @@ fn restart_key(req: &AcquireSession) -> ApiResult<Option<String>> {
 
 /// Release the session lease on a graceful stop (mTLS, with the generation).
 #[utoipa::path(delete, path = "/api/v1/agents/{id}/session", tag = "agent-runtime",
+    security(("agentCertificate" = [])),
     params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
-    responses((status = 200, body = Released), (status = 409, body = ErrorBody, description = "FENCED")))]
+    responses((status = 200, body = Released)))]
 pub async fn release_session(
     State(state): State<SharedState>,
     FencedAgent { id, generation, .. }: FencedAgent,
@@ -165,11 +165,11 @@ pub async fn release_session(
 /// Long-poll for the next assignment (mTLS, with the generation). Answers as soon as one exists,
 /// or with cancellations of running assignments, or empty after at most 25 s.
 #[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks:poll", tag = "agent-runtime",
-    request_body = AgentTaskPollRequest,
+    request_body = AgentTaskPollRequest, security(("agentCertificate" = [])),
     params(("agentId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
     responses(
         (status = 200, body = AgentTaskPollResponse),
-        (status = 409, body = ErrorBody, description = "FENCED"),
+        (status = 422, body = ErrorBody, description = "UNSUPPORTED_CONTRACT_VERSION, AGENT_ID_MISMATCH"),
         (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
     ))]
 pub async fn poll(
@@ -490,7 +490,7 @@ pub(crate) fn verify_result(
 /// live lease; the yes is recorded, so a lost delivery that never got one is requeued instead of
 /// becoming `unknown`. Asking again for the same assignment answers the same.
 #[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks/{taskId}/start", tag = "agent-runtime",
-    request_body = StartTask,
+    request_body = StartTask, security(("agentCertificate" = [])),
     params(("agentId" = String, Path, format = Uuid), ("taskId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
     responses(
         (status = 200, body = TaskStarted),
@@ -552,7 +552,7 @@ pub async fn start_task(
 
 /// Submit the signed result of an assignment (mTLS, with the generation).
 #[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks/{taskId}/result", tag = "agent-runtime",
-    request_body = AgentTaskResultEnvelope,
+    request_body = AgentTaskResultEnvelope, security(("agentCertificate" = [])),
     params(("agentId" = String, Path, format = Uuid), ("taskId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
     responses(
         (status = 200, body = ResultAck),
