@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use berth_client::{Client, ClientError};
 use berth_proto::task::{CreateTask, GetTask, ListTasks, TaskView};
-use berth_proto::transport::{AgentTaskPollRequest, CONTRACT_VERSION, GENERATION_HEADER};
+use berth_proto::transport::{
+    AcquireSession, AgentTaskPollRequest, CONTRACT_VERSION, GENERATION_HEADER,
+};
 use berth_proto::{AgentId, TaskId};
 use berth_test_utils::postgres::{self, TestDatabase};
 use common::*;
@@ -594,22 +596,51 @@ fn read_back_completes_after_kill_9_of_the_server_between_its_steps() {
     };
     let agent_args = ["--retry-budget-secs", "240"];
 
-    // (1) The lease of a write-sticker runs out (1 s timeout + 1 s grace) in a stopped agent
-    // that holds the assignment; the server dies as the task becomes `unknown`.
+    // (1) The lease of a write-sticker runs out (1 s timeout + 1 s grace) in a seed 000 agent:
+    // one that does not promise the start handshake, so its lost delivery may have run and the
+    // task becomes `unknown` (berth-agent's never-started deliveries are requeued instead). The
+    // agent's identity, driven by hand once berth-agent is killed; the server dies as the task
+    // becomes `unknown`.
     let mut server = crashing("lease-expiry");
     let mut agent = Agent::register(&server, tmp.path(), "crash-read-back", &agent_args);
     let agent_id = agent.id.clone();
-    let generation = wait_generation(&mut agent.proc, 1);
-    let id = lease_into_stopped_agent(&server, &mut agent.proc, &agent_id, &|n| {
-        server.create_task(
-            &agent_id,
-            "write-sticker",
-            &json!({"name": format!("crash-read-back-{n}")}),
-            Some(1),
-        )
-    });
-    wait_crashed(&mut server, "lease-expiry");
+    wait_generation(&mut agent.proc, 1);
     agent.proc.kill9();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let seed_agent = agent_client(&server, &agent.state_dir);
+    let typed_id = AgentId(agent_id.parse().unwrap());
+    let acquire = AcquireSession {
+        agent_id: typed_id,
+        instance_id: "seed-000-agent".into(),
+        boot_id: None,
+        lock: None,
+    };
+    // Held until the killed process's session lease (3 intervals) lapses.
+    let generation = wait_for(TASK, "the seed agent's session", || {
+        rt.block_on(seed_agent.send(&acquire))
+            .map(|s| s.generation)
+            .map_err(|e| e.to_string())
+    });
+    let id = id_of(&server.create_task(
+        &agent_id,
+        "write-sticker",
+        &json!({"name": "crash-read-back"}),
+        Some(1),
+    ));
+    let poll = AgentTaskPollRequest {
+        contract_version: CONTRACT_VERSION.into(),
+        agent_id: typed_id,
+        capabilities: vec![],
+        start_handshake: false,
+    };
+    let header = generation.to_string();
+    let leased = rt
+        .block_on(seed_agent.send_with(&poll, &[(GENERATION_HEADER, &header)], None))
+        .expect("poll")
+        .assignment
+        .expect("the write-sticker");
+    assert_eq!(leased.task_id.to_string(), id);
+    wait_crashed(&mut server, "lease-expiry");
 
     // (2) Restarted, the sweep schedules the read-back; a new agent process runs it and finds
     // no sticker; the server dies as the read-back's result is recorded, before the verdict.
