@@ -10,6 +10,11 @@ pub enum AgentError {
     /// The server no longer accepts this identity: register again.
     #[error("identity revoked: {0}")]
     Revoked(String),
+    /// The request went out with the certificate this agent's last renewal replaced. Loops that
+    /// run beside a renewal send it again on the new link (`retry::with_link_retries`);
+    /// anywhere else the stored identity is out of date: register again.
+    #[error("certificate superseded: {0}")]
+    Superseded(String),
     /// Another process took over this identity (a newer session generation): stop all work.
     #[error("fenced: {0}")]
     Fenced(String),
@@ -25,7 +30,10 @@ impl AgentError {
     pub fn exit_code(&self) -> i32 {
         match self {
             AgentError::Config(_) => 78,
-            AgentError::Revoked(_) | AgentError::Fenced(_) | AgentError::Fatal(_) => 1,
+            AgentError::Revoked(_)
+            | AgentError::Superseded(_)
+            | AgentError::Fenced(_)
+            | AgentError::Fatal(_) => 1,
             AgentError::Temporary(_) => 75,
         }
     }

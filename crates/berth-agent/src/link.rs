@@ -1,11 +1,12 @@
 //! The agent's link to the control plane: the HTTPS client (pinned CA on first contact, mTLS
 //! with the agent's certificate afterwards) and the key that signs results, kept together.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use berth_client::{Client, ClientConfig, Identity as ClientIdentity, Trust};
 use berth_crypto::AgentKey;
+use tokio::sync::watch;
 
 use crate::state::Identity;
 use crate::AgentError;
@@ -57,21 +58,31 @@ impl Link {
     }
 }
 
-/// The link every loop uses; the heartbeat loop replaces it after a renewal.
+/// The link every loop uses; the heartbeat loop replaces it after a renewal. Once replaced,
+/// the old client goes with the last request still holding it, and its connections with it.
 #[derive(Clone)]
-pub(crate) struct SharedLink(Arc<RwLock<Link>>);
+pub(crate) struct SharedLink(Arc<watch::Sender<Link>>);
 
 impl SharedLink {
     pub fn new(link: Link) -> SharedLink {
-        SharedLink(Arc::new(RwLock::new(link)))
+        SharedLink(Arc::new(watch::Sender::new(link)))
     }
 
     /// The link as it is now (cheap: a client handle and a key pointer).
     pub fn current(&self) -> Link {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0.borrow().clone()
     }
 
     pub fn replace(&self, link: Link) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = link;
+        self.0.send_replace(link);
+    }
+
+    /// Resolves once the link is no longer `used` (at once if it already is not).
+    pub async fn replaced(&self, used: &Link) {
+        let mut changes = self.0.subscribe();
+        // Never fails: `self` holds the sender.
+        let _ = changes
+            .wait_for(|now| !Arc::ptr_eq(&now.key, &used.key))
+            .await;
     }
 }

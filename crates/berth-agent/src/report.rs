@@ -37,18 +37,18 @@ pub(crate) fn task_result(
     }
 }
 
-/// The envelope for `outcome`, signed with `key`.
-pub(crate) fn signed_envelope(
+/// The envelope for `outcome`, without its signature: built once per delivery, signed by
+/// [`sign`] for each link it is sent on.
+pub(crate) fn unsigned_envelope(
     agent_id: AgentId,
     a: &AgentTaskAssignment,
     outcome: &Outcome,
     started_at: OffsetDateTime,
     took: Duration,
-    key: &AgentKey,
 ) -> Result<AgentTaskResultEnvelope, String> {
     let completed_at = OffsetDateTime::now_utc();
     let result = task_result(a, outcome, started_at, completed_at);
-    let mut envelope = AgentTaskResultEnvelope {
+    Ok(AgentTaskResultEnvelope {
         contract_version: CONTRACT_VERSION.into(),
         agent_id,
         task_id: a.task_id,
@@ -62,6 +62,17 @@ pub(crate) fn signed_envelope(
         completed_at,
         signature_algorithm: ALG_ECDSA_SHA256.into(),
         signature: None,
+    })
+}
+
+/// `envelope` signed with `key`.
+pub(crate) fn sign(
+    envelope: &AgentTaskResultEnvelope,
+    key: &AgentKey,
+) -> Result<AgentTaskResultEnvelope, String> {
+    let mut envelope = AgentTaskResultEnvelope {
+        signature: None,
+        ..envelope.clone()
     };
     let input = envelope
         .signing_input()
@@ -119,8 +130,11 @@ mod tests {
             ..Outcome::failed(error_types::HEALTH_CHECK_FAILED, "connection refused", true)
         }
         .with_output("probe", serde_json::json!({"port": 1}));
-        let envelope =
-            signed_envelope(agent, &a, &outcome, now, Duration::from_millis(1500), &key).unwrap();
+        let envelope = sign(
+            &unsigned_envelope(agent, &a, &outcome, now, Duration::from_millis(1500)).unwrap(),
+            &key,
+        )
+        .unwrap();
 
         // As the server sees it: the JSON text sent, parsed back.
         let sent: serde_json::Value = serde_json::to_value(&envelope).unwrap();

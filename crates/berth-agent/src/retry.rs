@@ -11,6 +11,7 @@ use berth_client::{ClientError, TlsFailure};
 use berth_proto::error::codes;
 
 use crate::backoff::Backoff;
+use crate::link::{Link, SharedLink};
 use crate::AgentError;
 
 /// What to do about a failed call.
@@ -29,10 +30,16 @@ pub(crate) fn classify(e: ClientError) -> Failure {
             body,
             retry_after,
         } => match (*status, body.code.as_str()) {
+            // An expired certificate is one this agent failed to renew in time.
             (401, codes::AGENT_REVOKED)
             | (403, codes::CERT_BINDING_MISMATCH)
-            | (401, codes::CLIENT_CERT_REQUIRED) => {
+            | (401, codes::CLIENT_CERT_REQUIRED)
+            | (401, codes::CLIENT_CERT_EXPIRED) => {
                 Failure::Stop(AgentError::Revoked(e.to_string()))
+            }
+            // Final for this link; `with_link_retries` sends again on the renewed one.
+            (401, codes::CERTIFICATE_SUPERSEDED) => {
+                Failure::Stop(AgentError::Superseded(e.to_string()))
             }
             // Another live process holds this identity's session: wait for its lease to lapse.
             (409, codes::SESSION_HELD) => Failure::Retry(*retry_after, e.to_string()),
@@ -108,6 +115,44 @@ where
     }
 }
 
+/// [`with_retries`] for the calls that run beside a renewal (polls, results): each attempt goes
+/// out on the link as it is then. A refusal as superseded means the attempt used the
+/// certificate this process's renewal has just replaced (a poll parked on the old connection, a
+/// result sent as the renewal committed): once the heartbeat loop has put the new link in place,
+/// the call starts again on it. If no new link comes within `budget`, the stored identity is
+/// out of date, which is final like a revocation.
+pub(crate) async fn with_link_retries<T, F, Fut>(
+    what: &str,
+    budget: Duration,
+    link: &SharedLink,
+    mut call: F,
+) -> Result<T, AgentError>
+where
+    F: FnMut(Link) -> Fut,
+    Fut: Future<Output = Result<T, ClientError>>,
+{
+    loop {
+        let mut used = link.current();
+        let result = with_retries(what, budget, || {
+            used = link.current();
+            call(used.clone())
+        })
+        .await;
+        match result {
+            Err(AgentError::Superseded(why)) => {
+                if tokio::time::timeout(budget, link.replaced(&used))
+                    .await
+                    .is_err()
+                {
+                    return Err(AgentError::Revoked(why));
+                }
+                tracing::info!("{what}: sent with the certificate just renewed; sending again");
+            }
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +196,78 @@ mod tests {
         assert_eq!(exit(classify(api(429, "RATE_LIMITED"))), None);
         assert_eq!(exit(classify(api(503, codes::UNAVAILABLE))), None);
         assert_eq!(exit(classify(ClientError::Config("x".into()))), Some(78));
+        assert!(matches!(
+            classify(api(401, codes::CERTIFICATE_SUPERSEDED)),
+            Failure::Stop(AgentError::Superseded(_))
+        ));
+        assert_eq!(
+            exit(classify(api(401, codes::CERTIFICATE_SUPERSEDED))),
+            Some(1)
+        );
+        assert!(matches!(
+            classify(api(401, codes::CLIENT_CERT_EXPIRED)),
+            Failure::Stop(AgentError::Revoked(_))
+        ));
+    }
+
+    fn link() -> Link {
+        Link {
+            client: crate::link::client(
+                "https://127.0.0.1:9",
+                berth_client::Trust::CaFingerprint(format!("sha256:{}", "0".repeat(64))),
+                None,
+            )
+            .unwrap(),
+            key: std::sync::Arc::new(berth_crypto::AgentKey::generate().unwrap()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_superseded_by_the_renewal_is_sent_again_on_the_new_link() {
+        let old = link();
+        let shared = SharedLink::new(old.clone());
+        let renewed = link();
+        let mut used = Vec::new();
+        let answer = with_link_retries("probe", Duration::from_secs(30), &shared, |l| {
+            used.push(l.key.clone());
+            let first = used.len() == 1;
+            let (shared, renewed) = (shared.clone(), renewed.clone());
+            async move {
+                if first {
+                    // The renewal completes after the server has refused the old certificate.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        shared.replace(renewed);
+                    });
+                    Err(api(401, codes::CERTIFICATE_SUPERSEDED))
+                } else {
+                    Ok("accepted")
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(answer, "accepted");
+        assert_eq!(used.len(), 2);
+        assert!(std::sync::Arc::ptr_eq(&used[0], &old.key));
+        assert!(std::sync::Arc::ptr_eq(&used[1], &renewed.key));
+    }
+
+    #[tokio::test]
+    async fn superseded_without_a_renewal_of_its_own_is_final() {
+        let shared = SharedLink::new(link());
+        let err = with_link_retries("probe", Duration::from_millis(100), &shared, |_| async {
+            Err::<(), _>(api(401, codes::CERTIFICATE_SUPERSEDED))
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, AgentError::Revoked(_)), "{err}");
+        let err = with_link_retries("probe", Duration::from_secs(30), &shared, |_| async {
+            Err::<(), _>(api(401, codes::AGENT_REVOKED))
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, AgentError::Revoked(_)), "{err}");
     }
 
     #[tokio::test]

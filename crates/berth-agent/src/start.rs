@@ -14,7 +14,7 @@ use berth_proto::AgentId;
 use time::OffsetDateTime;
 
 use crate::link::SharedLink;
-use crate::retry::with_retries;
+use crate::retry::with_link_retries;
 
 /// One delivery's lease, confirmed with the server on every [`LeaseCheck::confirm`].
 pub(crate) struct DeliveryLease {
@@ -65,10 +65,10 @@ impl LeaseCheck for DeliveryLease {
         let budget = (self.expires_at - OffsetDateTime::now_utc())
             .try_into()
             .unwrap_or(Duration::ZERO);
-        let client = self.link.current().client;
         let headers = [(GENERATION_HEADER, self.generation.as_str())];
-        with_retries("task start", budget, || {
-            client.send_with(&self.request, &headers, None)
+        let headers = &headers;
+        with_link_retries("task start", budget, &self.link, |link| async move {
+            link.client.send_with(&self.request, headers, None).await
         })
         .await
         .map_err(|e| format!("the server did not confirm the lease: {e}"))?;

@@ -4,6 +4,7 @@
 //! The agent never decides that a task succeeded by itself: it reports what the executor said,
 //! signed with its key, and the server decides what that means for the task.
 
+use berth_client::ClientError;
 use berth_proto::error::ErrorChain;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -31,8 +32,8 @@ use tracing::Instrument;
 use crate::config::AgentConfig;
 use crate::journal::Journal;
 use crate::link::SharedLink;
-use crate::report::signed_envelope;
-use crate::retry::with_retries;
+use crate::report::{sign, unsigned_envelope};
+use crate::retry::with_link_retries;
 use crate::start::{check_expiry, DeliveryLease};
 use crate::AgentError;
 
@@ -135,14 +136,21 @@ impl Runner {
                 .await
                 .map_err(|_| AgentError::Fatal("task slots closed".into()))?;
             let known = self.known_cancellations();
-            let client = self.shared.link.current().client;
             let headers = [
                 (GENERATION_HEADER, self.shared.generation.as_str()),
                 (KNOWN_CANCELLATIONS_HEADER, known.as_str()),
             ];
-            let response = with_retries("task poll", self.shared.retry_budget, || {
-                client.send_with(&request, &headers, Some(POLL_TIMEOUT))
-            })
+            let (request, headers) = (&request, &headers);
+            let response = with_link_retries(
+                "task poll",
+                self.shared.retry_budget,
+                &self.shared.link,
+                |link| async move {
+                    link.client
+                        .send_with(request, headers, Some(POLL_TIMEOUT))
+                        .await
+                },
+            )
             .await?;
             for c in &response.cancellations {
                 self.cancel(c);
@@ -359,6 +367,8 @@ impl Shared {
     }
 
     /// Builds, signs and sends the result envelope; retries while the server is unreachable.
+    /// Each attempt is signed with the key of the link it goes out on: the server verifies the
+    /// signature with that connection's certificate.
     async fn report(
         &self,
         a: &AgentTaskAssignment,
@@ -366,19 +376,21 @@ impl Shared {
         started_at: OffsetDateTime,
         took: Duration,
     ) {
-        let link = self.link.current();
-        let envelope = match signed_envelope(self.agent_id, a, outcome, started_at, took, &link.key)
-        {
+        let envelope = match unsigned_envelope(self.agent_id, a, outcome, started_at, took) {
             Ok(envelope) => envelope,
             Err(e) => {
                 tracing::error!(error = %e, "could not build the result");
                 return;
             }
         };
-        let submit = SubmitResult::new(envelope);
         let headers = [(GENERATION_HEADER, self.generation.as_str())];
-        match with_retries("result", self.retry_budget, || {
-            link.client.send_with(&submit, &headers, None)
+        let (envelope, headers) = (&envelope, &headers);
+        match with_link_retries("result", self.retry_budget, &self.link, |link| async move {
+            // Signing with a key we hold does not fail; if it did, nothing could be sent.
+            let submit = sign(envelope, &link.key).map_err(ClientError::Config)?;
+            link.client
+                .send_with(&SubmitResult::new(submit), headers, None)
+                .await
         })
         .await
         {

@@ -1313,3 +1313,153 @@ fn a_client_key_naming_another_task_does_not_replay_its_journal_entry() {
         "the second task ran: {history:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Certificate renewal under load
+// ---------------------------------------------------------------------------------------------
+
+/// How many times the agent process has logged a completed renewal.
+fn renewals(agent: &Agent) -> usize {
+    agent
+        .proc
+        .stderr()
+        .lines()
+        .filter(|l| l.contains("certificate renewed"))
+        .count()
+}
+
+/// Creates `inspect` tasks for one agent, one after the other, until `stop`; returns every
+/// task as it ended.
+async fn steady_traffic(
+    api: Client,
+    agent: AgentId,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<Vec<TaskView>, String> {
+    let mut done = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        let request = CreateTask {
+            task_type: "inspect".into(),
+            agent_id: Some(agent),
+            payload: json!({}),
+            timeout_seconds: Some(30),
+            ..Default::default()
+        };
+        let id = api
+            .send(&request)
+            .await
+            .map_err(|e| format!("creating a task for {agent}: {e}"))?
+            .id;
+        let deadline = Instant::now() + TASK;
+        loop {
+            let task = api
+                .send(&GetTask { id })
+                .await
+                .map_err(|e| format!("reading task {id}: {e}"))?;
+            if task.state.is_terminal() || task.state == berth_proto::task::TaskState::Unknown {
+                done.push(task);
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("task {id} did not end: {task:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    Ok(done)
+}
+
+/// Three renewals each for three agents under steady task traffic: no agent exits and every
+/// task succeeds on its first delivery. A poll parked on the connection of the certificate a
+/// renewal just replaced, or a result sent on it, is refused as superseded and sent again on
+/// the new link; it must not be taken for a revoked identity.
+#[test]
+fn busy_agents_renew_their_certificates_without_exiting_or_losing_a_task() {
+    let tmp = tempdir();
+    // 60 s is the shortest validity the server takes: a renewal every ~40 s.
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &[
+            "--heartbeat-interval-secs",
+            "1",
+            "--agent-cert-validity-secs",
+            "60",
+        ],
+    );
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|i| Agent::register(&server, tmp.path(), &format!("busy-{i}"), &[]))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = server.api();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic: Vec<_> = agents
+        .iter()
+        .map(|a| {
+            let id = AgentId(a.id.parse().expect("agent id"));
+            rt.spawn(steady_traffic(api.clone(), id, stop.clone()))
+        })
+        .collect();
+
+    wait_for(
+        Duration::from_secs(240),
+        "three renewals of every agent",
+        || {
+            let mut counts = Vec::new();
+            for agent in &mut agents {
+                agent.proc.assert_running();
+                counts.push(renewals(agent));
+            }
+            if counts.iter().all(|&n| n >= 3) {
+                Ok(())
+            } else {
+                Err(format!("renewals so far: {counts:?}"))
+            }
+        },
+    );
+    stop.store(true, Ordering::SeqCst);
+    for (agent, traffic) in agents.iter_mut().zip(traffic) {
+        let tasks = rt
+            .block_on(traffic)
+            .expect("traffic task")
+            .unwrap_or_else(|e| panic!("{e}"));
+        agent.proc.assert_running();
+        let resent = agent
+            .proc
+            .stderr()
+            .lines()
+            .filter(|l| l.contains("sent with the certificate just renewed"))
+            .count();
+        println!(
+            "{}: {} tasks, {resent} calls sent again after a renewal",
+            agent.proc.name,
+            tasks.len()
+        );
+        assert!(
+            tasks.len() >= 30,
+            "{}: only {} tasks around its renewals",
+            agent.proc.name,
+            tasks.len()
+        );
+        for task in &tasks {
+            assert!(
+                task.state == berth_proto::task::TaskState::Succeeded && task.attempt_count == 1,
+                "{}: task {} ended {} after {} deliveries: {task:?}\n{}",
+                agent.proc.name,
+                task.id,
+                task.state,
+                task.attempt_count,
+                agent.proc.stderr()
+            );
+        }
+    }
+
+    // A renewed agent that is deleted still stops for good.
+    let deleted = server.cli(&["agents", "rm", &agents[0].id]);
+    assert_eq!(deleted["deleted"], true, "{deleted}");
+    assert_eq!(
+        agents[0].proc.wait_code(EXIT),
+        1,
+        "exit code after deletion:\n{}",
+        agents[0].proc.stderr()
+    );
+}

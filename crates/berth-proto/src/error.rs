@@ -54,6 +54,12 @@ pub mod codes {
     pub const CERT_BINDING_MISMATCH: &str = "CERT_BINDING_MISMATCH";
     /// The agent was deleted or its certificate rotated: re-register.
     pub const AGENT_REVOKED: &str = "AGENT_REVOKED";
+    /// The client certificate is the one the agent's own last renewal replaced: a request that
+    /// was in flight on it is sent again with the new certificate. Not a revocation.
+    pub const CERTIFICATE_SUPERSEDED: &str = "CERTIFICATE_SUPERSEDED";
+    /// The client certificate expired after the connection's handshake; TLS 1.3 does not check
+    /// it again, so every request does.
+    pub const CLIENT_CERT_EXPIRED: &str = "CLIENT_CERT_EXPIRED";
     pub const RATE_LIMITED: &str = "RATE_LIMITED";
     pub const INTERNAL: &str = "INTERNAL";
     // --- task transport ---

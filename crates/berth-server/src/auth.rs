@@ -134,6 +134,14 @@ impl FromRequestParts<SharedState> for AgentCaller {
                     "agent routes require the agent's client certificate",
                 )
             })?;
+        // The handshake checked the certificate's validity once; the connection may outlive it.
+        if state.config.clock.now() > peer.not_after {
+            state.metrics.agent_auth_refused("expired");
+            return Err(ApiError::unauthenticated(
+                codes::CLIENT_CERT_EXPIRED,
+                "the client certificate has expired; connect again with a current one",
+            ));
+        }
         let path_id = match RawPathParams::from_request_parts(parts, state).await {
             Ok(params) => params
                 .iter()
@@ -186,8 +194,8 @@ impl FromRequestParts<SharedState> for FencedAgent {
 }
 
 impl AgentCaller {
-    /// The agent, when the certificate is still its current binding; `401 AGENT_REVOKED` when
-    /// the agent was deleted or its certificate replaced.
+    /// The agent, when the certificate is still its current binding; else the refusal of
+    /// [`binding_refused`].
     pub async fn bound(&self, state: &SharedState) -> ApiResult<Agent> {
         match state.store.get_agent_for_runtime(self.id).await? {
             Some(agent)
@@ -195,13 +203,40 @@ impl AgentCaller {
             {
                 Ok(agent)
             }
-            _ => Err(agent_revoked(state)),
+            other => Err(name_refusal(state, other.as_ref(), &self.peer)),
         }
     }
 }
 
+/// The answer to a certificate the store refused for agent `id` (it is not the binding): `401
+/// CERTIFICATE_SUPERSEDED` when it is the one the agent's last renewal replaced, so the agent
+/// sends the request again with its new certificate (a poll or a result in flight across the
+/// renewal), else `401 AGENT_REVOKED`. The refusal was decided before, in the store's own
+/// transaction; this only names it, from a second read.
+pub async fn binding_refused(state: &SharedState, id: AgentId, peer: &PeerCertificate) -> ApiError {
+    match state.store.get_agent_for_runtime(id).await {
+        Ok(agent) => name_refusal(state, agent.as_ref(), peer),
+        Err(e) => e.into(),
+    }
+}
+
+fn name_refusal(state: &SharedState, agent: Option<&Agent>, peer: &PeerCertificate) -> ApiError {
+    match agent {
+        Some(agent)
+            if agent.previous_certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) =>
+        {
+            state.metrics.agent_auth_refused("superseded");
+            ApiError::unauthenticated(
+                codes::CERTIFICATE_SUPERSEDED,
+                "this certificate was replaced by the agent's renewal; send again with the new one",
+            )
+        }
+        _ => agent_revoked(state),
+    }
+}
+
 /// `401 AGENT_REVOKED`: the agent was deleted or its certificate replaced; register again.
-pub fn agent_revoked(state: &SharedState) -> ApiError {
+fn agent_revoked(state: &SharedState) -> ApiError {
     state.metrics.agent_auth_refused("revoked");
     ApiError::unauthenticated(
         codes::AGENT_REVOKED,

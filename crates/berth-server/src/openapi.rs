@@ -118,8 +118,18 @@ fn common_refusals(op: &Operation) -> Vec<Refusal> {
             ),
             (
                 401,
+                codes::CLIENT_CERT_EXPIRED,
+                "the client certificate expired after the connection's handshake",
+            ),
+            (
+                401,
+                codes::CERTIFICATE_SUPERSEDED,
+                "the certificate is the one the agent's last renewal replaced: send again with the new one",
+            ),
+            (
+                401,
                 codes::AGENT_REVOKED,
-                "the certificate is no longer bound to an agent (deleted or renewed): register again",
+                "the certificate is no longer bound to an agent (deleted, or replaced before the last renewal): register again",
             ),
         ]);
         if in_path.iter().any(|p| matches!(*p, "id" | "agentId")) {

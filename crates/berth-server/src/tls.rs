@@ -43,6 +43,10 @@ pub struct PeerCertificate {
     pub fingerprint: Arc<str>,
     /// The agent id from the `urn:berth:agent:<id>` SAN, when the certificate carries one.
     pub agent_id: Option<berth_proto::AgentId>,
+    /// The certificate's notAfter. The handshake checked it once; a connection outlives it, so
+    /// every agent request checks it again (`AgentCaller`). One that does not parse counts as
+    /// long expired.
+    pub not_after: time::OffsetDateTime,
     /// `der`'s public key, parsed on the first signed result and kept for the connection's
     /// life; shared by every request of the connection (see [`PeerCertificate::result_verifier`]).
     verifier: Arc<OnceLock<ResultVerifier>>,
@@ -56,6 +60,8 @@ impl PeerCertificate {
             agent_id: berth_crypto::agent_id_from_cert(der)
                 .ok()
                 .map(berth_proto::AgentId),
+            not_after: berth_crypto::cert_not_after(der)
+                .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
             verifier: Arc::new(OnceLock::new()),
         }
     }

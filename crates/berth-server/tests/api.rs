@@ -335,14 +335,18 @@ async fn renewal_rotates_the_binding_at_once() {
     let renewed = renew(&agent.client, agent.id, &new_key, Some(generation))
         .await
         .expect("renewal");
+    // The old certificate stops working, named so that a request in flight across the renewal
+    // is sent again with the new one rather than taken for a revocation.
     let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
         .await
         .unwrap_err();
-    assert_eq!(
-        code(&err),
-        (401, "AGENT_REVOKED".into()),
-        "the old certificate stops working"
-    );
+    assert_eq!(code(&err), (401, "CERTIFICATE_SUPERSEDED".into()));
+    let err = agent
+        .client
+        .send(&IssueAgentJwt::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "CERTIFICATE_SUPERSEDED".into()));
     let fresh = server.client(
         None,
         Some(Identity {
@@ -363,6 +367,66 @@ async fn renewal_rotates_the_binding_at_once() {
         shown.certificate_fingerprint,
         Some(berth_crypto::fingerprint(&der))
     );
+    // Only the last replaced certificate is superseded; the one before it is plainly revoked.
+    renew(
+        &fresh,
+        agent.id,
+        &AgentKey::generate().unwrap(),
+        Some(generation),
+    )
+    .await
+    .expect("second renewal");
+    let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
+    let err = beat(&fresh, agent.id, generation, AgentStatus::Online)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "CERTIFICATE_SUPERSEDED".into()));
+    server.stop().await;
+}
+
+/// TLS 1.3 checks the client certificate once, in the handshake. A connection that outlives the
+/// certificate is refused on every agent request, renewal included; a new connection with it
+/// does not get past the handshake.
+#[tokio::test]
+async fn a_connection_that_outlives_its_client_certificate_is_refused() {
+    let server = common::start_with(|c| c.agent_cert_validity = Duration::from_secs(3)).await;
+    let agent = server.agent("expiring").await;
+    // Opens the connection the agent's client keeps (HTTP/2, pooled).
+    let generation = agent.session().await;
+    beat(&agent.client, agent.id, generation, AgentStatus::Online)
+        .await
+        .expect("valid so far");
+    let der = berth_crypto::cert_pem_to_der(&agent.cert_pem).unwrap();
+    let not_after = berth_crypto::cert_not_after(&der).unwrap();
+    let left = not_after - time::OffsetDateTime::now_utc() + time::Duration::seconds(1);
+    tokio::time::sleep(left.try_into().unwrap_or_default()).await;
+
+    let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (401, "CLIENT_CERT_EXPIRED".into()));
+    let err = renew(
+        &agent.client,
+        agent.id,
+        &AgentKey::generate().unwrap(),
+        Some(generation),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        code(&err),
+        (401, "CLIENT_CERT_EXPIRED".into()),
+        "an expired certificate cannot renew itself"
+    );
+    // The answers above came over the old connection: a new one is refused in the handshake.
+    let fresh = server.client(None, Some(agent.identity()));
+    let err = beat(&fresh, agent.id, generation, AgentStatus::Online)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Transport { .. }), "{err:?}");
     server.stop().await;
 }
 

@@ -19,7 +19,7 @@ use berth_store::{
 };
 use serde_json::json;
 
-use crate::auth::{agent_revoked, AgentCaller, Caller, FencedAgent};
+use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
@@ -326,7 +326,7 @@ pub async fn heartbeat(
                 "this process's generation is no longer current; another process took over",
             ))
         }
-        HeartbeatOutcome::Revoked => return Err(agent_revoked(&state)),
+        HeartbeatOutcome::Revoked => return Err(binding_refused(&state, id, &peer).await),
     }
     Ok(Json(HeartbeatResponse {
         acknowledged: true,
@@ -413,7 +413,7 @@ pub async fn renew_certificate(
                 "this process's generation is no longer current; it cannot renew the certificate",
             ))
         }
-        RebindOutcome::Revoked => return Err(agent_revoked(&state)),
+        RebindOutcome::Revoked => return Err(binding_refused(&state, id, &peer).await),
     }
     tracing::info!(agent_id = %id, expires_at = %issued.not_after, "agent certificate renewed");
     Ok(Json(RenewCertificateResponse {

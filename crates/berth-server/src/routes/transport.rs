@@ -27,7 +27,7 @@ use berth_store::{
 };
 use serde::Deserialize;
 
-use crate::auth::{agent_revoked, AgentCaller, FencedAgent};
+use crate::auth::{binding_refused, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
 use crate::SharedState;
@@ -117,7 +117,7 @@ pub async fn acquire_session(
             error.retry_after = Some((lease_expires_at - now).whole_seconds().max(1) as u64);
             Err(error)
         }
-        SessionOutcome::Revoked => Err(agent_revoked(&state)),
+        SessionOutcome::Revoked => Err(binding_refused(&state, id, &peer).await),
     }
 }
 
@@ -226,7 +226,7 @@ pub async fn poll(
             ClaimOutcome::Fenced => {
                 return Err(fenced("this process's generation is no longer current"))
             }
-            ClaimOutcome::Revoked => return Err(agent_revoked(&state)),
+            ClaimOutcome::Revoked => return Err(binding_refused(&state, id, &peer).await),
             ClaimOutcome::Claimed(task, attempt) => {
                 state.metrics.task_assigned();
                 crate::routes::record("task_id", task.id);
@@ -545,7 +545,7 @@ pub async fn start_task(
                 "the generation or the assignment is no longer current: do not run it",
             ))
         }
-        StartOutcome::Revoked => Err(agent_revoked(&state)),
+        StartOutcome::Revoked => Err(binding_refused(&state, agent_id, &peer).await),
         StartOutcome::NotFound => Err(ApiError::not_found("task")),
     }
 }
@@ -644,7 +644,7 @@ pub async fn submit_result(
         }
         CompleteOutcome::Revoked => {
             state.metrics.result_rejected("binding_mismatch");
-            Err(agent_revoked(&state))
+            Err(binding_refused(&state, agent_id, &peer).await)
         }
         CompleteOutcome::NotFound => Err(ApiError::not_found("task")),
     }

@@ -37,6 +37,7 @@ pub async fn registration_succeeds(store: &DynStore) {
         resource_usage: None,
         certificate_fingerprint: Some(agent.certificate_fingerprint.clone()),
         certificate_expires_at: Some(millis(agent.certificate_expires_at)),
+        previous_certificate_fingerprint: None,
         created_at: millis(agent.created_at),
         updated_at: millis(agent.created_at),
     };
@@ -641,6 +642,11 @@ pub async fn rebind_certificate(store: &DynStore) {
     );
     assert_eq!(rebound.certificate_expires_at, Some(millis(expires)));
     assert_eq!(rebound.updated_at, millis(at));
+    // The replaced certificate is remembered, so its refusal can be named as superseded.
+    assert_eq!(
+        rebound.previous_certificate_fingerprint.as_deref(),
+        Some(old.as_str())
+    );
 
     // The old certificate is dead at once: neither rebinding nor heartbeats accept it.
     assert_eq!(
@@ -658,6 +664,22 @@ pub async fn rebind_certificate(store: &DynStore) {
     // One certificate binds one agent.
     let theirs = other.certificate_fingerprint.clone().expect("bound");
     assert_conflict(rebind(live, new.clone(), theirs).await, "agent_certificate");
+
+    // Only the last replaced certificate is remembered.
+    let newest = fingerprint();
+    assert_eq!(
+        rebind(live, new.clone(), newest.clone())
+            .await
+            .expect("rebind"),
+        Rebound
+    );
+    let again = store
+        .get_agent_for_runtime(agent.id)
+        .await
+        .expect("get")
+        .expect("exists");
+    assert_eq!(again.certificate_fingerprint, Some(newest));
+    assert_eq!(again.previous_certificate_fingerprint, Some(new));
 }
 
 pub async fn heartbeats(store: &DynStore) {

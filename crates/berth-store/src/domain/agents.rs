@@ -40,6 +40,9 @@ pub struct Agent {
     pub resource_usage: Option<ResourceUsage>,
     pub certificate_fingerprint: Option<String>,
     pub certificate_expires_at: Option<OffsetDateTime>,
+    /// The certificate the last renewal replaced: refused like any unbound one, but named
+    /// `CERTIFICATE_SUPERSEDED` so the agent resends what was in flight on it.
+    pub previous_certificate_fingerprint: Option<String>,
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
 }
@@ -163,7 +166,7 @@ pub trait AgentStore: Send + Sync {
     /// Replaces the certificate binding only while `old_fingerprint` is still bound and
     /// `generation` is the agent's current session generation, checked in the same transaction:
     /// a fenced process (a refused clone holding a copied key) cannot rotate the binding and so
-    /// lock out the live one.
+    /// lock out the live one. `old_fingerprint` becomes `previous_certificate_fingerprint`.
     async fn rebind_certificate(
         &self,
         id: AgentId,

@@ -237,12 +237,13 @@ impl AgentStore for PostgresStore {
         }
         sqlx::query(
             "UPDATE agents SET certificate_fingerprint = $1, certificate_expires_at = $2, \
-             updated_at = $3 WHERE id = $4",
+             updated_at = $3, previous_certificate_fingerprint = $5 WHERE id = $4",
         )
         .bind(new_fingerprint)
         .bind(millis(new_expires_at))
         .bind(millis(now))
         .bind(id.0)
+        .bind(old_fingerprint)
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;

@@ -255,12 +255,13 @@ impl AgentStore for SqliteStore {
                 }
                 tx.execute(
                     "UPDATE agents SET certificate_fingerprint = ?1, certificate_expires_at = ?2, \
-                     updated_at = ?3 WHERE id = ?4",
+                     updated_at = ?3, previous_certificate_fingerprint = ?5 WHERE id = ?4",
                     params![
                         new,
                         unix_millis(new_expires_at),
                         unix_millis(now),
                         id_text(id.0),
+                        old,
                     ],
                 )?;
                 Ok(RebindOutcome::Rebound)
