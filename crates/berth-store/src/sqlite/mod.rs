@@ -14,7 +14,8 @@ use berth_proto::AgentId;
 use rusqlite::types::Value;
 use rusqlite::{params_from_iter, Connection, OpenFlags, Row};
 use sqlx::migrate::Migrator;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+use sqlx::{ConnectOptions, Connection as _};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -84,6 +85,14 @@ fn connect(path: &Path, read_only: bool) -> Result<Connection> {
         conn.pragma_update(None, "wal_autocheckpoint", 0)
             .map_err(&fail)?;
     }
+    // Every file a connection needs is opened now, never per request, so running out of file
+    // descriptors later cannot fail a query ("unable to open database file"): sorts and
+    // temporary tables stay in memory, and a first read opens the -wal and -shm files, which
+    // SQLite otherwise opens on a connection's first transaction.
+    conn.pragma_update(None, "temp_store", "MEMORY")
+        .map_err(&fail)?;
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))
+        .map_err(&fail)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(conn)
 }
@@ -104,7 +113,10 @@ impl SqliteStore {
     /// Opens (creating if missing) the database file and runs the migrations.
     pub async fn open(path: &Path) -> Result<SqliteStore> {
         // sqlx's migrator owns the bookkeeping table, so migrations run on a connection of
-        // their own, closed before the backend's threads open theirs.
+        // their own, closed before the backend's threads open theirs. A plain connection, not
+        // a pool: its `close` returns once the file is closed, where a pool's may return while
+        // the connection is still being handed back. Closed later, beside the threads' open
+        // connections, SQLite keeps its descriptor open for good (POSIX locks are per process).
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -112,13 +124,18 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
-        let migrate = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options)
+        let mut migrate = options
+            .connect()
             .await
             .map_err(db_error("open sqlite database"))?;
-        MIGRATOR.run(&migrate).await.map_err(StoreError::Migrate)?;
-        migrate.close().await;
+        MIGRATOR
+            .run(&mut migrate)
+            .await
+            .map_err(StoreError::Migrate)?;
+        migrate
+            .close()
+            .await
+            .map_err(db_error("close the migration connection"))?;
 
         const SPAWN: &str = "start sqlite threads";
         let stopped = |_| StoreError::ThreadStopped { operation: SPAWN };
