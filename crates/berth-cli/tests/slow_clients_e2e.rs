@@ -9,9 +9,9 @@
 //!   file descriptors for; only the read timeouts free them, and until then the server admits
 //!   no more connections than its descriptor budget, so the store never runs out of files.
 //!
-//! Each slow connection completes the TLS handshake, then does one of: send nothing; send a
-//! request head one header line every 500 ms, never ending it; send a complete head announcing
-//! a body, then stall partway through the body.
+//! Each slow connection completes the TLS handshake, then does one of: send nothing; send the
+//! HTTP/2 preface and nothing more; send a request head one header line every 500 ms, never
+//! ending it; send a complete head announcing a body, then stall partway through the body.
 
 #![cfg(target_os = "linux")]
 
@@ -47,6 +47,8 @@ const ATTACK: Duration = Duration::from_secs(180);
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Silent,
+    /// The HTTP/2 preface and an empty SETTINGS frame, then nothing.
+    SilentH2,
     SlowHead,
     StalledBody,
 }
@@ -143,6 +145,7 @@ async fn slow_client(
     };
     let start: &[u8] = match kind {
         Kind::Silent => b"",
+        Kind::SilentH2 => b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0",
         Kind::SlowHead => b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n",
         Kind::StalledBody => {
             b"POST /api/v1/agents/register HTTP/1.1\r\nHost: localhost\r\n\
@@ -173,7 +176,7 @@ async fn slow_client(
 
 struct Attack {
     resolved: Arc<AtomicUsize>,
-    clients: Vec<tokio::task::JoinHandle<Outcome>>,
+    clients: Vec<(Kind, tokio::task::JoinHandle<Outcome>)>,
 }
 
 fn launch(
@@ -190,17 +193,17 @@ fn launch(
     let tls = tls_connector(server);
     let resolved = Arc::new(AtomicUsize::new(0));
     let until = Instant::now() + ATTACK;
-    let kinds = [Kind::Silent, Kind::SlowHead, Kind::StalledBody];
+    let kinds = [
+        Kind::Silent,
+        Kind::SilentH2,
+        Kind::SlowHead,
+        Kind::StalledBody,
+    ];
     let clients = (0..SLOW_CONNECTIONS)
         .map(|i| {
-            rt.spawn(slow_client(
-                kinds[i % kinds.len()],
-                sources(i),
-                addr,
-                tls.clone(),
-                resolved.clone(),
-                until,
-            ))
+            let kind = kinds[i % kinds.len()];
+            let client = slow_client(kind, sources(i), addr, tls.clone(), resolved.clone(), until);
+            (kind, rt.spawn(client))
         })
         .collect();
     Attack { resolved, clients }
@@ -220,12 +223,11 @@ impl Attack {
     }
 
     /// Waits for every slow connection to end; returns (held, refused). Panics if any is still
-    /// open, or if the server answered any of them with a 5xx.
+    /// open, if the server answered any with a 5xx, or if a stalled body was not refused.
     fn finish(self, rt: &tokio::runtime::Runtime) -> (usize, usize) {
-        let outcomes = rt.block_on(futures_join(self.clients));
         let (mut held, mut refused, mut open) = (0, 0, 0);
-        for outcome in outcomes {
-            match outcome {
+        for (kind, client) in self.clients {
+            match rt.block_on(client).expect("slow client task") {
                 Outcome::Refused => refused += 1,
                 Outcome::StillOpen => open += 1,
                 Outcome::Closed(answer) => {
@@ -235,6 +237,15 @@ impl Attack {
                         !answer.starts_with("HTTP/1.1 5"),
                         "a slow connection was answered with a 5xx: {answer}"
                     );
+                    // The body timeout refuses the request; hyper's own head timeout and the
+                    // idle close answer nothing.
+                    if kind == Kind::StalledBody {
+                        assert!(
+                            answer.starts_with("HTTP/1.1 400")
+                                && answer.contains("INVALID_REQUEST"),
+                            "a stalled body got: {answer}"
+                        );
+                    }
                 }
             }
         }
@@ -244,14 +255,6 @@ impl Attack {
         );
         (held, refused)
     }
-}
-
-async fn futures_join(handles: Vec<tokio::task::JoinHandle<Outcome>>) -> Vec<Outcome> {
-    let mut out = Vec::with_capacity(handles.len());
-    for h in handles {
-        out.push(h.await.expect("slow client task"));
-    }
-    out
 }
 
 /// What a legitimate operator and fleet do while an attack is in place; every step panics on a

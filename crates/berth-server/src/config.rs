@@ -31,8 +31,9 @@ pub struct ServerConfig {
     /// closed at accept. `0`: no cap. Agents behind one NAT share an address and hold about
     /// one connection each, so the default admits a large fleet behind a single address.
     pub max_connections_per_source: usize,
-    /// How long a connection may go without a request: the request head must arrive within it,
-    /// counted from the TLS handshake or the previous answer; an idle connection is closed.
+    /// How long a connection may go without a request: a request head must arrive within it,
+    /// counted from the TLS handshake (HTTP/1.1: also from the previous answer). An HTTP/2
+    /// connection that has made a request may idle for three heartbeat intervals.
     pub header_read_timeout: Duration,
     /// How long a request body may take to arrive, from the handler's first read of it.
     pub body_read_timeout: Duration,

@@ -32,6 +32,9 @@ use crate::ServerConfig;
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an idle connection being closed gets for the last of an answer and, on HTTP/2, the
+/// GOAWAY exchange; a client that does not take part is then cut off.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Past this many bytes of request head (HTTP/1.1: the read buffer, hyper's default; HTTP/2:
 /// the header list, raised from hyper's 16 KiB) hyper itself answers a bare `431`.
 const HYPER_HEADER_BYTES: usize = 8192 + 4096 * 100;
@@ -124,8 +127,9 @@ pub(crate) fn server_config(material: &Material) -> Result<Arc<rustls::ServerCon
 ///
 /// Slow and greedy clients are bounded here: at most `max_connections` at once (within the
 /// open-files budget, see [`connection_budget`]) and `max_connections_per_source` from one
-/// address; a connection with no request in flight for `header_read_timeout` is closed, and a
-/// request body must arrive within `body_read_timeout` of its first read.
+/// address; a connection with no request in flight for `header_read_timeout` is closed (for
+/// longer once it has made a request, see [`closing`]), and a request body must arrive within
+/// `body_read_timeout` of its first read.
 pub(crate) async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
@@ -143,6 +147,8 @@ pub(crate) async fn serve(
     let (stop, stopping) = watch::channel(false);
     let header_timeout = config.header_read_timeout;
     let body_timeout = config.body_read_timeout;
+    // An agent with no request for three heartbeat intervals is offline: nothing to keep for it.
+    let keep_alive = header_timeout.max(config.heartbeat_interval * 3);
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -226,7 +232,9 @@ pub(crate) async fn serve(
                 .http1()
                 .max_buf_size(HYPER_HEADER_BYTES)
                 .max_headers(HYPER_MAX_HEADERS)
-                // Exact for a slow HTTP/1.1 head; `idle` below covers every other case.
+                // Exact for a slow HTTP/1.1 head, and hyper's bound on an idle HTTP/1.1
+                // keep-alive; `closing` below covers HTTP/2 and a client silent before its
+                // first bytes tell hyper the protocol.
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
             builder
@@ -236,14 +244,18 @@ pub(crate) async fn serve(
             tokio::pin!(conn);
             let ended = tokio::select! {
                 ended = conn.as_mut() => ended,
-                reason = closing(watch_in_flight, header_timeout, stopping) => {
-                    if let Close::Idle = reason {
-                        tracing::debug!(%remote, "closing a connection with no request in flight");
-                        metrics.connection_closed("idle");
-                    }
+                reason = closing(watch_in_flight, header_timeout, keep_alive, stopping) => {
+                    let grace = match reason {
+                        Close::Idle => {
+                            tracing::debug!(%remote, "closing a connection with no request in flight");
+                            metrics.connection_closed("idle");
+                            IDLE_CLOSE_GRACE
+                        }
+                        Close::Shutdown => DRAIN_TIMEOUT,
+                    };
                     // HTTP/2: GOAWAY, so a client's request in transit is retried elsewhere.
                     conn.as_mut().graceful_shutdown();
-                    tokio::time::timeout(DRAIN_TIMEOUT, conn.as_mut())
+                    tokio::time::timeout(grace, conn.as_mut())
                         .await
                         .unwrap_or(Ok(()))
                 }
@@ -373,22 +385,31 @@ enum Close {
 }
 
 /// Resolves when the connection should close: the server is stopping, or the connection has
-/// had no request in flight for `timeout`. That one rule bounds every way a client can hold a
-/// connection without asking anything: silent after the handshake, a request head (HTTP/1.1
-/// or HTTP/2) that never completes, an idle keep-alive connection.
+/// had no request in flight for `first` (before its first request) or `later` (after it).
+///
+/// `first` bounds every way a client can hold a connection without asking anything: silent
+/// after the handshake, a request head (HTTP/1.1 or HTTP/2) that never completes. `later` is
+/// longer so an agent between heartbeats (HTTP/2, one connection for its polls and heartbeats)
+/// is not cut off just as its next heartbeat is due; it still bounds a connection that asked
+/// once and then went quiet.
 async fn closing(
     mut in_flight: watch::Receiver<usize>,
-    timeout: Duration,
+    first: Duration,
+    later: Duration,
     mut stopping: watch::Receiver<bool>,
 ) -> Close {
     let idle = async {
+        let mut limit = first;
         loop {
-            if in_flight.wait_for(|n| *n == 0).await.is_err() {
-                return std::future::pending().await;
+            if *in_flight.borrow_and_update() > 0 {
+                limit = later;
+                if in_flight.wait_for(|n| *n == 0).await.is_err() {
+                    return std::future::pending().await;
+                }
             }
-            match tokio::time::timeout(timeout, in_flight.changed()).await {
+            match tokio::time::timeout(limit, in_flight.changed()).await {
                 Err(_) => return,
-                Ok(Ok(())) => continue,
+                Ok(Ok(())) => limit = later,
                 Ok(Err(_)) => return std::future::pending().await,
             }
         }
