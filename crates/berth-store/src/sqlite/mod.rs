@@ -14,8 +14,8 @@ use berth_proto::AgentId;
 use rusqlite::types::Value;
 use rusqlite::{params_from_iter, Connection, OpenFlags, Row};
 use sqlx::migrate::Migrator;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
-use sqlx::{ConnectOptions, Connection as _};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::Connection as _;
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -113,10 +113,9 @@ impl SqliteStore {
     /// Opens (creating if missing) the database file and runs the migrations.
     pub async fn open(path: &Path) -> Result<SqliteStore> {
         // sqlx's migrator owns the bookkeeping table, so migrations run on a connection of
-        // their own, closed before the backend's threads open theirs. A plain connection, not
-        // a pool: its `close` returns once the file is closed, where a pool's may return while
-        // the connection is still being handed back. Closed later, beside the threads' open
-        // connections, SQLite keeps its descriptor open for good (POSIX locks are per process).
+        // their own, closed before the backend's threads open theirs. Closed by hand: a pool
+        // may close it in the background, and closed beside the threads' connections SQLite
+        // keeps its file descriptor open for good (POSIX locks are per process).
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -124,18 +123,16 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
-        let mut migrate = options
-            .connect()
+        let migrate = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
             .await
             .map_err(db_error("open sqlite database"))?;
-        MIGRATOR
-            .run(&mut migrate)
-            .await
-            .map_err(StoreError::Migrate)?;
-        migrate
-            .close()
-            .await
-            .map_err(db_error("close the migration connection"))?;
+        MIGRATOR.run(&migrate).await.map_err(StoreError::Migrate)?;
+        const CLOSE: &str = "close the migration connection";
+        let conn = migrate.acquire().await.map_err(db_error(CLOSE))?.detach();
+        conn.close().await.map_err(db_error(CLOSE))?;
+        migrate.close().await;
 
         const SPAWN: &str = "start sqlite threads";
         let stopped = |_| StoreError::ThreadStopped { operation: SPAWN };
