@@ -24,8 +24,19 @@ pub struct ServerConfig {
     pub jwt_issuer: String,
     /// Largest request body accepted.
     pub body_limit: usize,
-    /// Most concurrent connections; further ones wait for a slot.
+    /// Most concurrent connections; further ones wait for a slot. Lowered at start to what the
+    /// open-files limit leaves room for (see `tls::connection_budget`).
     pub max_connections: usize,
+    /// Most concurrent connections from one source address (IPv6: one /64); further ones are
+    /// closed at accept. `0`: no cap. Agents behind one NAT share an address and hold about
+    /// one connection each, so the default admits a large fleet behind a single address.
+    pub max_connections_per_source: usize,
+    /// How long a connection may go without a request: a request head must arrive within it,
+    /// counted from the TLS handshake (HTTP/1.1: also from the previous answer). An HTTP/2
+    /// connection that has made a request may idle for three heartbeat intervals.
+    pub header_read_timeout: Duration,
+    /// How long a request body may take to arrive, from the handler's first read of it.
+    pub body_read_timeout: Duration,
     /// `--agent-transport disabled`: every poll and result fails closed and `/readyz` says so.
     pub agent_transport_enabled: bool,
     /// Longest a task poll waits for an assignment (at most 25 s).
@@ -51,6 +62,9 @@ impl ServerConfig {
             jwt_issuer: "berth".to_string(),
             body_limit: 1024 * 1024,
             max_connections: 20_000,
+            max_connections_per_source: 1_000,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
             agent_transport_enabled: true,
             long_poll: Duration::from_secs(25),
             lease_grace: Duration::from_secs(30),

@@ -57,8 +57,9 @@ pub struct Server {
 impl Server {
     /// Opens the data dir and store, creating the CA, certificates, keys and admin token on
     /// first start and reusing them afterwards.
-    pub async fn bootstrap(config: ServerConfig) -> Result<Server, ServerError> {
+    pub async fn bootstrap(mut config: ServerConfig) -> Result<Server, ServerError> {
         fault::init();
+        config.max_connections = tls::connection_budget(config.max_connections);
         let (bootstrapped, material) = bootstrap::bootstrap(&config).await?;
         let tls = tls::server_config(&material)?;
         let metrics = metrics::Metrics::new();
@@ -96,8 +97,15 @@ impl Server {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
-        let max_connections = self.state.config.max_connections;
-        let result = tls::serve(listener, self.tls, app, shutdown, max_connections).await;
+        let result = tls::serve(
+            listener,
+            self.tls,
+            app,
+            shutdown,
+            &self.state.config,
+            self.state.metrics.clone(),
+        )
+        .await;
         let _ = stop_tx.send(true);
         let _ = reconciler.await;
         self.state.heartbeats.close().await;

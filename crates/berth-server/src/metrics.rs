@@ -28,6 +28,7 @@ struct Inner {
     sessions_held: Counter,
     polls_parked: Gauge,
     poll_wakeups: Counter,
+    connections_closed: Family<Labels, Counter>,
 }
 
 impl Metrics {
@@ -97,7 +98,14 @@ impl Metrics {
             "Parked task polls woken by a task event, before their hold ran out",
             poll_wakeups.clone(),
         );
+        let connections_closed = Family::<Labels, Counter>::default();
+        registry.register(
+            "connections_closed",
+            "Connections the listener closed or refused to protect itself, by reason",
+            connections_closed.clone(),
+        );
         Metrics(Arc::new(Inner {
+            connections_closed,
             polls_parked,
             poll_wakeups,
             result_rejections,
@@ -186,6 +194,15 @@ impl Metrics {
         self.task_event("lease_lost_unknown", unknown);
         self.task_event("lease_lost_requeued", requeued);
         self.task_event("dead_lettered", dead_lettered);
+    }
+
+    /// `idle`: no request within the header read timeout; `source_cap`: refused at accept
+    /// because its source address already holds the most connections allowed.
+    pub fn connection_closed(&self, reason: &'static str) {
+        self.0
+            .connections_closed
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
     }
 
     pub fn session_held(&self) {

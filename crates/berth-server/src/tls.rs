@@ -5,29 +5,36 @@
 //! is still *bound* to an agent is the route's business, checked against the store per request.
 
 use berth_proto::error::ErrorChain;
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, OnceLock};
+use std::net::{IpAddr, Ipv6Addr};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::error::{Context, ServerError};
 use axum::Router;
 use berth_crypto::ResultVerifier;
 use futures_util::future::Either;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt;
 use tracing::Instrument;
 
 use crate::bootstrap::Material;
+use crate::metrics::Metrics;
+use crate::ServerConfig;
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an idle connection being closed gets for the last of an answer and, on HTTP/2, the
+/// GOAWAY exchange; a client that does not take part is then cut off.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Past this many bytes of request head (HTTP/1.1: the read buffer, hyper's default; HTTP/2:
 /// the header list, raised from hyper's 16 KiB) hyper itself answers a bare `431`.
 const HYPER_HEADER_BYTES: usize = 8192 + 4096 * 100;
@@ -123,16 +130,31 @@ pub(crate) fn server_config(material: &Material) -> Result<Arc<rustls::ServerCon
 
 /// Accepts connections until `shutdown` resolves, then lets open connections finish their
 /// requests for a while before returning.
+///
+/// Slow and greedy clients are bounded here: at most `max_connections` at once (within the
+/// open-files budget, see [`connection_budget`]) and `max_connections_per_source` from one
+/// address; a connection with no request in flight for `header_read_timeout` is closed (for
+/// longer once it has made a request, see [`closing`]), and a request body must arrive within
+/// `body_read_timeout` of its first read.
 pub(crate) async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    max_connections: usize,
+    config: &ServerConfig,
+    metrics: Metrics,
 ) -> Result<(), ServerError> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let slots = Arc::new(Semaphore::new(max_connections));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let sources = Arc::new(Sources {
+        cap: config.max_connections_per_source,
+        open: Mutex::new(HashMap::new()),
+    });
+    let (stop, stopping) = watch::channel(false);
+    let header_timeout = config.header_read_timeout;
+    let body_timeout = config.body_read_timeout;
+    // An agent with no request for three heartbeat intervals is offline: nothing to keep for it.
+    let keep_alive = header_timeout.max(config.heartbeat_interval * 3);
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -151,12 +173,18 @@ pub(crate) async fn serve(
                 }
             },
         };
+        let Some(source) = sources.admit(remote.ip()) else {
+            tracing::debug!(%remote, "connection refused: its source holds the most allowed");
+            metrics.connection_closed("source_cap");
+            continue;
+        };
         let _ = tcp.set_nodelay(true);
         let acceptor = acceptor.clone();
         let app = app.clone();
-        let watcher = graceful.watcher();
+        let stopping = stopping.clone();
+        let metrics = metrics.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            let _slots = (permit, source);
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(e)) => {
@@ -176,20 +204,28 @@ pub(crate) async fn serve(
                     .and_then(|chain| chain.first())
                     .map(|der| PeerCertificate::new(der)),
             );
+            let (in_flight, watch_in_flight) = watch::channel(0usize);
+            let in_flight = Arc::new(in_flight);
             let service = hyper::service::service_fn(
                 move |mut req: hyper::Request<hyper::body::Incoming>| {
                     req.extensions_mut().insert(peer.clone());
-                    // A body the handler leaves unread (a 413, a refusal before the body) is
-                    // read to its end after the answer; see `RequestBody`.
-                    let req = req.map(|body| axum::body::Body::new(RequestBody(Some(body))));
+                    // A body must arrive in time, and one the handler leaves unread (a 413, a
+                    // refusal before the body) is read to its end after the answer; see
+                    // `RequestBody`.
+                    let req = req.map(|body| RequestBody::wrap(body, body_timeout));
                     // Every request: the header limit, then its span around the whole answer.
                     // Here rather than as router middleware, which cost a boxed future and a
                     // service clone per request.
                     match crate::routes::headers_too_large(req.headers()) {
                         Some(refusal) => Either::Left(std::future::ready(Ok(refusal))),
                         None => {
+                            let busy = InFlight::start(&in_flight);
                             let span = crate::routes::request_span(&req);
-                            Either::Right(app.clone().oneshot(req).instrument(span))
+                            let answer = app.clone().oneshot(req).instrument(span);
+                            Either::Right(async move {
+                                let _busy = busy;
+                                answer.await
+                            })
                         }
                     }
                 },
@@ -201,22 +237,193 @@ pub(crate) async fn serve(
             builder
                 .http1()
                 .max_buf_size(HYPER_HEADER_BYTES)
-                .max_headers(HYPER_MAX_HEADERS);
+                .max_headers(HYPER_MAX_HEADERS)
+                // Exact for a slow HTTP/1.1 head, and hyper's bound on an idle HTTP/1.1
+                // keep-alive; `closing` below covers HTTP/2 and a client silent before its
+                // first bytes tell hyper the protocol.
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
             builder
                 .http2()
                 .max_header_list_size(HYPER_HEADER_BYTES as u32);
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn.into_owned()).await {
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                reason = closing(watch_in_flight, header_timeout, keep_alive, stopping) => {
+                    let grace = match reason {
+                        Close::Idle => {
+                            tracing::debug!(%remote, "closing a connection with no request in flight");
+                            metrics.connection_closed("idle");
+                            IDLE_CLOSE_GRACE
+                        }
+                        Close::Shutdown => DRAIN_TIMEOUT,
+                    };
+                    // HTTP/2: GOAWAY, so a client's request in transit is retried elsewhere.
+                    conn.as_mut().graceful_shutdown();
+                    tokio::time::timeout(grace, conn.as_mut())
+                        .await
+                        .unwrap_or(Ok(()))
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(%remote, error = %ErrorChain(&*e), "connection ended with an error");
             }
         });
     }
     drop(listener);
-    tokio::select! {
-        _ = graceful.shutdown() => {}
-        _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after drain timeout"),
+    let _ = stop.send(true);
+    // Every connection holds a slot until it ends: all slots back means all drained.
+    let all = u32::try_from(config.max_connections).unwrap_or(u32::MAX);
+    if tokio::time::timeout(DRAIN_TIMEOUT, slots.acquire_many(all))
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after drain timeout");
     }
     Ok(())
+}
+
+/// Descriptors kept out of the connection budget: the store's files and sockets, the listener,
+/// the runtime's own, logs, and a margin.
+const FD_RESERVE: usize = 128;
+
+/// Raises the open-files soft limit to the hard limit and returns how many of `wanted`
+/// connections fit in it with [`FD_RESERVE`] to spare, so a flood of connections waits in the
+/// listen backlog instead of leaving the store, or `accept`, without a file descriptor.
+pub(crate) fn connection_budget(wanted: usize) -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a local struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "reading the open files limit");
+        return wanted;
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            ..limit
+        };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        } else {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "raising the open files limit");
+        }
+    }
+    let files = if limit.rlim_cur == libc::RLIM_INFINITY {
+        usize::MAX
+    } else {
+        usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
+    };
+    let budget = wanted.min(files.saturating_sub(FD_RESERVE)).max(1);
+    tracing::info!("open files limit {files}: serving at most {budget} connections at once");
+    budget
+}
+
+/// Open connections per source address, for the per-source cap.
+struct Sources {
+    /// `0`: no cap.
+    cap: usize,
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Sources {
+    /// A slot for one more connection from `ip`, or `None` when its source is at the cap.
+    fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<SourceSlot> {
+        if self.cap == 0 {
+            return Some(SourceSlot(None));
+        }
+        // An IPv6 host can pick any address of its /64: count the prefix, not the address.
+        let key = match ip.to_canonical() {
+            IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & (!0u128 << 64))),
+            v4 => v4,
+        };
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(key).or_insert(0);
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        Some(SourceSlot(Some((self.clone(), key))))
+    }
+}
+
+/// One connection counted against its source; uncounted when the connection ends.
+struct SourceSlot(Option<(Arc<Sources>, IpAddr)>);
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let Some((sources, key)) = self.0.take() else {
+            return;
+        };
+        let mut open = sources.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&key) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&key);
+            }
+        }
+    }
+}
+
+/// One request of a connection being answered (until its response head is ready).
+struct InFlight(Arc<watch::Sender<usize>>);
+
+impl InFlight {
+    fn start(count: &Arc<watch::Sender<usize>>) -> InFlight {
+        count.send_modify(|n| *n += 1);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n -= 1);
+    }
+}
+
+enum Close {
+    Idle,
+    Shutdown,
+}
+
+/// Resolves when the connection should close: the server is stopping, or the connection has
+/// had no request in flight for `first` (before its first request) or `later` (after it).
+///
+/// `first` bounds every way a client can hold a connection without asking anything: silent
+/// after the handshake, a request head (HTTP/1.1 or HTTP/2) that never completes. `later` is
+/// longer so an agent between heartbeats (HTTP/2, one connection for its polls and heartbeats)
+/// is not cut off just as its next heartbeat is due; it still bounds a connection that asked
+/// once and then went quiet.
+async fn closing(
+    mut in_flight: watch::Receiver<usize>,
+    first: Duration,
+    later: Duration,
+    mut stopping: watch::Receiver<bool>,
+) -> Close {
+    let idle = async {
+        let mut limit = first;
+        loop {
+            if *in_flight.borrow_and_update() > 0 {
+                limit = later;
+                if in_flight.wait_for(|n| *n == 0).await.is_err() {
+                    return std::future::pending().await;
+                }
+            }
+            match tokio::time::timeout(limit, in_flight.changed()).await {
+                Err(_) => return,
+                Ok(Ok(())) => limit = later,
+                Ok(Err(_)) => return std::future::pending().await,
+            }
+        }
+    };
+    tokio::select! {
+        () = idle => Close::Idle,
+        _ = stopping.wait_for(|stop| *stop) => Close::Shutdown,
+    }
 }
 
 /// At most this much of a request body a handler refused is read and thrown away, and for at
@@ -224,7 +431,11 @@ pub(crate) async fn serve(
 const DRAIN_BODY_BYTES: usize = 64 * 1024 * 1024;
 const DRAIN_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A request body that, dropped unread, is read to its end in the background.
+/// A request body with a read deadline, read to its end in the background when dropped unread.
+///
+/// The deadline starts at the handler's first read: a client that stalls partway through its
+/// body gets an error (the handler's `400`, and on HTTP/1.1 the connection closed) instead of
+/// holding the request, and its connection, for as long as it likes.
 ///
 /// Dropping an h2 request body makes the `h2` crate reset the stream: `CANCEL` before the
 /// response is sent, `NO_ERROR` after. A handler that refuses a body (the 413 of
@@ -237,28 +448,62 @@ const DRAIN_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// unless the rest of the body had already arrived, so a client sending its next request on it
 /// (schemathesis did, after 405s and 415s) saw the connection drop. Read to its end, the
 /// connection serves the next request.
-struct RequestBody(Option<hyper::body::Incoming>);
+struct RequestBody {
+    body: Option<hyper::body::Incoming>,
+    timeout: Duration,
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl RequestBody {
+    fn wrap(body: hyper::body::Incoming, timeout: Duration) -> axum::body::Body {
+        if hyper::body::Body::is_end_stream(&body) {
+            return axum::body::Body::new(body);
+        }
+        axum::body::Body::new(RequestBody {
+            body: Some(body),
+            timeout,
+            deadline: None,
+        })
+    }
+}
 
 impl hyper::body::Body for RequestBody {
     type Data = hyper::body::Bytes;
-    type Error = hyper::Error;
+    type Error = axum::BoxError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        match self.0.as_mut() {
-            Some(body) => std::pin::Pin::new(body).poll_frame(cx),
-            None => std::task::Poll::Ready(None),
+        let this = &mut *self;
+        let Some(body) = this.body.as_mut() else {
+            return std::task::Poll::Ready(None);
+        };
+        let timeout = this.timeout;
+        let deadline = this
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if let std::task::Poll::Ready(frame) = std::pin::Pin::new(body).poll_frame(cx) {
+            return std::task::Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
+        std::task::ready!(deadline.as_mut().poll(cx));
+        // The client stopped sending: nothing to drain.
+        this.body = None;
+        std::task::Poll::Ready(Some(Err(format!(
+            "the request body did not arrive within {} s",
+            timeout.as_secs()
+        )
+        .into())))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.0.as_ref().is_none_or(hyper::body::Body::is_end_stream)
+        self.body
+            .as_ref()
+            .is_none_or(hyper::body::Body::is_end_stream)
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        self.0
+        self.body
             .as_ref()
             .map(hyper::body::Body::size_hint)
             .unwrap_or_default()
@@ -267,7 +512,7 @@ impl hyper::body::Body for RequestBody {
 
 impl Drop for RequestBody {
     fn drop(&mut self) {
-        let Some(mut body) = self.0.take() else {
+        let Some(mut body) = self.body.take() else {
             return;
         };
         if hyper::body::Body::is_end_stream(&body) {

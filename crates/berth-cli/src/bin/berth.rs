@@ -149,12 +149,25 @@ struct ServerArgs {
     /// Added to a task's timeout to form its delivery lease.
     #[arg(long, env = "BERTH_LEASE_GRACE_SECS", default_value_t = 30)]
     lease_grace_secs: u64,
+    /// Most connections from one source address (IPv6: per /64); 0 for no cap. Agents behind
+    /// one NAT share an address (about one connection each): set it above that fleet's size.
+    #[arg(long, env = "BERTH_MAX_CONNECTIONS_PER_SOURCE", default_value_t = 1000)]
+    max_connections_per_source: usize,
+    /// A connection that sends no complete request head for this long is closed (slow or idle).
+    #[arg(long, env = "BERTH_HEADER_READ_TIMEOUT_SECS", default_value_t = 30)]
+    header_read_timeout_secs: u64,
+    /// A request whose body does not arrive within this long is refused and its connection closed.
+    #[arg(long, env = "BERTH_BODY_READ_TIMEOUT_SECS", default_value_t = 30)]
+    body_read_timeout_secs: u64,
 }
 
 impl ServerArgs {
     fn config(&self) -> anyhow::Result<ServerConfig> {
         if self.heartbeat_interval_secs == 0 || self.agent_cert_validity_secs < 60 {
             bail!("--heartbeat-interval-secs must be at least 1 and --agent-cert-validity-secs at least 60");
+        }
+        if self.header_read_timeout_secs == 0 || self.body_read_timeout_secs == 0 {
+            bail!("--header-read-timeout-secs and --body-read-timeout-secs must be at least 1");
         }
         let mut config = ServerConfig::new(self.data_dir.clone(), self.listen);
         config.database = self.database.clone();
@@ -163,6 +176,9 @@ impl ServerArgs {
         config.agent_cert_validity = Duration::from_secs(self.agent_cert_validity_secs);
         config.agent_transport_enabled = self.agent_transport == "enabled";
         config.lease_grace = Duration::from_secs(self.lease_grace_secs);
+        config.max_connections_per_source = self.max_connections_per_source;
+        config.header_read_timeout = Duration::from_secs(self.header_read_timeout_secs);
+        config.body_read_timeout = Duration::from_secs(self.body_read_timeout_secs);
         Ok(config)
     }
 }

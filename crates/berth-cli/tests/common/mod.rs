@@ -46,6 +46,9 @@ const SCRUBBED_ENV: &[&str] = &[
     "BERTH_AGENT_CERT_VALIDITY_SECS",
     "BERTH_AGENT_TRANSPORT",
     "BERTH_LEASE_GRACE_SECS",
+    "BERTH_MAX_CONNECTIONS_PER_SOURCE",
+    "BERTH_HEADER_READ_TIMEOUT_SECS",
+    "BERTH_BODY_READ_TIMEOUT_SECS",
     "BERTH_REGISTRATION_TOKEN",
     "BERTH_CA_FINGERPRINT",
     "BERTH_AGENT_STATE_DIR",
@@ -382,12 +385,24 @@ impl Server {
         env: &[(&str, &str)],
     ) -> Server {
         let mut cmd = command(BERTH);
+        cmd.envs(env.iter().copied());
+        Server::start_command(cmd, data_dir, listen, args, admin_token)
+    }
+
+    /// Starts `berth server` from `cmd`: [`command`]`(BERTH)` plus whatever the test set on it
+    /// (environment, a resource limit in `pre_exec`).
+    pub fn start_command(
+        mut cmd: Command,
+        data_dir: &Path,
+        listen: &str,
+        args: &[&str],
+        admin_token: Option<&str>,
+    ) -> Server {
         cmd.arg("server")
             .arg("--data-dir")
             .arg(data_dir)
             .args(["--listen", listen])
-            .args(args)
-            .envs(env.iter().copied());
+            .args(args);
         let mut proc = Proc::spawn("berth server", cmd);
         let lines = proc.take_stderr_lines();
         let deadline = Instant::now() + SETTLE;

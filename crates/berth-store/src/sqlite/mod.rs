@@ -15,6 +15,7 @@ use rusqlite::types::Value;
 use rusqlite::{params_from_iter, Connection, OpenFlags, Row};
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::Connection as _;
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -84,6 +85,14 @@ fn connect(path: &Path, read_only: bool) -> Result<Connection> {
         conn.pragma_update(None, "wal_autocheckpoint", 0)
             .map_err(&fail)?;
     }
+    // Every file a connection needs is opened now, never per request, so running out of file
+    // descriptors later cannot fail a query ("unable to open database file"): sorts and
+    // temporary tables stay in memory, and a first read opens the -wal and -shm files, which
+    // SQLite otherwise opens on a connection's first transaction.
+    conn.pragma_update(None, "temp_store", "MEMORY")
+        .map_err(&fail)?;
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))
+        .map_err(&fail)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(conn)
 }
@@ -104,7 +113,9 @@ impl SqliteStore {
     /// Opens (creating if missing) the database file and runs the migrations.
     pub async fn open(path: &Path) -> Result<SqliteStore> {
         // sqlx's migrator owns the bookkeeping table, so migrations run on a connection of
-        // their own, closed before the backend's threads open theirs.
+        // their own, closed before the backend's threads open theirs. Closed by hand: a pool
+        // may close it in the background, and closed beside the threads' connections SQLite
+        // keeps its file descriptor open for good (POSIX locks are per process).
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -118,6 +129,9 @@ impl SqliteStore {
             .await
             .map_err(db_error("open sqlite database"))?;
         MIGRATOR.run(&migrate).await.map_err(StoreError::Migrate)?;
+        const CLOSE: &str = "close the migration connection";
+        let conn = migrate.acquire().await.map_err(db_error(CLOSE))?.detach();
+        conn.close().await.map_err(db_error(CLOSE))?;
         migrate.close().await;
 
         const SPAWN: &str = "start sqlite threads";
