@@ -249,7 +249,8 @@ pub fn read_back_key(task: TaskId, attempts: u32) -> String {
     format!("{READ_BACK_KEY_PREFIX}{task}:{attempts}")
 }
 
-const READ_BACK_KEY_PREFIX: &str = "read-back:";
+/// The SQL of the read-back sweep builds keys from it too (as a bound parameter).
+pub(crate) const READ_BACK_KEY_PREFIX: &str = "read-back:";
 
 /// Whether an idempotency key is in the server's own namespace (read-backs), which a client's
 /// `Idempotency-Key` may never use: a client key there could stop a read-back from being

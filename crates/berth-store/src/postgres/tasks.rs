@@ -11,6 +11,7 @@ use tokio::sync::broadcast;
 use super::{
     check_binding, fetch_page, notify, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
 };
+use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
@@ -694,11 +695,12 @@ impl TaskStore for PostgresStore {
              AND NOT EXISTS (SELECT 1 FROM tasks rb \
                              WHERE rb.tenant_id = p.tenant_id \
                              AND rb.idempotency_key = \
-                                 'read-back:' || p.id::text || ':' || p.attempts::text) \
+                                 $3 || p.id::text || ':' || p.attempts::text) \
              ORDER BY p.id LIMIT $2"
         ))
         .bind(after.map(|id| id.0))
         .bind(i64::from(limit))
+        .bind(READ_BACK_KEY_PREFIX)
         .fetch_all(&self.pool)
         .await
         .map_err(db_error("unknown tasks without read-back"))?
@@ -718,7 +720,7 @@ impl TaskStore for PostgresStore {
             " FROM tasks WHERE id IN ( \
                  SELECT rb.id FROM tasks p JOIN tasks rb \
                  ON rb.tenant_id = p.tenant_id \
-                 AND rb.idempotency_key = 'read-back:' || p.id::text || ':' || p.attempts::text \
+                 AND rb.idempotency_key = $3 || p.id::text || ':' || p.attempts::text \
                  WHERE p.state = 'unknown' AND ($1::uuid IS NULL OR p.id > $1) \
                  AND rb.read_back_of = p.id AND rb.state = 'succeeded' \
                  AND (p.result ->> 'readBackTaskId') IS DISTINCT FROM rb.id::text \
@@ -727,6 +729,7 @@ impl TaskStore for PostgresStore {
         ))
         .bind(after.map(|id| id.0))
         .bind(i64::from(limit))
+        .bind(READ_BACK_KEY_PREFIX)
         .fetch_all(&self.pool)
         .await
         .map_err(db_error("finished read-backs of unknown tasks"))?

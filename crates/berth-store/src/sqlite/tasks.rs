@@ -9,6 +9,7 @@ use tokio::sync::broadcast;
 
 use super::threads::Db;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
 use crate::{
@@ -734,10 +735,10 @@ impl TaskStore for SqliteStore {
                          AND NOT EXISTS (SELECT 1 FROM tasks rb \
                                          WHERE rb.tenant_id = p.tenant_id \
                                          AND rb.idempotency_key = \
-                                             'read-back:' || p.id || ':' || p.attempts) \
+                                             ?3 || p.id || ':' || p.attempts) \
                          ORDER BY p.id LIMIT ?2"
                     ),
-                    params![after, i64::from(limit)],
+                    params![after, i64::from(limit), READ_BACK_KEY_PREFIX],
                     |row| rows::read_task(row),
                 )
             })
@@ -759,14 +760,14 @@ impl TaskStore for SqliteStore {
                         " FROM tasks WHERE id IN ( \
                              SELECT rb.id FROM tasks p JOIN tasks rb \
                              ON rb.tenant_id = p.tenant_id \
-                             AND rb.idempotency_key = 'read-back:' || p.id || ':' || p.attempts \
+                             AND rb.idempotency_key = ?3 || p.id || ':' || p.attempts \
                              WHERE p.state = 'unknown' AND p.id > ?1 \
                              AND rb.read_back_of = p.id AND rb.state = 'succeeded' \
                              AND json_extract(p.result, '$.readBackTaskId') IS NOT rb.id \
                              ORDER BY p.id LIMIT ?2) \
                          ORDER BY read_back_of"
                     ),
-                    params![after, i64::from(limit)],
+                    params![after, i64::from(limit), READ_BACK_KEY_PREFIX],
                     |row| rows::read_task(row),
                 )
             })
