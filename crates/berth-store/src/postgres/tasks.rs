@@ -468,19 +468,7 @@ impl TaskStore for PostgresStore {
         const OP: &str = "cancel task";
         let now = millis(now);
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
-        let task = sqlx::query(concat!(
-            "SELECT ",
-            task_columns!(),
-            " FROM tasks WHERE tenant_id = $1 AND id = $2 FOR UPDATE"
-        ))
-        .bind(tenant.0)
-        .bind(id.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_task(&row))
-        .transpose()?;
-        let Some(task) = task else {
+        let Some(task) = locked_tenant_task(&mut tx, OP, tenant, id).await? else {
             return Ok(None);
         };
         let outcome = match task.state {
@@ -526,19 +514,7 @@ impl TaskStore for PostgresStore {
     ) -> Result<Option<RetryOutcome>> {
         const OP: &str = "retry task";
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
-        let task = sqlx::query(concat!(
-            "SELECT ",
-            task_columns!(),
-            " FROM tasks WHERE tenant_id = $1 AND id = $2 FOR UPDATE"
-        ))
-        .bind(tenant.0)
-        .bind(id.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| rows::read_task(&row))
-        .transpose()?;
-        let Some(task) = task else {
+        let Some(task) = locked_tenant_task(&mut tx, OP, tenant, id).await? else {
             return Ok(None);
         };
         if !matches!(task.state, TaskState::Unknown | TaskState::DeadLetter) {
@@ -741,6 +717,27 @@ impl TaskStore for PostgresStore {
     fn task_events(&self) -> broadcast::Receiver<AgentId> {
         self.events.subscribe()
     }
+}
+
+/// The tenant's task `id`, its row locked `FOR UPDATE`.
+async fn locked_tenant_task(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    op: &'static str,
+    tenant: TenantId,
+    id: TaskId,
+) -> Result<Option<Task>> {
+    sqlx::query(concat!(
+        "SELECT ",
+        task_columns!(),
+        " FROM tasks WHERE tenant_id = $1 AND id = $2 FOR UPDATE"
+    ))
+    .bind(tenant.0)
+    .bind(id.0)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db_error(op))?
+    .map(|row| rows::read_task(&row))
+    .transpose()
 }
 
 /// The agent's task, its row locked `FOR UPDATE`, with the delivery `assignment` names; without
