@@ -235,7 +235,12 @@ pub fn print_releases(out: Output, releases: &[ReleaseView]) -> anyhow::Result<(
                 vec![
                     r.name.clone(),
                     components.join(","),
-                    if r.compose_lock.is_some() { "yes" } else { "no" }.into(),
+                    if r.compose_lock.is_some() {
+                        "yes"
+                    } else {
+                        "no"
+                    }
+                    .into(),
                     rfc3339(r.created_at),
                 ]
             })
@@ -257,7 +262,10 @@ pub fn print_release(out: Output, r: &ReleaseView) -> anyhow::Result<()> {
                 .as_ref()
                 .map(|t| format!(" (from tag {t})"))
                 .unwrap_or_default();
-            rows.push(vec![format!("component {}", c.name), format!("{}{from}", c.pinned())]);
+            rows.push(vec![
+                format!("component {}", c.name),
+                format!("{}{from}", c.pinned()),
+            ]);
         }
         table(&["FIELD", "VALUE"], &rows)
     })

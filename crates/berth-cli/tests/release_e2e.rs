@@ -25,9 +25,9 @@ fn component<'a>(release: &'a Value, name: &str) -> &'a Value {
 }
 
 /// A refusal's stderr names its code (and the detail, the component).
-fn refused(server: &Server, args: &[&str], code: &str, detail: &str) {
+fn refused(server: &Server, args: &[&str], env: &[(&str, &str)], code: &str, detail: &str) {
     let err = server
-        .try_cli(args)
+        .try_cli_env(&server.admin_token, args, env)
         .expect_err("the command must be refused");
     assert!(
         err.contains(code) && err.contains(detail),
@@ -61,16 +61,20 @@ fn releases_pin_digests_from_the_registries() {
     );
     let web_tag = format!("web={}:t", open.repository);
     let api_tag = format!("api={}:t", private.repository);
+    // Through the environment, as an operator should pass them: a failure prints the arguments.
     let creds = [
-        "--registry-username",
-        env.user.as_str(),
-        "--registry-password",
-        env.password.as_str(),
+        ("BERTH_REGISTRY_USERNAME", env.user.as_str()),
+        ("BERTH_REGISTRY_PASSWORD", env.password.as_str()),
     ];
+    let cli_with_creds = |args: &[&str]| {
+        server
+            .try_cli_env(&server.admin_token, args, &creds)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
 
     // By tag, on both registries (the private one with basic credentials): the digests the
     // pushes reported, and nothing but digests.
-    let mut args = vec![
+    let r1 = cli_with_creds(&[
         "release",
         "create",
         "r1",
@@ -80,9 +84,7 @@ fn releases_pin_digests_from_the_registries() {
         &api_tag,
         "--config",
         r#"web={"containerName":"shop-web","ports":["8080:8080"]}"#,
-    ];
-    args.extend_from_slice(&creds);
-    let r1 = server.cli(&args);
+    ]);
     let web = component(&r1, "web");
     assert_eq!(web["image"], open.repository.as_str());
     assert_eq!(web["digest"], open.digest.as_str());
@@ -103,6 +105,7 @@ fn releases_pin_digests_from_the_registries() {
     refused(
         &server,
         &["release", "create", "r3", "--image", &missing_tag],
+        &[],
         "DIGEST_UNRESOLVABLE",
         "component web",
     );
@@ -110,22 +113,17 @@ fn releases_pin_digests_from_the_registries() {
     refused(
         &server,
         &["release", "create", "r3", "--image", &absent_digest],
+        &[],
         "DIGEST_UNRESOLVABLE",
         "component web",
     );
     let private_only = format!("api={}:t", private.repository);
     refused(
         &server,
+        &["release", "create", "r3", "--image", &private_only],
         &[
-            "release",
-            "create",
-            "r3",
-            "--image",
-            &private_only,
-            "--registry-username",
-            &env.user,
-            "--registry-password",
-            "not-the-password",
+            ("BERTH_REGISTRY_USERNAME", env.user.as_str()),
+            ("BERTH_REGISTRY_PASSWORD", "not-the-password"),
         ],
         "REGISTRY_UNAUTHORIZED",
         "component api",
@@ -133,18 +131,21 @@ fn releases_pin_digests_from_the_registries() {
     refused(
         &server,
         &["release", "create", "r3", "--image", &private_only],
+        &[],
         "REGISTRY_UNAUTHORIZED",
         "component api",
     );
     refused(
         &server,
         &["release", "create", "r1", "--image", &by_digest],
+        &[],
         "RELEASE_EXISTS",
         "r1",
     );
     refused(
         &server,
         &["release", "show", "r3"],
+        &[],
         "RELEASE_NOT_FOUND",
         "r3",
     );
@@ -160,9 +161,7 @@ fn releases_pin_digests_from_the_registries() {
     )
     .unwrap();
     let compose_arg = compose.display().to_string();
-    let mut args = vec!["release", "create", "r-compose", "--compose", &compose_arg];
-    args.extend_from_slice(&creds);
-    let rc = server.cli(&args);
+    let rc = cli_with_creds(&["release", "create", "r-compose", "--compose", &compose_arg]);
     let lock = std::fs::read_to_string(tmp.path().join("compose.yml.lock.yml")).expect("lock");
     assert_eq!(rc["composeLock"], lock.as_str());
     for image in [&open, &private] {
@@ -172,8 +171,14 @@ fn releases_pin_digests_from_the_registries() {
             image.repository
         );
     }
-    assert!(!lock.contains(":t\n"), "no tag is left in the lock:\n{lock}");
-    assert!(lock.contains("8080:8080"), "the rest of the file is kept:\n{lock}");
+    assert!(
+        !lock.contains(":t\n"),
+        "no tag is left in the lock:\n{lock}"
+    );
+    assert!(
+        lock.contains("8080:8080"),
+        "the rest of the file is kept:\n{lock}"
+    );
     assert_eq!(component(&rc, "api")["digest"], private.digest.as_str());
 
     // ls and show.
@@ -186,4 +191,8 @@ fn releases_pin_digests_from_the_registries() {
         .collect();
     assert_eq!(names, ["r1", "r2", "r-compose"]);
     assert_eq!(server.cli(&["release", "show", "r1"]), r1);
+
+    // Registry credentials are used, never kept: not in any release, not in the server's log.
+    let everything = format!("{listed} {}", server.proc.stderr());
+    assert!(!everything.contains(&env.password) && !everything.contains("not-the-password"));
 }

@@ -176,7 +176,9 @@ impl Registries {
             .find(|(k, _)| k == "realm")
             .map(|(_, v)| v.clone())
             .ok_or_else(|| {
-                ResolveError::Unresolvable(format!("registry {host}: bearer challenge without realm"))
+                ResolveError::Unresolvable(format!(
+                    "registry {host}: bearer challenge without realm"
+                ))
             })?;
         let query: Vec<(&str, &str)> = params
             .iter()
@@ -273,7 +275,11 @@ fn challenge_params(s: &str) -> Vec<(String, String)> {
         let Some((key, after)) = rest.split_once('=') else {
             break;
         };
-        let key = key.trim().trim_start_matches(',').trim().to_ascii_lowercase();
+        let key = key
+            .trim()
+            .trim_start_matches(',')
+            .trim()
+            .to_ascii_lowercase();
         let (value, after) = match after.strip_prefix('"') {
             Some(quoted) => match quoted.split_once('"') {
                 Some((v, a)) => (v.to_string(), a),
@@ -292,7 +298,11 @@ fn challenge_params(s: &str) -> Vec<(String, String)> {
 
 /// The manifest's digest: sha256 of its bytes, which a `Docker-Content-Digest` header and the
 /// digest asked for (if any) must equal.
-fn manifest_digest(headers: &HeaderMap, body: &[u8], wanted: Option<&str>) -> Result<String, String> {
+fn manifest_digest(
+    headers: &HeaderMap,
+    body: &[u8],
+    wanted: Option<&str>,
+) -> Result<String, String> {
     if body.len() > MAX_MANIFEST_BYTES {
         return Err(format!("the manifest is over {MAX_MANIFEST_BYTES} bytes"));
     }
@@ -345,7 +355,10 @@ mod tests {
         );
         assert_eq!(
             e("nginx:1"),
-            ("https://registry-1.docker.io".into(), "library/nginx".into())
+            (
+                "https://registry-1.docker.io".into(),
+                "library/nginx".into()
+            )
         );
         assert!(!is_loopback("127.0.0.1.example.com:443"));
         assert!(is_loopback("[::1]:5000"));

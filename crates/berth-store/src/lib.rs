@@ -67,7 +67,8 @@ pub struct Page<T> {
 /// calls them on a concrete backend (`SqliteStore`) imports the domain trait it uses.
 #[async_trait::async_trait]
 pub trait Store:
-    TenantStore + AgentStore + TaskStore + ReleaseStore + Send + Sync + 'static {
+    TenantStore + AgentStore + TaskStore + ReleaseStore + Send + Sync + 'static
+{
     /// Backend name for logs and metrics: `sqlite` or `postgres`.
     fn backend(&self) -> &'static str;
 

@@ -242,7 +242,11 @@ fn migration_directories_match() {
 /// 0009's trigger), so not even a future query can rewrite what was deployed.
 async fn release_rows_refuse_updates(store: &DynStore, update: impl Future<Output = bool>) {
     let tenant = store
-        .create_tenant(berth_proto::TenantId::new(), "immutable", time::OffsetDateTime::now_utc())
+        .create_tenant(
+            berth_proto::TenantId::new(),
+            "immutable",
+            time::OffsetDateTime::now_utc(),
+        )
         .await
         .expect("tenant");
     store
@@ -258,7 +262,11 @@ async fn release_rows_refuse_updates(store: &DynStore, update: impl Future<Outpu
         .expect("create release");
     assert!(!update.await, "an UPDATE of a release row must fail");
     assert_eq!(
-        store.get_release(tenant.id, "r1").await.expect("get").map(|r| r.name),
+        store
+            .get_release(tenant.id, "r1")
+            .await
+            .expect("get")
+            .map(|r| r.name),
         Some("r1".to_string())
     );
 }

@@ -9,8 +9,8 @@ use axum::Json;
 use berth_proto::error::codes;
 use berth_proto::reference::parse_image;
 use berth_proto::release::{
-    valid_component_name, valid_release_name, Component, CreateRelease, ListReleases,
-    ReleaseList, ReleaseView, MAX_COMPONENTS, MAX_COMPOSE_BYTES,
+    valid_component_name, valid_release_name, Component, CreateRelease, ListReleases, ReleaseList,
+    ReleaseView, MAX_COMPONENTS, MAX_COMPOSE_BYTES,
 };
 use berth_proto::{ErrorBody, ReleaseId};
 use berth_store::{Release, StoreError};
@@ -90,7 +90,11 @@ async fn lock_compose(
         let name = name
             .as_str()
             .filter(|n| valid_component_name(n))
-            .ok_or_else(|| invalid(format!("compose service name {name:?} is not a valid component name (a-z 0-9 _ -)")))?
+            .ok_or_else(|| {
+                invalid(format!(
+                    "compose service name {name:?} is not a valid component name (a-z 0-9 _ -)"
+                ))
+            })?
             .to_string();
         let image = service
             .get("image")

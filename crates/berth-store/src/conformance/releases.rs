@@ -120,7 +120,10 @@ pub async fn list_releases(store: &DynStore) {
             None => break,
         }
     }
-    assert_eq!(seen, names, "every release once, in creation order, none of another tenant");
+    assert_eq!(
+        seen, names,
+        "every release once, in creation order, none of another tenant"
+    );
     let empty = tenant(store).await;
     assert_eq!(
         store.list_releases(empty.id, None, 10).await.expect("list"),
