@@ -131,7 +131,17 @@ impl Registries {
             )));
         }
         let headers = response.headers().clone();
-        let body = response.bytes().await.map_err(unreachable)?;
+        // Read at most the limit: a registry (or whatever answers on its port) cannot make the
+        // server buffer an unbounded body.
+        let mut body = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(unreachable)? {
+            body.extend_from_slice(&chunk);
+            if body.len() > MAX_MANIFEST_BYTES {
+                return Err(ResolveError::Unresolvable(format!(
+                    "registry {host}, {path}:{reference}: the manifest is over {MAX_MANIFEST_BYTES} bytes"
+                )));
+            }
+        }
         manifest_digest(&headers, &body, image.digest.as_deref()).map_err(|why| {
             ResolveError::Unresolvable(format!("registry {host}, {path}:{reference}: {why}"))
         })
@@ -303,9 +313,6 @@ fn manifest_digest(
     body: &[u8],
     wanted: Option<&str>,
 ) -> Result<String, String> {
-    if body.len() > MAX_MANIFEST_BYTES {
-        return Err(format!("the manifest is over {MAX_MANIFEST_BYTES} bytes"));
-    }
     let media_type = headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
