@@ -196,3 +196,225 @@ fn releases_pin_digests_from_the_registries() {
     let everything = format!("{listed} {}", server.proc.stderr());
     assert!(!everything.contains(&env.password) && !everything.contains("not-the-password"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// A registry behind bearer-token auth: the real registry (`docker-registry`, the one
+// `scripts/registry.sh` runs) configured with `auth.token`, and a token service in this test
+// that checks basic credentials and signs ES256 tokens with a key the registry trusts.
+// ---------------------------------------------------------------------------------------------
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use aws_lc_rs::rand::SystemRandom;
+use aws_lc_rs::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use base64::Engine as _;
+use rcgen::PublicKeyData as _;
+
+const SERVICE: &str = "berth-test-registry";
+const ISSUER: &str = "berth-test-token-service";
+
+/// The key id the registry looks a token's `kid` up by (libtrust's): base32 of the first 240
+/// bits of sha256 over the key's SubjectPublicKeyInfo, in twelve groups of four.
+fn libtrust_key_id(spki: &[u8]) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, spki);
+    let bytes = &digest.as_ref()[..30];
+    let mut bits = 0u64;
+    let mut n = 0;
+    let mut out = String::new();
+    for b in bytes {
+        bits = (bits << 8) | u64::from(*b);
+        n += 8;
+        while n >= 5 {
+            n -= 5;
+            out.push(ALPHABET[((bits >> n) & 31) as usize] as char);
+        }
+    }
+    let groups: Vec<String> = out
+        .as_bytes()
+        .chunks(4)
+        .map(|c| String::from_utf8(c.to_vec()).unwrap())
+        .collect();
+    groups.join(":")
+}
+
+/// Serves `GET /token?service=…&scope=…`: 401 without the right basic credentials, else a
+/// token granting what the scope asks. Counts the tokens it issued.
+fn token_service(user: &str, password: &str) -> (u16, String, Arc<AtomicUsize>) {
+    let rng = SystemRandom::new();
+    let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+    let signer =
+        EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref()).unwrap();
+    let key = rcgen::KeyPair::try_from(pkcs8.as_ref()).unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["token-service".to_string()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let kid = libtrust_key_id(&key.subject_public_key_info());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let expected = format!("Basic {}", STANDARD.encode(format!("{user}:{password}")));
+    let issued = Arc::new(AtomicUsize::new(0));
+    let counter = issued.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let request = String::from_utf8_lossy(&request).to_string();
+            let authorized = request.lines().any(|l| {
+                l.to_ascii_lowercase().starts_with("authorization:") && l[14..].trim() == expected
+            });
+            let target = request
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or_default()
+                .to_string();
+            let scope = target
+                .split(['?', '&'])
+                .find_map(|p| p.strip_prefix("scope="))
+                .map(|s| {
+                    s.replace("%3A", ":")
+                        .replace("%2F", "/")
+                        .replace("%2C", ",")
+                });
+            let (status, body) = if authorized {
+                let access: Vec<serde_json::Value> = scope
+                    .iter()
+                    .filter_map(|s| {
+                        let mut parts = s.splitn(3, ':');
+                        let (kind, name, actions) = (parts.next()?, parts.next()?, parts.next()?);
+                        Some(serde_json::json!({
+                            "type": kind, "name": name,
+                            "actions": actions.split(',').collect::<Vec<_>>(),
+                        }))
+                    })
+                    .collect();
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs();
+                let header = serde_json::json!({"typ": "JWT", "alg": "ES256", "kid": kid});
+                let claims = serde_json::json!({
+                    "iss": ISSUER, "sub": "tester", "aud": SERVICE,
+                    "iat": now, "nbf": now - 60, "exp": now + 300,
+                    "jti": uuid::Uuid::new_v4().to_string(), "access": access,
+                });
+                let signing_input = format!(
+                    "{}.{}",
+                    URL_SAFE_NO_PAD.encode(header.to_string()),
+                    URL_SAFE_NO_PAD.encode(claims.to_string())
+                );
+                let signature = signer
+                    .sign(&SystemRandom::new(), signing_input.as_bytes())
+                    .unwrap();
+                let token = format!("{signing_input}.{}", URL_SAFE_NO_PAD.encode(signature));
+                counter.fetch_add(1, Ordering::SeqCst);
+                ("200 OK", serde_json::json!({ "token": token }).to_string())
+            } else {
+                (
+                    "401 Unauthorized",
+                    r#"{"errors":[{"code":"UNAUTHORIZED"}]}"#.to_string(),
+                )
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (port, cert.pem(), issued)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn bearer_token_registries_are_followed() {
+    let Some(env) = fixtures::env("bearer_token_registries_are_followed") else {
+        return;
+    };
+    let cleanup = Cleanup::new(&fixtures::unique("berth-e2e"));
+    let tmp = tempdir();
+    let (token_port, root_pem, issued) = token_service(&env.user, &env.password);
+    let root = tmp.path().join("token-root.crt");
+    std::fs::write(&root, root_pem).unwrap();
+    let port = free_port();
+    let config = tmp.path().join("registry.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\nauth:\n  token:\n    realm: http://127.0.0.1:{token_port}/token\n    service: {SERVICE}\n    issuer: {ISSUER}\n    rootcertbundle: {}\n",
+            tmp.path().join("data").display(),
+            root.display()
+        ),
+    )
+    .unwrap();
+    let mut registry_cmd = command("/usr/bin/docker-registry");
+    registry_cmd.arg("serve").arg(&config);
+    let _registry = Proc::spawn("docker-registry (token auth)", registry_cmd);
+    wait_for(
+        std::time::Duration::from_secs(30),
+        "the token registry to listen",
+        || {
+            std::net::TcpStream::connect(("127.0.0.1", port))
+                .map(drop)
+                .map_err(|e| e.to_string())
+        },
+    );
+    let registry = format!("127.0.0.1:{port}");
+    let image = make_image(
+        &registry,
+        &cleanup.prefix,
+        "web",
+        Variant::Healthy,
+        "bearer v1",
+        Some((&env.user, &env.password)),
+    );
+    let pushed = issued.load(Ordering::SeqCst);
+    assert!(pushed > 0, "docker's push went through the token service");
+
+    let server = Server::start(&tmp.path().join("server"), &[]);
+    let tag = format!("web={}:t", image.repository);
+    let release = server
+        .try_cli_env(
+            &server.admin_token,
+            &["release", "create", "b1", "--image", &tag],
+            &[
+                ("BERTH_REGISTRY_USERNAME", env.user.as_str()),
+                ("BERTH_REGISTRY_PASSWORD", env.password.as_str()),
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(component(&release, "web")["digest"], image.digest.as_str());
+    assert!(
+        issued.load(Ordering::SeqCst) > pushed,
+        "the server asked the token service for its token"
+    );
+    refused(
+        &server,
+        &["release", "create", "b2", "--image", &tag],
+        &[
+            ("BERTH_REGISTRY_USERNAME", env.user.as_str()),
+            ("BERTH_REGISTRY_PASSWORD", "not-the-password"),
+        ],
+        "REGISTRY_UNAUTHORIZED",
+        "component web",
+    );
+}
