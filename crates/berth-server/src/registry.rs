@@ -30,7 +30,10 @@ const MANIFEST_TYPES: [&str; 4] = [
 ];
 /// A manifest (even an index of many platforms) is far below this.
 const MAX_MANIFEST_BYTES: usize = 4 * 1024 * 1024;
+/// Bounds on each registry request: a registry that does not answer fails the create, with
+/// `DIGEST_UNRESOLVABLE`, instead of holding it.
 const TIMEOUT: Duration = Duration::from_secs(30);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a digest could not be had: the registry refused the credentials, or anything else.
 #[derive(Debug)]
@@ -78,6 +81,7 @@ impl Registries {
         let http = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
             .timeout(TIMEOUT)
+            .connect_timeout(CONNECT_TIMEOUT)
             .build()
             .map_err(|e| e.to_string())?;
         Ok(Registries { http })
