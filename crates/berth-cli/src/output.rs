@@ -1,6 +1,7 @@
 //! Human tables by default, `--output json` for scripts.
 
 use berth_proto::agent::Agent;
+use berth_proto::release::ReleaseView;
 use berth_proto::task::TaskView;
 use serde::Serialize;
 
@@ -219,6 +220,51 @@ pub fn print_task(out: Output, t: &TaskView) -> anyhow::Result<()> {
             rows.push(vec![
                 format!("attempt {}", a.assignment_id),
                 format!("{} (generation {}{signed})", a.state, a.generation),
+            ]);
+        }
+        table(&["FIELD", "VALUE"], &rows)
+    })
+}
+
+pub fn print_releases(out: Output, releases: &[ReleaseView]) -> anyhow::Result<()> {
+    out.print(&releases, || {
+        let rows: Vec<Vec<String>> = releases
+            .iter()
+            .map(|r| {
+                let components: Vec<&str> = r.components.iter().map(|c| c.name.as_str()).collect();
+                vec![
+                    r.name.clone(),
+                    components.join(","),
+                    if r.compose_lock.is_some() {
+                        "yes"
+                    } else {
+                        "no"
+                    }
+                    .into(),
+                    rfc3339(r.created_at),
+                ]
+            })
+            .collect();
+        table(&["NAME", "COMPONENTS", "COMPOSE", "CREATED"], &rows)
+    })
+}
+
+pub fn print_release(out: Output, r: &ReleaseView) -> anyhow::Result<()> {
+    out.print(r, || {
+        let mut rows = vec![
+            vec!["id".into(), r.id.to_string()],
+            vec!["name".into(), r.name.clone()],
+            vec!["created".into(), rfc3339(r.created_at)],
+        ];
+        for c in &r.components {
+            let from = c
+                .resolved_from
+                .as_ref()
+                .map(|t| format!(" (from tag {t})"))
+                .unwrap_or_default();
+            rows.push(vec![
+                format!("component {}", c.name),
+                format!("{}{from}", c.pinned()),
             ]);
         }
         table(&["FIELD", "VALUE"], &rows)

@@ -94,6 +94,16 @@ pub mod codes {
     pub const INVALID_LABEL: &str = "INVALID_LABEL";
     /// The request headers are larger than the server reads.
     pub const HEADERS_TOO_LARGE: &str = "HEADERS_TOO_LARGE";
+    // --- releases ---
+    /// A release component's image has no digest the registry would give: unknown tag or
+    /// repository, unreachable registry, or an answer that is not a manifest. The detail names
+    /// the component and why.
+    pub const DIGEST_UNRESOLVABLE: &str = "DIGEST_UNRESOLVABLE";
+    /// The registry refused the credentials given (or asked for some and none were given).
+    pub const REGISTRY_UNAUTHORIZED: &str = "REGISTRY_UNAUTHORIZED";
+    /// A release of that name exists in the tenant; releases are immutable.
+    pub const RELEASE_EXISTS: &str = "RELEASE_EXISTS";
+    pub const RELEASE_NOT_FOUND: &str = "RELEASE_NOT_FOUND";
 }
 
 #[cfg(test)]

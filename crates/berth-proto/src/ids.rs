@@ -59,3 +59,7 @@ id_type!(
     /// One delivery of a task to an agent; a fresh one per delivery.
     AssignmentId
 );
+id_type!(
+    /// A release: an immutable set of components pinned by digest.
+    ReleaseId
+);

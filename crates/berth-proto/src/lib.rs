@@ -10,6 +10,8 @@ pub mod ids;
 pub mod json;
 pub mod kind;
 pub mod payload;
+pub mod reference;
+pub mod release;
 pub mod result;
 pub mod task;
 pub mod transport;
@@ -27,7 +29,7 @@ pub mod headers {
 }
 
 pub use error::ErrorBody;
-pub use ids::{AgentId, AssignmentId, TaskId, TenantId, TokenId};
+pub use ids::{AgentId, AssignmentId, ReleaseId, TaskId, TenantId, TokenId};
 
 /// HTTP method of a typed request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

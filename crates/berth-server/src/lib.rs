@@ -16,6 +16,7 @@ mod metrics;
 mod openapi;
 mod readback;
 mod reconcile;
+mod registry;
 mod routes;
 mod tls;
 mod wake;
@@ -43,6 +44,8 @@ pub(crate) struct AppState {
     pub wakeups: wake::Wakeups,
     pub heartbeats: heartbeat::HeartbeatWriter,
     pub metrics: metrics::Metrics,
+    /// The registry client that resolves release images to digests.
+    pub registries: registry::Registries,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -74,6 +77,7 @@ impl Server {
             wakeups,
             heartbeats,
             metrics,
+            registries: registry::Registries::new().map_err(ServerError::new)?,
         });
         Ok(Server {
             state,

@@ -1293,3 +1293,95 @@ async fn a_refused_body_keeps_the_http_1_connection() {
     }
     server.stop().await;
 }
+
+/// Release creation refuses, each with its code, before anything is stored: a viewer, a bad
+/// name or reference, half a credential pair, a registry that cannot answer (naming the
+/// component), a compose service without an image. Registries that answer are exercised end to
+/// end in `berth-cli/tests/release_e2e.rs`.
+#[tokio::test]
+async fn release_create_refuses_with_codes() {
+    use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListReleases};
+    let server = start().await;
+    let admin = server.admin();
+    let web = |image: &str| ComponentSpec {
+        name: "web".into(),
+        image: image.into(),
+        config: None,
+    };
+    let request = |name: &str, image: &str| CreateRelease {
+        name: name.into(),
+        components: vec![web(image)],
+        ..Default::default()
+    };
+    // Nothing listens on port 1 of the loopback: the registry cannot give a digest.
+    let unreachable = "127.0.0.1:1/team/web:1.0";
+
+    let viewer = admin
+        .send(&CreateApiToken {
+            role: Role::Viewer,
+            name: None,
+        })
+        .await
+        .unwrap();
+    let err = server
+        .client(Some(&viewer.token), None)
+        .send(&request("r1", unreachable))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "FORBIDDEN".into()));
+
+    for bad in [
+        request("bad/name", unreachable),
+        request("r1", "Web:1"),
+        request("r1", "web $(id)"),
+        CreateRelease {
+            name: "r1".into(),
+            ..Default::default()
+        },
+        CreateRelease {
+            registry_username: Some("u".into()),
+            ..request("r1", unreachable)
+        },
+        CreateRelease {
+            components: vec![web(unreachable), web(unreachable)],
+            ..request("r1", unreachable)
+        },
+    ] {
+        let err = admin.send(&bad).await.unwrap_err();
+        assert_eq!(code(&err), (422, "INVALID_REQUEST".into()), "{bad:?}");
+    }
+
+    let err = admin.send(&request("r1", unreachable)).await.unwrap_err();
+    assert_eq!(code(&err), (422, "DIGEST_UNRESOLVABLE".into()));
+    let ClientError::Api { body, .. } = &err else {
+        unreachable!()
+    };
+    assert!(
+        body.detail.contains("component web") && body.detail.contains("127.0.0.1:1"),
+        "the detail names the component and the registry: {}",
+        body.detail
+    );
+    let err = admin
+        .send(&CreateRelease {
+            name: "r1".into(),
+            compose: Some("services:\n  db:\n    build: .\n".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "DIGEST_UNRESOLVABLE".into()));
+
+    // Nothing was stored.
+    let err = admin
+        .send(&GetRelease { name: "r1".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (404, "RELEASE_NOT_FOUND".into()));
+    assert!(admin
+        .send(&ListReleases::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+    server.stop().await;
+}

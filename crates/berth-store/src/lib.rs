@@ -16,6 +16,7 @@ mod rows;
 mod sqlite;
 
 pub use domain::agents::*;
+pub use domain::releases::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use postgres::PostgresStore;
@@ -26,7 +27,7 @@ pub enum StoreError {
     /// A unique constraint refused the write; `constraint` names what collided: `tenant_id`,
     /// `tenant_name`, `api_token_id`, `api_token_hash`, `registration_token_id`,
     /// `registration_token_hash`, `agent_id`, `agent_name`, `agent_certificate`, `task_id`,
-    /// `assignment_id`, or `task_agent` (a task for an agent that is not, or no longer, the
+    /// `assignment_id`, `release_id`, `release_name`, or `task_agent` (a task for an agent that is not, or no longer, the
     /// tenant's).
     #[error("conflict on {constraint}")]
     Conflict { constraint: &'static str },
@@ -65,7 +66,9 @@ pub struct Page<T> {
 /// trait object carries its supertraits' methods, so callers import no domain trait. Code that
 /// calls them on a concrete backend (`SqliteStore`) imports the domain trait it uses.
 #[async_trait::async_trait]
-pub trait Store: TenantStore + AgentStore + TaskStore + Send + Sync + 'static {
+pub trait Store:
+    TenantStore + AgentStore + TaskStore + ReleaseStore + Send + Sync + 'static
+{
     /// Backend name for logs and metrics: `sqlite` or `postgres`.
     fn backend(&self) -> &'static str;
 

@@ -6,14 +6,14 @@ use std::collections::BTreeMap;
 
 use berth_proto::admin::Role;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
-use berth_proto::{AgentId, AssignmentId, TaskId, TenantId, TokenId};
+use berth_proto::{AgentId, AssignmentId, ReleaseId, TaskId, TenantId, TokenId};
 use sqlx::error::ErrorKind;
 use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use crate::{
-    Agent, ApiToken, Attempt, AttemptState, HeartbeatRecord, Page, StoreError, Task, TaskState,
-    Tenant,
+    Agent, ApiToken, Attempt, AttemptState, HeartbeatRecord, Page, Release, StoreError, Task,
+    TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -101,6 +101,26 @@ fn status(column: &str, s: &str) -> Result<AgentStatus, StoreError> {
 
 fn labels(column: &str, v: serde_json::Value) -> Result<BTreeMap<String, String>, StoreError> {
     serde_json::from_value(v).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
+}
+
+/// The release columns every `SELECT`/`RETURNING` reads.
+macro_rules! release_columns {
+    () => {
+        "id, tenant_id, name, components, compose_lock, created_at"
+    };
+}
+pub(crate) use release_columns;
+
+pub(crate) fn read_release(row: &impl ColumnReader) -> Result<Release, StoreError> {
+    Ok(Release {
+        id: ReleaseId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        name: row.text("name")?,
+        components: serde_json::from_value(row.json("components")?)
+            .map_err(|e| StoreError::Corrupt(format!("releases.components: {e}")))?,
+        compose_lock: row.text_opt("compose_lock")?,
+        created_at: row.time("created_at")?,
+    })
 }
 
 pub(crate) fn read_tenant(row: &impl ColumnReader) -> Result<Tenant, StoreError> {
@@ -290,6 +310,12 @@ const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
         "task_attempts_pkey",
         "task_attempts.assignment_id",
         "assignment_id",
+    ),
+    ("releases_pkey", "releases.id", "release_id"),
+    (
+        "releases_tenant_id_name_key",
+        "releases.tenant_id, releases.name",
+        "release_name",
     ),
 ];
 

@@ -237,3 +237,62 @@ fn migration_directories_match() {
     };
     assert_eq!(files("sqlite"), files("postgres"));
 }
+
+/// The store has no way to change a release, and the database refuses one too (migration
+/// 0009's trigger), so not even a future query can rewrite what was deployed.
+async fn release_rows_refuse_updates(store: &DynStore, update: impl Future<Output = bool>) {
+    let tenant = store
+        .create_tenant(
+            berth_proto::TenantId::new(),
+            "immutable",
+            time::OffsetDateTime::now_utc(),
+        )
+        .await
+        .expect("tenant");
+    store
+        .create_release(berth_store::Release {
+            id: berth_proto::ReleaseId::new(),
+            tenant_id: tenant.id,
+            name: "r1".into(),
+            components: vec![],
+            compose_lock: None,
+            created_at: time::OffsetDateTime::now_utc(),
+        })
+        .await
+        .expect("create release");
+    assert!(!update.await, "an UPDATE of a release row must fail");
+    assert_eq!(
+        store
+            .get_release(tenant.id, "r1")
+            .await
+            .expect("get")
+            .map(|r| r.name),
+        Some("r1".to_string())
+    );
+}
+
+const UPDATE_RELEASE: &str = "UPDATE releases SET name = 'rewritten'";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_release_rows_refuse_updates() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("berth.db");
+    let store: DynStore = Arc::new(SqliteStore::open(&path).await.expect("open sqlite"));
+    let update = async {
+        let conn = rusqlite::Connection::open(&path).expect("open");
+        conn.execute(UPDATE_RELEASE, []).is_ok()
+    };
+    release_rows_refuse_updates(&store, update).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_release_rows_refuse_updates() {
+    on_postgres(|store, url| async move {
+        let update = async move {
+            let mut conn = PgConnection::connect(&url).await.expect("connect");
+            sqlx::query(UPDATE_RELEASE).execute(&mut conn).await.is_ok()
+        };
+        release_rows_refuse_updates(&store, update).await;
+    })
+    .await;
+}

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use berth_cli::output::{print_agent, print_agents, Output};
-use berth_cli::output::{print_task, print_tasks};
+use berth_cli::output::{print_release, print_releases, print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
+use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListReleases};
 use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, TaskId};
 use berth_server::{Server, ServerConfig};
@@ -72,6 +73,40 @@ enum Command {
     /// Tasks: one unit of work for one agent.
     #[command(subcommand)]
     Task(TaskCommand),
+    /// Releases: immutable sets of images pinned by digest.
+    #[command(subcommand)]
+    Release(ReleaseCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ReleaseCommand {
+    /// Create a release; the server resolves every tag to its digest through the registry.
+    Create {
+        name: String,
+        /// A component, NAME=HOST/REPO:TAG or NAME=HOST/REPO@sha256:… (repeatable).
+        #[arg(long = "image")]
+        images: Vec<String>,
+        /// The docker.run config of a component, NAME=JSON or NAME=@FILE (repeatable).
+        #[arg(long = "config")]
+        configs: Vec<String>,
+        /// A compose file: every service's image is pinned by digest into the lock.
+        #[arg(long)]
+        compose: Option<PathBuf>,
+        /// Where to write the compose lock (default: FILE.lock.yml beside --compose).
+        #[arg(long, requires = "compose")]
+        lock: Option<PathBuf>,
+        /// A user for the registry (used for this resolution only, never stored).
+        #[arg(long, env = "BERTH_REGISTRY_USERNAME")]
+        registry_username: Option<String>,
+        /// Its password; prefer the environment variable to the command line.
+        #[arg(long, env = "BERTH_REGISTRY_PASSWORD", hide_env_values = true)]
+        registry_password: Option<String>,
+    },
+    /// List releases.
+    #[command(alias = "list")]
+    Ls,
+    /// Show a release with its pinned components.
+    Show { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -371,6 +406,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             })
         }
         Command::Task(cmd) => task_command(&cli.conn, out, cmd).await,
+        Command::Release(cmd) => release_command(&cli.conn, out, cmd).await,
         Command::Tenant(TenantCommand::Create { name }) => {
             let client = admin_client(&cli.conn)?;
             let response = client.send(&CreateTenant { name: name.clone() }).await?;
@@ -465,6 +501,104 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
         TaskCommand::Show { id } => print_task(out, &client.send(&GetTask { id }).await?),
         TaskCommand::Cancel { id } => print_task(out, &client.send(&CancelTask { id }).await?),
         TaskCommand::Retry { id } => print_task(out, &client.send(&RetryTask { id }).await?),
+    }
+}
+
+async fn release_command(
+    conn: &Connection,
+    out: Output,
+    cmd: ReleaseCommand,
+) -> anyhow::Result<()> {
+    let client = admin_client(conn)?;
+    match cmd {
+        ReleaseCommand::Create {
+            name,
+            images,
+            configs,
+            compose,
+            lock,
+            registry_username,
+            registry_password,
+        } => {
+            let mut components = Vec::new();
+            for image in &images {
+                let (component, reference) = image
+                    .split_once('=')
+                    .with_context(|| format!("--image {image:?} is not NAME=IMAGE"))?;
+                components.push(ComponentSpec {
+                    name: component.to_string(),
+                    image: reference.to_string(),
+                    config: None,
+                });
+            }
+            for config in &configs {
+                let (component, json) = config
+                    .split_once('=')
+                    .with_context(|| format!("--config {config:?} is not NAME=JSON"))?;
+                let text = match json.strip_prefix('@') {
+                    Some(file) => {
+                        std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
+                    }
+                    None => json.to_string(),
+                };
+                let spec = components
+                    .iter_mut()
+                    .find(|c| c.name == component)
+                    .with_context(|| format!("--config {component}: no --image of that name"))?;
+                spec.config = Some(
+                    serde_json::from_str(&text)
+                        .with_context(|| format!("--config {component} is not JSON"))?,
+                );
+            }
+            let compose_text = match &compose {
+                Some(path) => Some(
+                    std::fs::read_to_string(path)
+                        .with_context(|| format!("reading {}", path.display()))?,
+                ),
+                None => None,
+            };
+            let release = client
+                .send(&CreateRelease {
+                    name,
+                    components,
+                    compose: compose_text,
+                    registry_username,
+                    registry_password,
+                })
+                .await?;
+            if let (Some(path), Some(text)) = (&compose, &release.compose_lock) {
+                let lock = lock.unwrap_or_else(|| {
+                    let mut name = path.as_os_str().to_owned();
+                    name.push(".lock.yml");
+                    PathBuf::from(name)
+                });
+                std::fs::write(&lock, text)
+                    .with_context(|| format!("writing {}", lock.display()))?;
+                eprintln!("compose lock written to {}", lock.display());
+            }
+            print_release(out, &release)
+        }
+        ReleaseCommand::Ls => {
+            let mut releases = Vec::new();
+            let mut cursor = None;
+            loop {
+                let page = client
+                    .send(&ListReleases {
+                        cursor,
+                        limit: Some(500),
+                    })
+                    .await?;
+                releases.extend(page.items);
+                match page.next_cursor {
+                    Some(next) => cursor = Some(next),
+                    None => break,
+                }
+            }
+            print_releases(out, &releases)
+        }
+        ReleaseCommand::Show { name } => {
+            print_release(out, &client.send(&GetRelease { name }).await?)
+        }
     }
 }
 

@@ -455,7 +455,19 @@ impl Server {
 
     /// `berth <args> --output json` with the given API token.
     pub fn try_cli_as(&self, token: &str, args: &[&str]) -> Result<Value, String> {
+        self.try_cli_env(token, args, &[])
+    }
+
+    /// Like [`Server::try_cli_as`], with extra environment variables (secrets stay out of the
+    /// argument list, which failures print).
+    pub fn try_cli_env(
+        &self,
+        token: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Value, String> {
         let mut cmd = command(BERTH);
+        cmd.envs(env.iter().copied());
         cmd.args(args)
             .args(["--output", "json"])
             .env("BERTH_SERVER", &self.url)

@@ -14,6 +14,7 @@ use crate::SharedState;
 pub mod admin;
 pub mod agents;
 pub mod meta;
+pub mod releases;
 pub mod tasks;
 pub mod transport;
 
@@ -46,6 +47,8 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(tasks::get))
         .routes(routes!(tasks::cancel))
         .routes(routes!(tasks::retry))
+        .routes(routes!(releases::create, releases::list))
+        .routes(routes!(releases::get))
 }
 
 pub fn router(state: SharedState) -> Router {

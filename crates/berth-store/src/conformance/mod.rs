@@ -1,6 +1,6 @@
 //! The conformance suite every [`Store`](crate::Store) backend must pass: one public function
 //! per behaviour, each panicking on failure, in a module per domain (`tenants.rs`, `agents.rs`,
-//! `tasks.rs`; this file holds the fixtures and the cases that span domains). Each case makes
+//! `tasks.rs`, `releases.rs`; this file holds the fixtures and the cases that span domains). Each case makes
 //! its own tenant with a unique name, so cases can share one database; none may assume an empty
 //! database or depend on another case. [`conformance_cases!`](crate::conformance_cases) lists
 //! them all. Compiled only with the `conformance` feature: the shipping library carries none
@@ -25,10 +25,12 @@ use crate::{
 };
 
 mod agents;
+mod releases;
 mod tasks;
 mod tenants;
 
 pub use agents::*;
+pub use releases::*;
 pub use tasks::*;
 pub use tenants::*;
 
@@ -81,6 +83,9 @@ macro_rules! conformance_cases {
             task_tenant_isolation,
             list_tasks,
             task_events,
+            release_create_get,
+            release_create_concurrent,
+            list_releases,
         }
     };
 }
