@@ -25,10 +25,12 @@ use crate::{
 };
 
 mod agents;
+mod audit;
 mod tasks;
 mod tenants;
 
 pub use agents::*;
+pub use audit::*;
 pub use tasks::*;
 pub use tenants::*;
 
@@ -81,6 +83,9 @@ macro_rules! conformance_cases {
             task_tenant_isolation,
             list_tasks,
             task_events,
+            audit_chain,
+            audit_result_entry,
+            audit_concurrent_appends,
         }
     };
 }
@@ -449,6 +454,7 @@ fn completion(
         agent_id: agent.id,
         generation,
         certificate_fingerprint: bound(agent),
+        certificate_der: b"certificate of the agent".to_vec(),
         task_id: attempt.task_id,
         assignment_id: Some(attempt.assignment_id),
         result,

@@ -167,6 +167,8 @@ pub struct Completion {
     pub agent_id: AgentId,
     pub generation: i64,
     pub certificate_fingerprint: String,
+    /// The DER of that certificate, recorded with the result in the audit log.
+    pub certificate_der: Vec<u8>,
     pub task_id: TaskId,
     /// From the envelope; `None` means "the task's current assignment".
     pub assignment_id: Option<AssignmentId>,
@@ -320,7 +322,8 @@ pub trait TaskStore: Send + Sync {
     /// `succeeded`; Cancelled → `cancelled`; Failed and retriable → `retry_wait` (next attempt
     /// after `policy.delay_after(attempts)`) or `dead_letter` once attempts reach
     /// `policy.max_attempts`; Failed and not retriable → `failed`. The attempt row gets the
-    /// envelope. A second submission for an already-ended assignment with an identical envelope
+    /// envelope, and the tenant's audit chain a `task.result` entry (envelope and certificate),
+    /// in the same transaction. A second submission for an already-ended assignment with an identical envelope
     /// is `Duplicate`; a different one is `Fenced`. A task whose cancellation was requested is
     /// never requeued: a retriable failure makes it `cancelled` instead of `retry_wait`.
     async fn complete_attempt(

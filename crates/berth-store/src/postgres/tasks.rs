@@ -11,6 +11,7 @@ use tokio::sync::broadcast;
 use super::{
     check_binding, fetch_page, notify, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
 };
+use crate::domain::audit::result_event;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
@@ -452,6 +453,7 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         let task = rows::read_task(&row)?;
+        super::audit::append(&mut tx, result_event(&completion, &task)).await?;
         // The agent's queue may have unblocked (a side-effecting task ended, or the head moved).
         notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;

@@ -7,6 +7,7 @@ use rusqlite::params;
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
+use crate::domain::audit::result_event;
 use super::threads::Db;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
 use crate::lifecycle;
@@ -511,6 +512,7 @@ impl TaskStore for SqliteStore {
                     ],
                     |row| rows::read_task(row),
                 )?;
+                super::audit::append(tx, result_event(&completion, &task))?;
                 Ok(CompleteOutcome::Recorded(task))
             })
             .await?;
