@@ -13,7 +13,11 @@ use berth_proto::error::codes;
 use berth_proto::{ErrorBody, TenantId, TokenId};
 use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
 
+use berth_proto::audit::actions;
+use serde_json::json;
+
 use crate::auth::Caller;
+use crate::routes::audit::record;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::ApiJson;
 use crate::SharedState;
@@ -51,8 +55,10 @@ pub async fn create_tenant(
         }
         Err(e) => return Err(e.into()),
     };
-    let admin_token =
+    let (admin_token_id, admin_token) =
         issue_api_token(&state, tenant.id, "tenant-admin".into(), Role::Admin).await?;
+    let details = json!({"name": tenant.name, "adminTokenId": admin_token_id});
+    record(&state, &caller, actions::TENANT_CREATE, tenant.id, details).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateTenantResponse {
@@ -82,7 +88,9 @@ pub async fn create_api_token(
         }
         None => format!("{}-token", req.role.as_str()),
     };
-    let token = issue_api_token(&state, caller.tenant(), name, req.role).await?;
+    let (id, token) = issue_api_token(&state, caller.tenant(), name.clone(), req.role).await?;
+    let details = json!({"name": name, "role": req.role});
+    record(&state, &caller, actions::API_TOKEN_CREATE, id, details).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateApiTokenResponse {
@@ -97,12 +105,13 @@ async fn issue_api_token(
     tenant: TenantId,
     name: String,
     role: Role,
-) -> ApiResult<String> {
+) -> ApiResult<(TokenId, String)> {
     let token = berth_crypto::random_token("bat_");
+    let id = TokenId::new();
     state
         .store
         .create_api_token(NewApiToken {
-            id: TokenId::new(),
+            id,
             tenant_id: tenant,
             name,
             role,
@@ -111,7 +120,7 @@ async fn issue_api_token(
             created_at: state.config.clock.now(),
         })
         .await?;
-    Ok(token)
+    Ok((id, token))
 }
 
 /// Create a one-time agent registration token.
@@ -146,10 +155,12 @@ pub async fn create_agent_token(
     let now = state.config.clock.now();
     let expires_at = now + time::Duration::seconds(ttl as i64);
     let token = berth_crypto::random_token("reg_");
+    let id = TokenId::new();
+    let details = json!({"labels": labels, "environment": req.environment, "expiresAt": expires_at.unix_timestamp()});
     state
         .store
         .create_registration_token(NewRegistrationToken {
-            id: TokenId::new(),
+            id,
             tenant_id: caller.tenant(),
             token_hash: berth_crypto::hash_token(&token),
             labels,
@@ -158,6 +169,7 @@ pub async fn create_agent_token(
             created_at: now,
         })
         .await?;
+    record(&state, &caller, actions::AGENT_TOKEN_CREATE, id, details).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateAgentTokenResponse {

@@ -11,6 +11,7 @@ use berth_proto::agent::{
     IssueAgentJwt, ListAgents, RegisterAgent, RegisterAgentResponse, RenewCertificate,
     RenewCertificateResponse, UpdateAgent,
 };
+use berth_proto::audit::actions;
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody};
 use berth_store::{
@@ -23,6 +24,7 @@ use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
+use crate::routes::audit::record;
 use crate::SharedState;
 
 use berth_proto::headers::REGISTRATION_TOKEN_HEADER;
@@ -246,6 +248,7 @@ pub async fn update(
     if let Some(capabilities) = &req.capabilities {
         validate_capabilities(capabilities)?;
     }
+    let details = serde_json::json!({"labels": req.labels, "capabilities": req.capabilities});
     let update = AgentUpdate {
         labels: req.labels,
         capabilities: req.capabilities,
@@ -255,7 +258,10 @@ pub async fn update(
         .update_agent(caller.tenant(), id, update, state.config.clock.now())
         .await?
     {
-        Some(a) => Ok(Json(to_wire(a))),
+        Some(a) => {
+            record(&state, &caller, actions::AGENT_UPDATE, id, details).await?;
+            Ok(Json(to_wire(a)))
+        }
         None => Err(ApiError::not_found("agent")),
     }
 }
@@ -273,6 +279,7 @@ pub async fn delete(
     caller.require_admin()?;
     if state.store.delete_agent(caller.tenant(), id).await? {
         tracing::info!(agent_id = %id, "agent deleted");
+        record(&state, &caller, actions::AGENT_DELETE, id, serde_json::Value::Null).await?;
         Ok(Json(Deleted { deleted: true }))
     } else {
         Err(ApiError::not_found("agent"))
