@@ -1,6 +1,6 @@
-//! The audit log: `GET /api/v1/audit` (admin), and [`record`], how an admin handler appends its
-//! action. Verified results are appended by the store itself, in `complete_attempt`'s
-//! transaction (see `berth_store::AuditStore`).
+//! The audit log: `GET /api/v1/audit` (admin), and [`record`], how the tenant, token and agent
+//! handlers append their action. Task actions (create, cancel, retry) and verified results are
+//! appended by the store itself, in the action's own transaction (see `berth_store::AuditStore`).
 
 use axum::extract::State;
 use axum::Json;
@@ -14,7 +14,7 @@ use crate::extract::ApiQuery;
 use crate::SharedState;
 
 /// Records `action` on `subject` by `caller` in the caller's tenant's chain, right after the
-/// action committed. The token appears by id, name and role; never its secret. A failed append
+/// action committed (the store methods of these actions take no actor). The token appears by id, name and role; never its secret. A failed append
 /// fails the request (500), so an action that answered success is in the log.
 pub(crate) async fn record(
     state: &SharedState,
@@ -27,11 +27,7 @@ pub(crate) async fn record(
         .store
         .append_audit(NewAuditEvent {
             tenant_id: caller.tenant(),
-            actor: AuditActor::Token {
-                id: caller.0.id.0,
-                name: caller.0.name.clone(),
-                role: caller.0.role,
-            },
+            actor: actor(caller),
             action,
             subject: subject.to_string(),
             details,
@@ -39,6 +35,15 @@ pub(crate) async fn record(
         })
         .await?;
     Ok(())
+}
+
+/// The caller as the audit log names it: by token id, name and role, never the secret.
+pub(crate) fn actor(caller: &Caller) -> AuditActor {
+    AuditActor::Token {
+        id: caller.0.id.0,
+        name: caller.0.name.clone(),
+        role: caller.0.role,
+    }
 }
 
 /// The caller's tenant's audit chain, in `seq` order (admin). `berth audit export` pages

@@ -14,11 +14,8 @@ use berth_store::{
     AgentFilter, Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task, TaskFilter,
 };
 
-use berth_proto::audit::actions;
-use serde_json::json;
-
 use crate::auth::Caller;
-use crate::routes::audit::record;
+use crate::routes::audit::actor;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiPath, ApiQuery, LosslessJson};
 use crate::routes::admin::validate_labels;
@@ -293,15 +290,12 @@ pub async fn create(
             request_hash: Some(request_hash),
             read_back_of: None,
             created_at: state.config.clock.now(),
+            created_by: Some(actor(&caller)),
         })
         .await?;
     match outcome {
         CreateTaskOutcome::Created(task) => {
             state.metrics.task_created();
-            // The payload and variables, never the credentials (sealed, and not recorded).
-            let details = json!({"type": task.task_type, "agentId": task.agent_id,
-                "payload": task.payload, "variables": task.variables});
-            record(&state, &caller, actions::TASK_CREATE, task.id, details).await?;
             Ok((StatusCode::CREATED, Json(to_view(task, vec![]))))
         }
         CreateTaskOutcome::Existing(task) => Ok((StatusCode::OK, Json(to_view(task, vec![])))),
@@ -378,15 +372,14 @@ pub async fn cancel(
     caller.require_deployer()?;
     match state
         .store
-        .cancel_task(caller.tenant(), id, state.config.clock.now())
+        .cancel_task(caller.tenant(), id, actor(&caller), state.config.clock.now())
         .await?
     {
-        Some(CancelOutcome::Cancelled(t) | CancelOutcome::Requested(t)) => {
-            let details = json!({"state": t.state});
-            record(&state, &caller, actions::TASK_CANCEL, id, details).await?;
-            Ok(Json(to_view(t, vec![])))
-        }
-        Some(CancelOutcome::AlreadyFinished(t)) => Ok(Json(to_view(t, vec![]))),
+        Some(
+            CancelOutcome::Cancelled(t)
+            | CancelOutcome::Requested(t)
+            | CancelOutcome::AlreadyFinished(t),
+        ) => Ok(Json(to_view(t, vec![]))),
         None => Err(ApiError::not_found("task")),
     }
 }
@@ -404,13 +397,10 @@ pub async fn retry(
     caller.require_deployer()?;
     match state
         .store
-        .retry_task(caller.tenant(), id, state.config.clock.now())
+        .retry_task(caller.tenant(), id, actor(&caller), state.config.clock.now())
         .await?
     {
-        Some(RetryOutcome::Requeued(t)) => {
-            record(&state, &caller, actions::TASK_RETRY, id, serde_json::Value::Null).await?;
-            Ok(Json(to_view(t, vec![])))
-        }
+        Some(RetryOutcome::Requeued(t)) => Ok(Json(to_view(t, vec![]))),
         Some(RetryOutcome::NotRetriable(t)) => Err(ApiError::conflict(
             codes::TASK_NOT_RETRIABLE,
             format!(

@@ -68,14 +68,20 @@ pub async fn audit_chain(store: &DynStore) {
     assert_eq!(page, vec![chain[1].clone()]);
 }
 
-/// A recorded result is in the chain with its envelope and certificate; a duplicate or a
-/// refused result adds nothing.
-pub async fn audit_result_entry(store: &DynStore) {
+/// An operator's task create and cancel, and a recorded result with its envelope and
+/// certificate, are in the chain, each written in its action's transaction; a duplicate
+/// result, a create without an actor (the server's read-backs) and a cancel of a finished task
+/// add nothing.
+pub async fn audit_task_entries(store: &DynStore) {
     let tenant = tenant(store).await;
     let agent = register(store, tenant.id, new_agent("audited")).await;
     let t = now();
     let generation = session(store, &agent, t).await;
-    let task = create(store, new_task(tenant.id, agent.id, t)).await;
+    let by_operator = NewTask {
+        created_by: Some(operator()),
+        ..new_task(tenant.id, agent.id, t)
+    };
+    let task = create(store, by_operator).await;
     let (_, attempt) = claimed(store, &agent, generation, t).await;
     let result = completion(&agent, generation, &attempt, AttemptResult::Succeeded, t);
     recorded(store, result.clone()).await;
@@ -83,10 +89,25 @@ pub async fn audit_result_entry(store: &DynStore) {
         complete(store, result.clone()).await,
         CompleteOutcome::Duplicate(_)
     ));
+    let unaudited = create(store, new_task(tenant.id, agent.id, t)).await;
+    for cancel in [unaudited.id, task.id] {
+        store
+            .cancel_task(tenant.id, cancel, operator(), t)
+            .await
+            .expect("cancel");
+    }
     let chain = entries(store, tenant.id).await;
-    assert_eq!(chain.len(), 1, "one entry per recorded result: {chain:?}");
+    let kinds: Vec<&str> = chain.iter().map(|e| e.action.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [actions::TASK_CREATE, actions::TASK_RESULT, actions::TASK_CANCEL],
+        "{chain:?}"
+    );
     assert_linear_chain(&chain);
-    let entry = &chain[0];
+    assert_eq!(chain[0].subject, task.id.to_string());
+    assert_eq!(chain[0].actor, operator());
+    assert_eq!(chain[2].subject, unaudited.id.to_string());
+    let entry = &chain[1];
     assert_eq!(entry.action, actions::TASK_RESULT);
     assert_eq!(entry.subject, task.id.to_string());
     assert_eq!(entry.actor, AuditActor::Agent { id: agent.id.0 });

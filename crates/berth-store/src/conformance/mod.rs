@@ -84,7 +84,7 @@ macro_rules! conformance_cases {
             list_tasks,
             task_events,
             audit_chain,
-            audit_result_entry,
+            audit_task_entries,
             audit_concurrent_appends,
         }
     };
@@ -371,7 +371,17 @@ fn new_task(tenant: TenantId, agent: AgentId, at: OffsetDateTime) -> NewTask {
         idempotency_key: None,
         request_hash: None,
         read_back_of: None,
+        created_by: None,
         created_at: at,
+    }
+}
+
+/// The operator the cases act as, in the audit log.
+fn operator() -> berth_proto::audit::AuditActor {
+    berth_proto::audit::AuditActor::Token {
+        id: uuid::Uuid::nil(),
+        name: "operator".to_string(),
+        role: Role::Admin,
     }
 }
 

@@ -2,7 +2,8 @@
 //! (`berth_proto::audit`). Appends are serialised per tenant (SQLite: its single writer;
 //! PostgreSQL: a transaction-scoped advisory lock on the tenant's chain), so concurrent writers,
 //! replicas included, extend one linear chain. Results are appended inside `complete_attempt`'s
-//! own transaction; admin actions through [`AuditStore::append_audit`].
+//! own transaction, and so are operators' task actions (create, cancel, retry); the other admin
+//! actions go through [`AuditStore::append_audit`].
 
 use berth_proto::audit::{AuditActor, AuditEntry, GENESIS_HASH};
 use berth_proto::TenantId;
@@ -87,5 +88,30 @@ pub(crate) fn result_event(completion: &crate::Completion, task: &crate::Task) -
         // A struct of JSON values and strings always serialises.
         details: serde_json::to_value(evidence).unwrap_or_default(),
         at: completion.now,
+    }
+}
+
+/// The entry of an operator's action on a task: `task.create` (what was asked, never the
+/// credentials, which are sealed and not recorded), `task.cancel` and `task.retry` (the state
+/// the task went to).
+pub(crate) fn task_event(
+    action: &'static str,
+    task: &crate::Task,
+    actor: AuditActor,
+    at: OffsetDateTime,
+) -> NewAuditEvent {
+    let details = if action == berth_proto::audit::actions::TASK_CREATE {
+        serde_json::json!({"type": task.task_type, "agentId": task.agent_id,
+            "payload": task.payload, "variables": task.variables})
+    } else {
+        serde_json::json!({"state": task.state})
+    };
+    NewAuditEvent {
+        tenant_id: task.tenant_id,
+        actor,
+        action,
+        subject: task.id.to_string(),
+        details,
+        at,
     }
 }
