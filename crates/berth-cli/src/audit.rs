@@ -45,7 +45,11 @@ pub fn verify(export: &str, ca_der: &[u8]) -> Result<Verified, Fault> {
         entries: 0,
         results: 0,
     };
-    for (i, text) in export.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, text) in export
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let fault = |seq, reason: String| Fault {
             line: i + 1,
             seq,
@@ -130,8 +134,9 @@ fn check_result(entry: &AuditEntry, ca_der: &[u8]) -> Result<(), String> {
         .map_err(|_| "the signature is not standard base64".to_string())?;
     let signed = berth_proto::transport::signing_input(&evidence.envelope)
         .map_err(|e| format!("the envelope has no canonical form: {e}"))?;
-    berth_crypto::verify_with_cert(&cert, &text("signatureAlgorithm"), &signed, &signature)
-        .map_err(|e| format!("the result signature does not verify with the agent's certificate: {e}"))
+    berth_crypto::verify_with_cert(&cert, &text("signatureAlgorithm"), &signed, &signature).map_err(
+        |e| format!("the result signature does not verify with the agent's certificate: {e}"),
+    )
 }
 
 #[cfg(test)]
@@ -159,7 +164,12 @@ mod tests {
             let key = AgentKey::generate().unwrap();
             let agent = uuid::Uuid::new_v4();
             let issued = ca
-                .sign_agent_csr(&key.csr_pem("a").unwrap(), agent, now, time::Duration::hours(1))
+                .sign_agent_csr(
+                    &key.csr_pem("a").unwrap(),
+                    agent,
+                    now,
+                    time::Duration::hours(1),
+                )
                 .unwrap();
             let cert = berth_crypto::cert_pem_to_der(&issued.cert_pem).unwrap();
             Fixture {
@@ -202,9 +212,17 @@ mod tests {
                     serde_json::to_value(evidence).unwrap(),
                 )
             };
-            let (t1, t2) = (uuid::Uuid::new_v4().to_string(), uuid::Uuid::new_v4().to_string());
+            let (t1, t2) = (
+                uuid::Uuid::new_v4().to_string(),
+                uuid::Uuid::new_v4().to_string(),
+            );
             let events = vec![
-                (admin, actions::TASK_CREATE, t1.clone(), json!({"type": "inspect"})),
+                (
+                    admin,
+                    actions::TASK_CREATE,
+                    t1.clone(),
+                    json!({"type": "inspect"}),
+                ),
                 result(&t1),
                 result(&t2),
             ];
@@ -289,7 +307,10 @@ mod tests {
         rehash(&mut entries);
         let fault = fault(&f, &entries);
         assert_eq!(fault.seq, Some(2), "{fault}");
-        assert!(fault.reason.contains("signature does not verify"), "{fault}");
+        assert!(
+            fault.reason.contains("signature does not verify"),
+            "{fault}"
+        );
     }
 
     #[test]

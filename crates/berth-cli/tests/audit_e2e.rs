@@ -91,7 +91,10 @@ fn audit_export_verifies_and_tampering_is_named() {
     // The export holds every action, in order, and verifies offline.
     let file = dir.path().join("audit.jsonl");
     let entries = export(&server, &file);
-    let actions: Vec<&str> = entries.iter().map(|e| e["action"].as_str().unwrap()).collect();
+    let actions: Vec<&str> = entries
+        .iter()
+        .map(|e| e["action"].as_str().unwrap())
+        .collect();
     assert_eq!(
         actions,
         [
@@ -106,7 +109,10 @@ fn audit_export_verifies_and_tampering_is_named() {
         "{entries:#?}"
     );
     let text = std::fs::read_to_string(&file).unwrap();
-    assert!(!text.contains("bat_") && !text.contains("reg_"), "no token secret in the log");
+    assert!(
+        !text.contains("bat_") && !text.contains("reg_"),
+        "no token secret in the log"
+    );
     let ok = verify(&server, &file).expect("a genuine export verifies");
     assert!(ok.contains("7 entries, 2 signed results"), "{ok}");
     let result_seqs: Vec<i64> = entries

@@ -66,8 +66,7 @@ pub struct Page<T> {
 /// trait object carries its supertraits' methods, so callers import no domain trait. Code that
 /// calls them on a concrete backend (`SqliteStore`) imports the domain trait it uses.
 #[async_trait::async_trait]
-pub trait Store:
-    TenantStore + AgentStore + TaskStore + AuditStore + Send + Sync + 'static {
+pub trait Store: TenantStore + AgentStore + TaskStore + AuditStore + Send + Sync + 'static {
     /// Backend name for logs and metrics: `sqlite` or `postgres`.
     fn backend(&self) -> &'static str;
 

@@ -253,7 +253,11 @@ async fn postgres_two_replicas_append_one_audit_chain() {
             .await
             .expect("tenant");
         let appends = (0..60).map(|i| {
-            let store = if i % 2 == 0 { first.clone() } else { second.clone() };
+            let store = if i % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
             tokio::spawn(async move {
                 store
                     .append_audit(berth_store::NewAuditEvent {

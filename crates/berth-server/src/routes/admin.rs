@@ -17,9 +17,9 @@ use berth_proto::audit::actions;
 use serde_json::json;
 
 use crate::auth::Caller;
-use crate::routes::audit::record;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::ApiJson;
+use crate::routes::audit::record;
 use crate::SharedState;
 
 const DEFAULT_REGISTRATION_TTL_SECS: u64 = 3600;

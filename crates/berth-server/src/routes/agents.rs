@@ -279,7 +279,14 @@ pub async fn delete(
     caller.require_admin()?;
     if state.store.delete_agent(caller.tenant(), id).await? {
         tracing::info!(agent_id = %id, "agent deleted");
-        record(&state, &caller, actions::AGENT_DELETE, id, serde_json::Value::Null).await?;
+        record(
+            &state,
+            &caller,
+            actions::AGENT_DELETE,
+            id,
+            serde_json::Value::Null,
+        )
+        .await?;
         Ok(Json(Deleted { deleted: true }))
     } else {
         Err(ApiError::not_found("agent"))

@@ -1,7 +1,9 @@
 //! The audit log: per-tenant hash chains, the result entry `complete_attempt` writes in its
 //! own transaction, and one linear chain under concurrent appends.
 
-use berth_proto::audit::{actions, hash_input, AuditActor, AuditEntry, ResultEvidence, GENESIS_HASH};
+use berth_proto::audit::{
+    actions, hash_input, AuditActor, AuditEntry, ResultEvidence, GENESIS_HASH,
+};
 
 use super::*;
 use crate::NewAuditEvent;
@@ -31,7 +33,11 @@ pub fn assert_linear_chain(chain: &[AuditEntry]) {
     let mut prev = GENESIS_HASH.to_string();
     for (i, entry) in chain.iter().enumerate() {
         assert_eq!(entry.seq, i as u64 + 1, "seq without gaps");
-        assert_eq!(entry.prev_hash, prev, "entry {} links to its predecessor", entry.seq);
+        assert_eq!(
+            entry.prev_hash, prev,
+            "entry {} links to its predecessor",
+            entry.seq
+        );
         let value = serde_json::to_value(entry).expect("entry as JSON");
         let hash = berth_crypto::sha256_hex(&hash_input(&value).expect("hash input"));
         assert_eq!(entry.hash, hash, "entry {} hashes to its hash", entry.seq);
@@ -58,7 +64,11 @@ pub async fn audit_chain(store: &DynStore) {
         ["one", "two", "three"]
     );
     assert_linear_chain(&chain);
-    assert_eq!(chain[0].at, millis(chain[0].at), "stored at millisecond precision");
+    assert_eq!(
+        chain[0].at,
+        millis(chain[0].at),
+        "stored at millisecond precision"
+    );
     // Each tenant has a chain of its own, and sees only it.
     let other = entries(store, b.id).await;
     assert_eq!(other.len(), 1);
@@ -100,7 +110,11 @@ pub async fn audit_task_entries(store: &DynStore) {
     let kinds: Vec<&str> = chain.iter().map(|e| e.action.as_str()).collect();
     assert_eq!(
         kinds,
-        [actions::TASK_CREATE, actions::TASK_RESULT, actions::TASK_CANCEL],
+        [
+            actions::TASK_CREATE,
+            actions::TASK_RESULT,
+            actions::TASK_CANCEL
+        ],
         "{chain:?}"
     );
     assert_linear_chain(&chain);

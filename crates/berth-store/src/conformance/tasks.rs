@@ -1241,7 +1241,10 @@ pub async fn read_back_sweep(store: &DynStore) {
 
     // Retried, and lost again on its first delivery after the retry: `attempts` counts from 1
     // again, and the retry released the earlier read-back's key, so this loss gets its own.
-    store.retry_task(tenant.id, b.id, operator(), t).await.expect("retry");
+    store
+        .retry_task(tenant.id, b.id, operator(), t)
+        .await
+        .expect("retry");
     assert_eq!(task_now(store, &failing).await.0.idempotency_key, None);
     let (_, first) = claimed(store, &agent, generation, t).await;
     assert_eq!(first.task_id, b.id);

@@ -45,7 +45,10 @@ pub(crate) fn chain(
     };
     let corrupt = |e: serde_json::Error| StoreError::Corrupt(format!("audit entry: {e}"));
     // Millisecond precision, as every other stored time: the text round-trips exactly.
-    let at = event.at.replace_nanosecond(event.at.millisecond() as u32 * 1_000_000).unwrap_or(event.at);
+    let at = event
+        .at
+        .replace_nanosecond(event.at.millisecond() as u32 * 1_000_000)
+        .unwrap_or(event.at);
     let mut entry = AuditEntry {
         seq: seq as u64,
         tenant_id: event.tenant_id,

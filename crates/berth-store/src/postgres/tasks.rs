@@ -12,8 +12,6 @@ use super::{
     check_binding, fetch_page, notify, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
 };
 use crate::domain::audit::{result_event, task_event};
-use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
-use berth_proto::audit::AuditActor;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
@@ -21,6 +19,8 @@ use crate::{
     LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
     StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
+use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
+use berth_proto::audit::AuditActor;
 
 #[async_trait::async_trait]
 impl TaskStore for PostgresStore {

@@ -7,11 +7,9 @@ use rusqlite::params;
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
-use crate::domain::audit::{result_event, task_event};
-use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
-use berth_proto::audit::AuditActor;
 use super::threads::Db;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use crate::domain::audit::{result_event, task_event};
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
 use crate::{
@@ -19,6 +17,8 @@ use crate::{
     LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
     StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
+use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
+use berth_proto::audit::AuditActor;
 
 /// The tenant's task `id`, if it has one.
 /// The agent's task with the delivery `assignment` names; without one, the task's current
