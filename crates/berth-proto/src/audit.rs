@@ -84,11 +84,7 @@ pub struct ResultEvidence {
 
 /// The bytes an entry's `hash` covers: JCS of the entry without its `hash` member.
 pub fn hash_input(entry: &serde_json::Value) -> Result<Vec<u8>, serde_json::Error> {
-    let mut unhashed = entry.clone();
-    if let Some(object) = unhashed.as_object_mut() {
-        object.remove("hash");
-    }
-    serde_jcs::to_vec(&unhashed)
+    crate::json::jcs_without(entry, "hash")
 }
 
 /// `GET /api/v1/audit?after=&limit=` (admin role): the caller's tenant's entries with

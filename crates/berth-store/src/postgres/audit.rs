@@ -63,7 +63,7 @@ impl AuditStore for PostgresStore {
             "SELECT entry FROM audit_log WHERE tenant_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
         )
         .bind(tenant.0)
-        .bind(after as i64)
+        .bind(i64::try_from(after).unwrap_or(i64::MAX))
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await
