@@ -248,6 +248,9 @@ async fn postgres_two_replicas_append_one_audit_chain() {
             .create_tenant(
                 berth_proto::TenantId::new(),
                 "audited",
+                berth_proto::audit::AuditActor::Agent {
+                    id: uuid::Uuid::nil(),
+                },
                 time::OffsetDateTime::now_utc(),
             )
             .await
@@ -278,7 +281,7 @@ async fn postgres_two_replicas_append_one_audit_chain() {
             append.await.expect("append task");
         }
         let chain = second.list_audit(tenant.id, 0, 1000).await.expect("list");
-        assert_eq!(chain.len(), 60);
+        assert_eq!(chain.len(), 61, "tenant.create and 60 appends");
         berth_store::conformance::assert_linear_chain(&chain);
     })
     .await;

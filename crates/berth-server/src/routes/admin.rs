@@ -13,13 +13,10 @@ use berth_proto::error::codes;
 use berth_proto::{ErrorBody, TenantId, TokenId};
 use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
 
-use berth_proto::audit::actions;
-use serde_json::json;
-
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::ApiJson;
-use crate::routes::audit::record;
+use crate::routes::audit::actor;
 use crate::SharedState;
 
 const DEFAULT_REGISTRATION_TTL_SECS: u64 = 3600;
@@ -43,7 +40,7 @@ pub async fn create_tenant(
     let now = state.config.clock.now();
     let tenant = match state
         .store
-        .create_tenant(TenantId::new(), &req.name, now)
+        .create_tenant(TenantId::new(), &req.name, actor(&caller), now)
         .await
     {
         Ok(t) => t,
@@ -55,10 +52,14 @@ pub async fn create_tenant(
         }
         Err(e) => return Err(e.into()),
     };
-    let (admin_token_id, admin_token) =
-        issue_api_token(&state, tenant.id, "tenant-admin".into(), Role::Admin).await?;
-    let details = json!({"name": tenant.name, "adminTokenId": admin_token_id});
-    record(&state, &caller, actions::TENANT_CREATE, tenant.id, details).await?;
+    let admin_token = issue_api_token(
+        &state,
+        &caller,
+        tenant.id,
+        "tenant-admin".into(),
+        Role::Admin,
+    )
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateTenantResponse {
@@ -88,9 +89,7 @@ pub async fn create_api_token(
         }
         None => format!("{}-token", req.role.as_str()),
     };
-    let (id, token) = issue_api_token(&state, caller.tenant(), name.clone(), req.role).await?;
-    let details = json!({"name": name, "role": req.role});
-    record(&state, &caller, actions::API_TOKEN_CREATE, id, details).await?;
+    let token = issue_api_token(&state, &caller, caller.tenant(), name, req.role).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateApiTokenResponse {
@@ -100,27 +99,29 @@ pub async fn create_api_token(
     ))
 }
 
+/// A new API token of `tenant`, issued by `caller` (recorded in the tenant's audit chain).
 async fn issue_api_token(
     state: &SharedState,
+    caller: &Caller,
     tenant: TenantId,
     name: String,
     role: Role,
-) -> ApiResult<(TokenId, String)> {
+) -> ApiResult<String> {
     let token = berth_crypto::random_token("bat_");
-    let id = TokenId::new();
     state
         .store
         .create_api_token(NewApiToken {
-            id,
+            id: TokenId::new(),
             tenant_id: tenant,
             name,
             role,
             operator: false,
             token_hash: berth_crypto::hash_token(&token),
             created_at: state.config.clock.now(),
+            created_by: Some(actor(caller)),
         })
         .await?;
-    Ok((id, token))
+    Ok(token)
 }
 
 /// Create a one-time agent registration token.
@@ -155,21 +156,19 @@ pub async fn create_agent_token(
     let now = state.config.clock.now();
     let expires_at = now + time::Duration::seconds(ttl as i64);
     let token = berth_crypto::random_token("reg_");
-    let id = TokenId::new();
-    let details = json!({"labels": labels, "environment": req.environment, "expiresAt": expires_at.unix_timestamp()});
     state
         .store
         .create_registration_token(NewRegistrationToken {
-            id,
+            id: TokenId::new(),
             tenant_id: caller.tenant(),
             token_hash: berth_crypto::hash_token(&token),
             labels,
             environment: req.environment,
             expires_at,
             created_at: now,
+            created_by: Some(actor(&caller)),
         })
         .await?;
-    record(&state, &caller, actions::AGENT_TOKEN_CREATE, id, details).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateAgentTokenResponse {

@@ -11,7 +11,6 @@ use berth_proto::agent::{
     IssueAgentJwt, ListAgents, RegisterAgent, RegisterAgentResponse, RenewCertificate,
     RenewCertificateResponse, UpdateAgent,
 };
-use berth_proto::audit::actions;
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody};
 use berth_store::{
@@ -24,7 +23,7 @@ use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
-use crate::routes::audit::record;
+use crate::routes::audit::actor;
 use crate::SharedState;
 
 use berth_proto::headers::REGISTRATION_TOKEN_HEADER;
@@ -248,20 +247,17 @@ pub async fn update(
     if let Some(capabilities) = &req.capabilities {
         validate_capabilities(capabilities)?;
     }
-    let details = serde_json::json!({"labels": req.labels, "capabilities": req.capabilities});
     let update = AgentUpdate {
         labels: req.labels,
         capabilities: req.capabilities,
+        updated_by: Some(actor(&caller)),
     };
     match state
         .store
         .update_agent(caller.tenant(), id, update, state.config.clock.now())
         .await?
     {
-        Some(a) => {
-            record(&state, &caller, actions::AGENT_UPDATE, id, details).await?;
-            Ok(Json(to_wire(a)))
-        }
+        Some(a) => Ok(Json(to_wire(a))),
         None => Err(ApiError::not_found("agent")),
     }
 }
@@ -277,16 +273,13 @@ pub async fn delete(
     ApiPath(id): ApiPath<AgentId>,
 ) -> ApiResult<Json<Deleted>> {
     caller.require_admin()?;
-    if state.store.delete_agent(caller.tenant(), id).await? {
+    let (by, now) = (actor(&caller), state.config.clock.now());
+    if state
+        .store
+        .delete_agent(caller.tenant(), id, by, now)
+        .await?
+    {
         tracing::info!(agent_id = %id, "agent deleted");
-        record(
-            &state,
-            &caller,
-            actions::AGENT_DELETE,
-            id,
-            serde_json::Value::Null,
-        )
-        .await?;
         Ok(Json(Deleted { deleted: true }))
     } else {
         Err(ApiError::not_found("agent"))

@@ -1,41 +1,16 @@
-//! The audit log: `GET /api/v1/audit` (admin), and [`record`], how the tenant, token and agent
-//! handlers append their action. Task actions (create, cancel, retry) and verified results are
-//! appended by the store itself, in the action's own transaction (see `berth_store::AuditStore`).
+//! The audit log: `GET /api/v1/audit` (admin), and [`actor`], how a handler names its caller to
+//! the store method that records the action. Every entry is appended by the store, in the
+//! transaction of the action it records (see `berth_store::AuditStore`).
 
 use axum::extract::State;
 use axum::Json;
 use berth_proto::audit::{AuditActor, AuditPage, ListAudit};
 use berth_proto::ErrorBody;
-use berth_store::NewAuditEvent;
 
 use crate::auth::Caller;
 use crate::error::ApiResult;
 use crate::extract::ApiQuery;
 use crate::SharedState;
-
-/// Records `action` on `subject` by `caller` in the caller's tenant's chain, right after the
-/// action committed (the store methods of these actions take no actor). The token appears by id, name and role; never its secret. A failed append
-/// fails the request (500), so an action that answered success is in the log.
-pub(crate) async fn record(
-    state: &SharedState,
-    caller: &Caller,
-    action: &'static str,
-    subject: impl ToString,
-    details: serde_json::Value,
-) -> ApiResult<()> {
-    state
-        .store
-        .append_audit(NewAuditEvent {
-            tenant_id: caller.tenant(),
-            actor: actor(caller),
-            action,
-            subject: subject.to_string(),
-            details,
-            at: state.config.clock.now(),
-        })
-        .await?;
-    Ok(())
-}
 
 /// The caller as the audit log names it: by token id, name and role, never the secret.
 pub(crate) fn actor(caller: &Caller) -> AuditActor {

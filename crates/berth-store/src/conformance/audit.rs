@@ -58,20 +58,24 @@ pub async fn audit_chain(store: &DynStore) {
         .append_audit(event(b.id, actions::AGENT_DELETE, "other"))
         .await
         .expect("append");
+    // A tenant's chain starts with its creation, by the operator, in its own transaction.
     let chain = entries(store, a.id).await;
     assert_eq!(
-        chain.iter().map(|e| e.subject.as_str()).collect::<Vec<_>>(),
-        ["one", "two", "three"]
+        chain.iter().map(|e| e.subject.clone()).collect::<Vec<_>>(),
+        [a.id.to_string(), "one".into(), "two".into(), "three".into()]
     );
+    assert_eq!(chain[0].action, actions::TENANT_CREATE);
+    assert_eq!(chain[0].actor, operator());
+    assert_eq!(chain[0].details, serde_json::json!({"name": a.name}));
     assert_linear_chain(&chain);
     assert_eq!(
-        chain[0].at,
-        millis(chain[0].at),
+        chain[1].at,
+        millis(chain[1].at),
         "stored at millisecond precision"
     );
     // Each tenant has a chain of its own, and sees only it.
     let other = entries(store, b.id).await;
-    assert_eq!(other.len(), 1);
+    assert_eq!(other.len(), 2);
     assert_linear_chain(&other);
     // Paging: after a seq, at most limit.
     let page = store.list_audit(a.id, 1, 1).await.expect("page");
@@ -106,18 +110,20 @@ pub async fn audit_task_entries(store: &DynStore) {
             .await
             .expect("cancel");
     }
-    let chain = entries(store, tenant.id).await;
+    let mut chain = entries(store, tenant.id).await;
+    assert_linear_chain(&chain);
     let kinds: Vec<&str> = chain.iter().map(|e| e.action.as_str()).collect();
     assert_eq!(
         kinds,
         [
+            actions::TENANT_CREATE,
             actions::TASK_CREATE,
             actions::TASK_RESULT,
             actions::TASK_CANCEL
         ],
         "{chain:?}"
     );
-    assert_linear_chain(&chain);
+    chain.remove(0);
     assert_eq!(chain[0].subject, task.id.to_string());
     assert_eq!(chain[0].actor, operator());
     assert_eq!(chain[2].subject, unaudited.id.to_string());
@@ -154,6 +160,92 @@ pub async fn audit_concurrent_appends(store: &DynStore) {
         append.await.expect("append task");
     }
     let chain = entries(store, tenant.id).await;
-    assert_eq!(chain.len(), 40);
+    assert_eq!(chain.len(), 41, "tenant.create and 40 appends");
     assert_linear_chain(&chain);
+}
+
+/// Token creation, agent update and delete are recorded by the store method itself, in the
+/// action's transaction; what did nothing (an unknown agent) records nothing; no secret or
+/// secret hash enters the log.
+pub async fn audit_admin_entries(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let t = now();
+    let api_hash = token_hash();
+    store
+        .create_api_token(NewApiToken {
+            id: TokenId::new(),
+            tenant_id: tenant.id,
+            name: "ci".to_string(),
+            role: Role::Deployer,
+            operator: false,
+            token_hash: api_hash.clone(),
+            created_at: t,
+            created_by: Some(operator()),
+        })
+        .await
+        .expect("api token");
+    let registration_hash = token_hash();
+    store
+        .create_registration_token(NewRegistrationToken {
+            id: TokenId::new(),
+            tenant_id: tenant.id,
+            token_hash: registration_hash.clone(),
+            labels: labels(&[("tier", "qa")]),
+            environment: None,
+            expires_at: t + Duration::hours(1),
+            created_at: t,
+            created_by: Some(operator()),
+        })
+        .await
+        .expect("registration token");
+    let agent = register(store, tenant.id, new_agent("audited-admin")).await;
+    let update = |id| {
+        store.update_agent(
+            tenant.id,
+            id,
+            AgentUpdate {
+                labels: Some(labels(&[("tier", "prod")])),
+                capabilities: None,
+                updated_by: Some(operator()),
+            },
+            t,
+        )
+    };
+    assert!(update(agent.id).await.expect("update").is_some());
+    assert!(update(AgentId::new()).await.expect("update").is_none());
+    for id in [agent.id, AgentId::new()] {
+        store
+            .delete_agent(tenant.id, id, operator(), t)
+            .await
+            .expect("delete");
+    }
+    let chain = entries(store, tenant.id).await;
+    assert_linear_chain(&chain);
+    let kinds: Vec<(&str, &str)> = chain
+        .iter()
+        .map(|e| (e.action.as_str(), e.subject.as_str()))
+        .collect();
+    let agent_id = agent.id.to_string();
+    assert_eq!(
+        kinds[3..],
+        [
+            (actions::AGENT_UPDATE, agent_id.as_str()),
+            (actions::AGENT_DELETE, agent_id.as_str())
+        ],
+        "{chain:?}"
+    );
+    assert_eq!(
+        kinds[..3].iter().map(|k| k.0).collect::<Vec<_>>(),
+        [
+            actions::TENANT_CREATE,
+            actions::API_TOKEN_CREATE,
+            actions::AGENT_TOKEN_CREATE
+        ]
+    );
+    assert_eq!(
+        chain[1].details,
+        serde_json::json!({"name": "ci", "role": "deployer"})
+    );
+    let text = serde_json::to_string(&chain).expect("json");
+    assert!(!text.contains(&api_hash) && !text.contains(&registration_hash));
 }

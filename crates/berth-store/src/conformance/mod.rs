@@ -85,6 +85,7 @@ macro_rules! conformance_cases {
             task_events,
             audit_chain,
             audit_task_entries,
+            audit_admin_entries,
             audit_concurrent_appends,
         }
     };
@@ -143,7 +144,7 @@ fn usage() -> ResourceUsage {
 
 async fn tenant(store: &DynStore) -> Tenant {
     store
-        .create_tenant(TenantId::new(), &unique("conformance"), now())
+        .create_tenant(TenantId::new(), &unique("conformance"), operator(), now())
         .await
         .expect("create tenant")
 }
@@ -158,6 +159,7 @@ async fn registration_token(
     let hash = token_hash();
     store
         .create_registration_token(NewRegistrationToken {
+            created_by: None,
             id: TokenId::new(),
             tenant_id: tenant,
             token_hash: hash.clone(),
@@ -245,7 +247,7 @@ pub async fn timestamps_round_trip(store: &DynStore) {
     assert_eq!(millis(at), expected);
 
     let tenant = store
-        .create_tenant(TenantId::new(), &unique("timestamps"), at)
+        .create_tenant(TenantId::new(), &unique("timestamps"), operator(), at)
         .await
         .expect("create tenant");
     assert_eq!(tenant.created_at, expected);
@@ -305,6 +307,7 @@ pub async fn timestamps_round_trip(store: &DynStore) {
     let hash = token_hash();
     let token = store
         .create_api_token(NewApiToken {
+            created_by: None,
             id: TokenId::new(),
             tenant_id: tenant.id,
             name: "clock".to_string(),

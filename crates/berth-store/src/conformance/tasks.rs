@@ -929,7 +929,7 @@ pub async fn task_retry(store: &DynStore) {
     let deploy = create(store, deploy_task(tenant.id, doomed.id, t)).await;
     claimed(store, &doomed, doomed_generation, t).await;
     assert!(store
-        .delete_agent(tenant.id, doomed.id)
+        .delete_agent(tenant.id, doomed.id, operator(), now())
         .await
         .expect("delete"));
     assert_eq!(task_now(store, &deploy).await.0.state, TaskState::Unknown);
@@ -1162,7 +1162,7 @@ pub async fn read_back_sweep(store: &DynStore) {
         .expect("the doomed agent's task");
     let orphan = lost.remove(orphan);
     assert!(store
-        .delete_agent(tenant.id, doomed.id)
+        .delete_agent(tenant.id, doomed.id, operator(), now())
         .await
         .expect("delete agent"));
     assert_eq!(task_now(store, &orphan).await.0.state, TaskState::Unknown);
@@ -1295,7 +1295,7 @@ pub async fn delete_agent_tasks(store: &DynStore) {
     let _ = finished;
 
     assert!(store
-        .delete_agent(tenant.id, agent.id)
+        .delete_agent(tenant.id, agent.id, operator(), now())
         .await
         .expect("delete"));
 

@@ -2,8 +2,9 @@
 //! (`berth_proto::audit`). Appends are serialised per tenant (SQLite: its single writer;
 //! PostgreSQL: a transaction-scoped advisory lock on the tenant's chain), so concurrent writers,
 //! replicas included, extend one linear chain. Results are appended inside `complete_attempt`'s
-//! own transaction, and so are operators' task actions (create, cancel, retry); the other admin
-//! actions go through [`AuditStore::append_audit`].
+//! own transaction, and so is every operator action (tenant, token and agent-token creation,
+//! agent update and delete, task create, cancel and retry): each store method that performs one
+//! takes its actor.
 
 use berth_proto::audit::{AuditActor, AuditEntry, GENESIS_HASH};
 use berth_proto::TenantId;
@@ -109,12 +110,56 @@ pub(crate) fn task_event(
     } else {
         serde_json::json!({"state": task.state})
     };
+    admin_event(task.tenant_id, actor, action, task.id, details, at)
+}
+
+/// An operator's action on a tenant's object, with what was done in `details`.
+pub(crate) fn admin_event(
+    tenant_id: TenantId,
+    actor: AuditActor,
+    action: &'static str,
+    subject: impl ToString,
+    details: serde_json::Value,
+    at: OffsetDateTime,
+) -> NewAuditEvent {
     NewAuditEvent {
-        tenant_id: task.tenant_id,
+        tenant_id,
         actor,
         action,
-        subject: task.id.to_string(),
+        subject: subject.to_string(),
         details,
         at,
     }
+}
+
+/// `api_token.create`: the token's id, name and role, never its secret (nor its hash).
+pub(crate) fn api_token_event(token: &crate::ApiToken, actor: AuditActor) -> NewAuditEvent {
+    let details = serde_json::json!({"name": token.name, "role": token.role});
+    let action = berth_proto::audit::actions::API_TOKEN_CREATE;
+    admin_event(
+        token.tenant_id,
+        actor,
+        action,
+        token.id,
+        details,
+        token.created_at,
+    )
+}
+
+/// `agent_token.create`: what the registration token grants, never the token (nor its hash).
+pub(crate) fn agent_token_event(
+    token: &crate::NewRegistrationToken,
+    actor: AuditActor,
+) -> NewAuditEvent {
+    let details = serde_json::json!({"labels": token.labels, "environment": token.environment,
+        "expiresAt": token.expires_at.unix_timestamp()});
+    let action = berth_proto::audit::actions::AGENT_TOKEN_CREATE;
+    admin_event(
+        token.tenant_id,
+        actor,
+        action,
+        token.id,
+        details,
+        token.created_at,
+    )
 }

@@ -46,7 +46,11 @@ impl AuditStore for SqliteStore {
                 db.all(
                     "SELECT entry FROM audit_log WHERE tenant_id = ?1 AND seq > ?2 \
                      ORDER BY seq LIMIT ?3",
-                    params![id_text(tenant.0), i64::try_from(after).unwrap_or(i64::MAX), i64::from(limit)],
+                    params![
+                        id_text(tenant.0),
+                        i64::try_from(after).unwrap_or(i64::MAX),
+                        i64::from(limit)
+                    ],
                     |row| parse(&row.text("entry")?),
                 )
             })
