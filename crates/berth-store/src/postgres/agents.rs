@@ -206,8 +206,6 @@ impl AgentStore for PostgresStore {
         if done.rows_affected() == 0 {
             return Ok(false);
         }
-        let event = admin_event(tenant, actor, AGENT_DELETE, id, json!({}), at);
-        append(&mut tx, event).await?;
         // A leased task with side effects may have run: unknown, like a lost lease.
         sqlx::query(
             "UPDATE tasks SET \
@@ -235,6 +233,10 @@ impl AgentStore for PostgresStore {
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;
+        // The audit chain's lock last, as in every writer, so no two transactions wait on
+        // each other's task rows and chain.
+        let event = admin_event(tenant, actor, AGENT_DELETE, id, json!({}), at);
+        append(&mut tx, event).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(true)
     }

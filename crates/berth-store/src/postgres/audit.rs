@@ -1,7 +1,9 @@
 //! The audit log on PostgreSQL. Replicas share the database, so an append first takes a
 //! transaction-scoped advisory lock on the tenant's chain: the next appender reads the head only
 //! after this one committed (READ COMMITTED sees it), and the chain stays linear. The primary
-//! key `(tenant_id, seq)` would refuse a fork even without the lock.
+//! key `(tenant_id, seq)` would refuse a fork even without the lock. Every writer appends as
+//! its last statement before commit, so the chain's lock is always taken after any row lock:
+//! two transactions never wait on each other's rows and chain.
 
 use berth_proto::audit::AuditEntry;
 use berth_proto::TenantId;

@@ -229,8 +229,6 @@ impl AgentStore for SqliteStore {
                 if deleted == 0 {
                     return Ok(false);
                 }
-                let event = admin_event(tenant_id, actor, AGENT_DELETE, agent_id, json!({}), at);
-                append(tx, event)?;
                 // A leased task with side effects may have run: unknown, like a lost lease.
                 tx.execute(
                     "UPDATE tasks SET \
@@ -250,6 +248,8 @@ impl AgentStore for SqliteStore {
                      error_code = ?3 WHERE agent_id = ?1 AND state = 'leased'",
                     params![id, now, lifecycle::AGENT_DELETED],
                 )?;
+                let event = admin_event(tenant_id, actor, AGENT_DELETE, agent_id, json!({}), at);
+                append(tx, event)?;
                 Ok(true)
             })
             .await
