@@ -26,7 +26,9 @@ pub struct NewAuditEvent {
 /// The audit log. Part of [`crate::Store`].
 #[async_trait::async_trait]
 pub trait AuditStore: Send + Sync {
-    /// Appends the event at the head of its tenant's chain, in its own transaction.
+    /// Appends the event at the head of its tenant's chain, in its own transaction: for an event
+    /// that belongs to no store action (the server records its actions through the methods that
+    /// perform them).
     async fn append_audit(&self, event: NewAuditEvent) -> Result<AuditEntry>;
     /// The tenant's entries with `seq > after`, in `seq` order, at most `limit`.
     async fn list_audit(&self, tenant: TenantId, after: u64, limit: u32)
