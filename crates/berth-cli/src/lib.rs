@@ -70,6 +70,7 @@ pub fn default_agent_name() -> String {
     }
 }
 
+pub mod audit;
 pub mod dev;
 pub mod output;
 

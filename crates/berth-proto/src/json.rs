@@ -3,7 +3,21 @@
 //! an integer outside `i64`/`u64` becomes a float and a float with more digits than an `f64`
 //! holds is rounded. [`check_numbers`] reads the request's text and names the first number whose
 //! parsed value would not print back as the same number, so the server can refuse it instead of
-//! handing the host a different one.
+//! handing the host a different one. [`jcs_without`] is the canonical form a result signature
+//! and an audit hash cover.
+
+/// RFC 8785 (JCS) bytes of `value` without its member `member`: what a signature or a hash
+/// covers when it travels inside the object it covers.
+pub(crate) fn jcs_without(
+    value: &serde_json::Value,
+    member: &str,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let mut rest = value.clone();
+    if let Some(object) = rest.as_object_mut() {
+        object.remove(member);
+    }
+    serde_jcs::to_vec(&rest)
+}
 
 /// Checks every number in `text`, which must already have parsed as JSON (anything else passes
 /// here and is the parser's to refuse). The error names the number's JSON pointer.

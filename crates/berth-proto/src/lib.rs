@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod audit;
 pub mod error;
 pub mod ids;
 pub mod json;

@@ -288,11 +288,7 @@ pub struct ResultAck {
 
 /// The bytes a result signature covers: JCS of the envelope without its `signature` member.
 pub fn signing_input(envelope: &serde_json::Value) -> Result<Vec<u8>, serde_json::Error> {
-    let mut unsigned = envelope.clone();
-    if let Some(object) = unsigned.as_object_mut() {
-        object.remove("signature");
-    }
-    serde_jcs::to_vec(&unsigned)
+    crate::json::jcs_without(envelope, "signature")
 }
 
 /// .NET TimeSpan text: `hh:mm:ss`, with `d.` for days and `.fffffff` for fractions.

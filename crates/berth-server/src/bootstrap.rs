@@ -153,6 +153,8 @@ pub(crate) async fn bootstrap(
                 operator: true,
                 token_hash: berth_crypto::hash_token(&token),
                 created_at: now,
+                // Nobody issued it: it exists before any token that could.
+                created_by: None,
             })
             .await
             .context("creating the operator token")?;

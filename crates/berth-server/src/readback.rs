@@ -43,6 +43,7 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         idempotency_key: Some(berth_store::read_back_key(task.id, task.attempts)),
         request_hash: None,
         read_back_of: Some(task.id),
+        created_by: None,
         created_at: now,
     };
     match state.store.create_task(read_back).await {

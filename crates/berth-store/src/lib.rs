@@ -16,6 +16,7 @@ mod rows;
 mod sqlite;
 
 pub use domain::agents::*;
+pub use domain::audit::{AuditStore, NewAuditEvent};
 pub use domain::releases::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
@@ -67,7 +68,7 @@ pub struct Page<T> {
 /// calls them on a concrete backend (`SqliteStore`) imports the domain trait it uses.
 #[async_trait::async_trait]
 pub trait Store:
-    TenantStore + AgentStore + TaskStore + ReleaseStore + Send + Sync + 'static
+    TenantStore + AgentStore + TaskStore + ReleaseStore + AuditStore + Send + Sync + 'static
 {
     /// Backend name for logs and metrics: `sqlite` or `postgres`.
     fn backend(&self) -> &'static str;

@@ -245,6 +245,9 @@ async fn release_rows_refuse_updates(store: &DynStore, update: impl Future<Outpu
         .create_tenant(
             berth_proto::TenantId::new(),
             "immutable",
+            berth_proto::audit::AuditActor::Agent {
+                id: uuid::Uuid::nil(),
+            },
             time::OffsetDateTime::now_utc(),
         )
         .await
@@ -293,6 +296,55 @@ async fn postgres_release_rows_refuse_updates() {
             sqlx::query(UPDATE_RELEASE).execute(&mut conn).await.is_ok()
         };
         release_rows_refuse_updates(&store, update).await;
+    })
+    .await;
+}
+
+/// Two replicas (two stores, each with its own pool, on one database) appending to one tenant's
+/// audit chain at once still make one linear chain: no fork, no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_replicas_append_one_audit_chain() {
+    on_postgres(|first, url| async move {
+        let second: DynStore = Arc::new(PostgresStore::connect(&url).await.expect("connect"));
+        let tenant = first
+            .create_tenant(
+                berth_proto::TenantId::new(),
+                "audited",
+                berth_proto::audit::AuditActor::Agent {
+                    id: uuid::Uuid::nil(),
+                },
+                time::OffsetDateTime::now_utc(),
+            )
+            .await
+            .expect("tenant");
+        let appends = (0..60).map(|i| {
+            let store = if i % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            tokio::spawn(async move {
+                store
+                    .append_audit(berth_store::NewAuditEvent {
+                        tenant_id: tenant.id,
+                        actor: berth_proto::audit::AuditActor::Agent {
+                            id: uuid::Uuid::new_v4(),
+                        },
+                        action: berth_proto::audit::actions::TASK_RETRY,
+                        subject: format!("task-{i}"),
+                        details: serde_json::Value::Null,
+                        at: time::OffsetDateTime::now_utc(),
+                    })
+                    .await
+                    .expect("append")
+            })
+        });
+        for append in appends.collect::<Vec<_>>() {
+            append.await.expect("append task");
+        }
+        let chain = second.list_audit(tenant.id, 0, 1000).await.expect("list");
+        assert_eq!(chain.len(), 61, "tenant.create and 60 appends");
+        berth_store::conformance::assert_linear_chain(&chain);
     })
     .await;
 }

@@ -12,6 +12,7 @@ use berth_cli::output::{print_release, print_releases, print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
+use berth_proto::audit::ListAudit;
 use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListReleases};
 use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, TaskId};
@@ -76,6 +77,9 @@ enum Command {
     /// Releases: immutable sets of images pinned by digest.
     #[command(subcommand)]
     Release(ReleaseCommand),
+    /// The tenant's hash-chained audit log.
+    #[command(subcommand)]
+    Audit(AuditCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -107,6 +111,20 @@ enum ReleaseCommand {
     Ls,
     /// Show a release with its pinned components.
     Show { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+enum AuditCommand {
+    /// Write the tenant's audit log as JSON lines to stdout (admin).
+    Export,
+    /// Check an export offline: the hash chain, and every result's signature and certificate
+    /// against the CA. Exits non-zero naming the first bad entry.
+    Verify {
+        file: PathBuf,
+        /// The berth CA certificate (PEM); default --ca-file / BERTH_CA_FILE.
+        #[arg(long)]
+        ca: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -407,6 +425,28 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Task(cmd) => task_command(&cli.conn, out, cmd).await,
         Command::Release(cmd) => release_command(&cli.conn, out, cmd).await,
+        Command::Audit(AuditCommand::Export) => audit_export(&cli.conn).await,
+        Command::Audit(AuditCommand::Verify { file, ca }) => {
+            let ca = ca
+                .or(cli.conn.ca_file)
+                .context("no CA certificate: pass --ca FILE or set BERTH_CA_FILE")?;
+            let ca_pem = std::fs::read_to_string(&ca)
+                .with_context(|| format!("reading {}", ca.display()))?;
+            let ca_der = berth_crypto::cert_pem_to_der(&ca_pem)
+                .with_context(|| format!("{} is not a PEM certificate", ca.display()))?;
+            let export = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            match berth_cli::audit::verify(&export, &ca_der) {
+                Ok(v) => {
+                    println!(
+                        "OK: {} entries, {} signed results, chain and signatures verified",
+                        v.entries, v.results
+                    );
+                    Ok(())
+                }
+                Err(fault) => bail!("audit log does not verify: {fault}"),
+            }
+        }
         Command::Tenant(TenantCommand::Create { name }) => {
             let client = admin_client(&cli.conn)?;
             let response = client.send(&CreateTenant { name: name.clone() }).await?;
@@ -600,6 +640,31 @@ async fn release_command(
             print_release(out, &client.send(&GetRelease { name }).await?)
         }
     }
+}
+
+/// Pages through `GET /api/v1/audit`, one JSON line per entry, as the server stored it.
+async fn audit_export(conn: &Connection) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let client = admin_client(conn)?;
+    let mut stdout = std::io::stdout().lock();
+    let mut after = 0;
+    loop {
+        let page = client
+            .send(&ListAudit {
+                after,
+                limit: Some(1000),
+            })
+            .await?;
+        for entry in &page.items {
+            writeln!(stdout, "{}", serde_json::to_string(entry)?)?;
+        }
+        match page.next {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    stdout.flush()?;
+    Ok(())
 }
 
 fn admin_client(conn: &Connection) -> anyhow::Result<Client> {

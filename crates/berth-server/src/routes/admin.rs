@@ -16,6 +16,7 @@ use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::ApiJson;
+use crate::routes::audit::actor;
 use crate::SharedState;
 
 const DEFAULT_REGISTRATION_TTL_SECS: u64 = 3600;
@@ -39,7 +40,7 @@ pub async fn create_tenant(
     let now = state.config.clock.now();
     let tenant = match state
         .store
-        .create_tenant(TenantId::new(), &req.name, now)
+        .create_tenant(TenantId::new(), &req.name, actor(&caller), now)
         .await
     {
         Ok(t) => t,
@@ -51,8 +52,14 @@ pub async fn create_tenant(
         }
         Err(e) => return Err(e.into()),
     };
-    let admin_token =
-        issue_api_token(&state, tenant.id, "tenant-admin".into(), Role::Admin).await?;
+    let admin_token = issue_api_token(
+        &state,
+        &caller,
+        tenant.id,
+        "tenant-admin".into(),
+        Role::Admin,
+    )
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateTenantResponse {
@@ -82,7 +89,7 @@ pub async fn create_api_token(
         }
         None => format!("{}-token", req.role.as_str()),
     };
-    let token = issue_api_token(&state, caller.tenant(), name, req.role).await?;
+    let token = issue_api_token(&state, &caller, caller.tenant(), name, req.role).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreateApiTokenResponse {
@@ -92,8 +99,10 @@ pub async fn create_api_token(
     ))
 }
 
+/// A new API token of `tenant`, issued by `caller` (recorded in the tenant's audit chain).
 async fn issue_api_token(
     state: &SharedState,
+    caller: &Caller,
     tenant: TenantId,
     name: String,
     role: Role,
@@ -109,6 +118,7 @@ async fn issue_api_token(
             operator: false,
             token_hash: berth_crypto::hash_token(&token),
             created_at: state.config.clock.now(),
+            created_by: Some(actor(caller)),
         })
         .await?;
     Ok(token)
@@ -156,6 +166,7 @@ pub async fn create_agent_token(
             environment: req.environment,
             expires_at,
             created_at: now,
+            created_by: Some(actor(&caller)),
         })
         .await?;
     Ok((

@@ -23,6 +23,7 @@ use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
+use crate::routes::audit::actor;
 use crate::SharedState;
 
 use berth_proto::headers::REGISTRATION_TOKEN_HEADER;
@@ -249,6 +250,7 @@ pub async fn update(
     let update = AgentUpdate {
         labels: req.labels,
         capabilities: req.capabilities,
+        updated_by: Some(actor(&caller)),
     };
     match state
         .store
@@ -271,7 +273,12 @@ pub async fn delete(
     ApiPath(id): ApiPath<AgentId>,
 ) -> ApiResult<Json<Deleted>> {
     caller.require_admin()?;
-    if state.store.delete_agent(caller.tenant(), id).await? {
+    let (by, now) = (actor(&caller), state.config.clock.now());
+    if state
+        .store
+        .delete_agent(caller.tenant(), id, by, now)
+        .await?
+    {
         tracing::info!(agent_id = %id, "agent deleted");
         Ok(Json(Deleted { deleted: true }))
     } else {

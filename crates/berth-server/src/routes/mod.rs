@@ -13,6 +13,7 @@ use crate::SharedState;
 
 pub mod admin;
 pub mod agents;
+pub mod audit;
 pub mod meta;
 pub mod releases;
 pub mod tasks;
@@ -49,6 +50,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(tasks::retry))
         .routes(routes!(releases::create, releases::list))
         .routes(routes!(releases::get))
+        .routes(routes!(audit::list))
 }
 
 pub fn router(state: SharedState) -> Router {

@@ -18,6 +18,7 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiPath, ApiQuery, LosslessJson};
 use crate::routes::admin::validate_labels;
+use crate::routes::audit::actor;
 use crate::SharedState;
 
 const DEFAULT_TIMEOUT_SECS: u32 = 300;
@@ -289,6 +290,7 @@ pub async fn create(
             request_hash: Some(request_hash),
             read_back_of: None,
             created_at: state.config.clock.now(),
+            created_by: Some(actor(&caller)),
         })
         .await?;
     match outcome {
@@ -370,7 +372,12 @@ pub async fn cancel(
     caller.require_deployer()?;
     match state
         .store
-        .cancel_task(caller.tenant(), id, state.config.clock.now())
+        .cancel_task(
+            caller.tenant(),
+            id,
+            actor(&caller),
+            state.config.clock.now(),
+        )
         .await?
     {
         Some(
@@ -395,7 +402,12 @@ pub async fn retry(
     caller.require_deployer()?;
     match state
         .store
-        .retry_task(caller.tenant(), id, state.config.clock.now())
+        .retry_task(
+            caller.tenant(),
+            id,
+            actor(&caller),
+            state.config.clock.now(),
+        )
         .await?
     {
         Some(RetryOutcome::Requeued(t)) => Ok(Json(to_view(t, vec![]))),

@@ -603,6 +603,7 @@ pub async fn submit_result(
                 agent_id,
                 generation,
                 certificate_fingerprint: peer.fingerprint.to_string(),
+                certificate_der: peer.der.to_vec(),
                 task_id,
                 assignment_id: verified.envelope.assignment_id,
                 result: verified.attempt,

@@ -235,6 +235,7 @@ pub async fn tenant_isolation(store: &DynStore) {
         .await
         .is_empty());
     let update = AgentUpdate {
+        updated_by: None,
         labels: Some(labels(&[("owned", "yes")])),
         capabilities: Some(vec![]),
     };
@@ -246,7 +247,7 @@ pub async fn tenant_isolation(store: &DynStore) {
         None
     );
     assert!(!store
-        .delete_agent(intruder.id, agent.id)
+        .delete_agent(intruder.id, agent.id, operator(), now())
         .await
         .expect("delete"));
 
@@ -455,6 +456,7 @@ pub async fn update_agent(store: &DynStore) {
             tenant.id,
             agent.id,
             AgentUpdate {
+                updated_by: None,
                 labels: Some(labels(&[("zone", "a")])),
                 capabilities: None,
             },
@@ -485,6 +487,7 @@ pub async fn update_agent(store: &DynStore) {
             tenant.id,
             agent.id,
             AgentUpdate {
+                updated_by: None,
                 labels: None,
                 capabilities: Some(caps.clone()),
             },
@@ -510,6 +513,7 @@ pub async fn update_agent(store: &DynStore) {
             tenant.id,
             agent.id,
             AgentUpdate {
+                updated_by: None,
                 labels: Some(BTreeMap::new()),
                 capabilities: Some(vec![]),
             },
@@ -525,6 +529,7 @@ pub async fn update_agent(store: &DynStore) {
             tenant.id,
             AgentId::new(),
             AgentUpdate {
+                updated_by: None,
                 labels: None,
                 capabilities: None,
             },
@@ -541,11 +546,11 @@ pub async fn delete_agent(store: &DynStore) {
     let keep = register(store, tenant.id, new_agent("kept")).await;
 
     assert!(store
-        .delete_agent(tenant.id, agent.id)
+        .delete_agent(tenant.id, agent.id, operator(), now())
         .await
         .expect("delete"));
     assert!(!store
-        .delete_agent(tenant.id, agent.id)
+        .delete_agent(tenant.id, agent.id, operator(), now())
         .await
         .expect("delete again"));
     assert_eq!(
@@ -694,7 +699,7 @@ pub async fn heartbeats(store: &DynStore) {
     let gone = register(store, tenant.id, new_agent("gone")).await;
     let rotated = register(store, tenant.id, new_agent("rotated")).await;
     assert!(store
-        .delete_agent(tenant.id, gone.id)
+        .delete_agent(tenant.id, gone.id, operator(), now())
         .await
         .expect("delete"));
     let rotated_fp = rotated.certificate_fingerprint.clone().expect("bound");
@@ -1042,7 +1047,7 @@ pub async fn session_lease(store: &DynStore) {
     );
     let doomed = register(store, tenant.id, new_agent("doomed-session")).await;
     assert!(store
-        .delete_agent(tenant.id, doomed.id)
+        .delete_agent(tenant.id, doomed.id, operator(), now())
         .await
         .expect("delete"));
     assert_eq!(

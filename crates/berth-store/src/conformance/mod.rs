@@ -25,11 +25,13 @@ use crate::{
 };
 
 mod agents;
+mod audit;
 mod releases;
 mod tasks;
 mod tenants;
 
 pub use agents::*;
+pub use audit::*;
 pub use releases::*;
 pub use tasks::*;
 pub use tenants::*;
@@ -86,6 +88,10 @@ macro_rules! conformance_cases {
             release_create_get,
             release_create_concurrent,
             list_releases,
+            audit_chain,
+            audit_task_entries,
+            audit_admin_entries,
+            audit_concurrent_appends,
         }
     };
 }
@@ -143,7 +149,7 @@ fn usage() -> ResourceUsage {
 
 async fn tenant(store: &DynStore) -> Tenant {
     store
-        .create_tenant(TenantId::new(), &unique("conformance"), now())
+        .create_tenant(TenantId::new(), &unique("conformance"), operator(), now())
         .await
         .expect("create tenant")
 }
@@ -158,6 +164,7 @@ async fn registration_token(
     let hash = token_hash();
     store
         .create_registration_token(NewRegistrationToken {
+            created_by: None,
             id: TokenId::new(),
             tenant_id: tenant,
             token_hash: hash.clone(),
@@ -245,7 +252,7 @@ pub async fn timestamps_round_trip(store: &DynStore) {
     assert_eq!(millis(at), expected);
 
     let tenant = store
-        .create_tenant(TenantId::new(), &unique("timestamps"), at)
+        .create_tenant(TenantId::new(), &unique("timestamps"), operator(), at)
         .await
         .expect("create tenant");
     assert_eq!(tenant.created_at, expected);
@@ -305,6 +312,7 @@ pub async fn timestamps_round_trip(store: &DynStore) {
     let hash = token_hash();
     let token = store
         .create_api_token(NewApiToken {
+            created_by: None,
             id: TokenId::new(),
             tenant_id: tenant.id,
             name: "clock".to_string(),
@@ -371,7 +379,17 @@ fn new_task(tenant: TenantId, agent: AgentId, at: OffsetDateTime) -> NewTask {
         idempotency_key: None,
         request_hash: None,
         read_back_of: None,
+        created_by: None,
         created_at: at,
+    }
+}
+
+/// The operator the cases act as, in the audit log.
+fn operator() -> berth_proto::audit::AuditActor {
+    berth_proto::audit::AuditActor::Token {
+        id: uuid::Uuid::nil(),
+        name: "operator".to_string(),
+        role: Role::Admin,
     }
 }
 
@@ -454,6 +472,7 @@ fn completion(
         agent_id: agent.id,
         generation,
         certificate_fingerprint: bound(agent),
+        certificate_der: b"certificate of the agent".to_vec(),
         task_id: attempt.task_id,
         assignment_id: Some(attempt.assignment_id),
         result,

@@ -746,14 +746,14 @@ pub async fn task_cancel(store: &DynStore) {
 
     assert_eq!(
         store
-            .cancel_task(intruder.id, leased.id, t)
+            .cancel_task(intruder.id, leased.id, operator(), t)
             .await
             .expect("cancel"),
         None
     );
     assert_eq!(
         store
-            .cancel_task(tenant.id, TaskId::new(), t)
+            .cancel_task(tenant.id, TaskId::new(), operator(), t)
             .await
             .expect("cancel"),
         None
@@ -761,7 +761,7 @@ pub async fn task_cancel(store: &DynStore) {
 
     let at = t + Duration::seconds(1);
     let Some(CancelOutcome::Requested(requested)) = store
-        .cancel_task(tenant.id, leased.id, at)
+        .cancel_task(tenant.id, leased.id, operator(), at)
         .await
         .expect("cancel")
     else {
@@ -779,7 +779,7 @@ pub async fn task_cancel(store: &DynStore) {
     );
     assert!(matches!(
         store
-            .cancel_task(tenant.id, leased.id, at)
+            .cancel_task(tenant.id, leased.id, operator(), at)
             .await
             .expect("cancel"),
         Some(CancelOutcome::Requested(_))
@@ -787,7 +787,7 @@ pub async fn task_cancel(store: &DynStore) {
 
     // Pending: cancelled at once.
     let Some(CancelOutcome::Cancelled(cancelled)) = store
-        .cancel_task(tenant.id, pending.id, at)
+        .cancel_task(tenant.id, pending.id, operator(), at)
         .await
         .expect("cancel")
     else {
@@ -811,7 +811,7 @@ pub async fn task_cancel(store: &DynStore) {
     // Terminal: unchanged.
     assert_eq!(
         store
-            .cancel_task(tenant.id, leased.id, at)
+            .cancel_task(tenant.id, leased.id, operator(), at)
             .await
             .expect("cancel"),
         Some(CancelOutcome::AlreadyFinished(reported))
@@ -821,7 +821,7 @@ pub async fn task_cancel(store: &DynStore) {
     let flaky = create(store, new_task(tenant.id, agent.id, t)).await;
     let (_, attempt) = claimed(store, &agent, generation, t).await;
     store
-        .cancel_task(tenant.id, flaky.id, at)
+        .cancel_task(tenant.id, flaky.id, operator(), at)
         .await
         .expect("cancel");
     let ended = recorded(
@@ -842,7 +842,7 @@ pub async fn task_cancel(store: &DynStore) {
     .await;
     assert!(matches!(
         store
-            .cancel_task(tenant.id, waiting.id, at)
+            .cancel_task(tenant.id, waiting.id, operator(), at)
             .await
             .expect("cancel"),
         Some(CancelOutcome::Cancelled(_))
@@ -876,14 +876,14 @@ pub async fn task_retry(store: &DynStore) {
 
     assert_eq!(
         store
-            .retry_task(intruder.id, dead.id, t)
+            .retry_task(intruder.id, dead.id, operator(), t)
             .await
             .expect("retry"),
         None
     );
     let at = t + Duration::seconds(3);
     let Some(RetryOutcome::Requeued(requeued)) = store
-        .retry_task(tenant.id, dead.id, at)
+        .retry_task(tenant.id, dead.id, operator(), at)
         .await
         .expect("retry")
     else {
@@ -899,7 +899,7 @@ pub async fn task_retry(store: &DynStore) {
     // Pending is not retriable; neither is leased nor succeeded.
     assert_eq!(
         store
-            .retry_task(tenant.id, dead.id, at)
+            .retry_task(tenant.id, dead.id, operator(), at)
             .await
             .expect("retry"),
         Some(RetryOutcome::NotRetriable(requeued))
@@ -908,7 +908,7 @@ pub async fn task_retry(store: &DynStore) {
     assert_eq!((leased.id, leased.attempts), (dead.id, 1));
     assert!(matches!(
         store
-            .retry_task(tenant.id, dead.id, at)
+            .retry_task(tenant.id, dead.id, operator(), at)
             .await
             .expect("retry"),
         Some(RetryOutcome::NotRetriable(_))
@@ -919,7 +919,7 @@ pub async fn task_retry(store: &DynStore) {
     )
     .await;
     assert!(matches!(
-        store.retry_task(tenant.id, dead.id, at).await.expect("retry"),
+        store.retry_task(tenant.id, dead.id, operator(), at).await.expect("retry"),
         Some(RetryOutcome::NotRetriable(ref task)) if task.state == TaskState::Succeeded
     ));
 
@@ -929,14 +929,24 @@ pub async fn task_retry(store: &DynStore) {
     let deploy = create(store, deploy_task(tenant.id, doomed.id, t)).await;
     claimed(store, &doomed, doomed_generation, t).await;
     assert!(store
-        .delete_agent(tenant.id, doomed.id)
+        .delete_agent(tenant.id, doomed.id, operator(), now())
         .await
         .expect("delete"));
     assert_eq!(task_now(store, &deploy).await.0.state, TaskState::Unknown);
     assert!(matches!(
-        store.retry_task(tenant.id, deploy.id, at).await.expect("retry"),
+        store.retry_task(tenant.id, deploy.id, operator(), at).await.expect("retry"),
         Some(RetryOutcome::Requeued(ref task)) if task.state == TaskState::Pending
     ));
+    // Each requeue is in the audit log, written in the retry's transaction; refusals are not.
+    let retries: Vec<String> = store
+        .list_audit(tenant.id, 0, 1000)
+        .await
+        .expect("audit")
+        .into_iter()
+        .filter(|e| e.action == berth_proto::audit::actions::TASK_RETRY)
+        .map(|e| e.subject)
+        .collect();
+    assert_eq!(retries, [dead.id.to_string(), deploy.id.to_string()]);
 }
 
 pub async fn lease_expiry(store: &DynStore) {
@@ -1054,7 +1064,7 @@ pub async fn lease_expiry(store: &DynStore) {
     let cancel_me = create(store, new_task(tenant.id, agent.id, t)).await;
     let (_, attempt) = claimed(store, &agent, generation, t).await;
     store
-        .cancel_task(tenant.id, cancel_me.id, t)
+        .cancel_task(tenant.id, cancel_me.id, operator(), t)
         .await
         .expect("cancel");
     let swept = sweep(store, attempt.lease_expires_at).await;
@@ -1110,6 +1120,7 @@ fn read_back_task(parent: &Task, at: OffsetDateTime) -> NewTask {
         priority: i32::MAX,
         idempotency_key: Some(crate::read_back_key(parent.id, parent.attempts)),
         read_back_of: Some(parent.id),
+        created_by: None,
         ..new_task(parent.tenant_id, parent.agent_id, at)
     }
 }
@@ -1151,7 +1162,7 @@ pub async fn read_back_sweep(store: &DynStore) {
         .expect("the doomed agent's task");
     let orphan = lost.remove(orphan);
     assert!(store
-        .delete_agent(tenant.id, doomed.id)
+        .delete_agent(tenant.id, doomed.id, operator(), now())
         .await
         .expect("delete agent"));
     assert_eq!(task_now(store, &orphan).await.0.state, TaskState::Unknown);
@@ -1164,7 +1175,7 @@ pub async fn read_back_sweep(store: &DynStore) {
     let stale = create(store, stale).await;
     assert_eq!(unknown_without_read_back(store).await, vec![a.id, b.id]);
     store
-        .cancel_task(tenant.id, stale.id, t)
+        .cancel_task(tenant.id, stale.id, operator(), t)
         .await
         .expect("cancel");
 
@@ -1230,7 +1241,10 @@ pub async fn read_back_sweep(store: &DynStore) {
 
     // Retried, and lost again on its first delivery after the retry: `attempts` counts from 1
     // again, and the retry released the earlier read-back's key, so this loss gets its own.
-    store.retry_task(tenant.id, b.id, t).await.expect("retry");
+    store
+        .retry_task(tenant.id, b.id, operator(), t)
+        .await
+        .expect("retry");
     assert_eq!(task_now(store, &failing).await.0.idempotency_key, None);
     let (_, first) = claimed(store, &agent, generation, t).await;
     assert_eq!(first.task_id, b.id);
@@ -1281,7 +1295,7 @@ pub async fn delete_agent_tasks(store: &DynStore) {
     let _ = finished;
 
     assert!(store
-        .delete_agent(tenant.id, agent.id)
+        .delete_agent(tenant.id, agent.id, operator(), now())
         .await
         .expect("delete"));
 
@@ -1350,14 +1364,14 @@ pub async fn task_tenant_isolation(store: &DynStore) {
         .is_empty());
     assert_eq!(
         store
-            .cancel_task(intruder.id, task.id, now())
+            .cancel_task(intruder.id, task.id, operator(), now())
             .await
             .expect("cancel"),
         None
     );
     assert_eq!(
         store
-            .retry_task(intruder.id, task.id, now())
+            .retry_task(intruder.id, task.id, operator(), now())
             .await
             .expect("retry"),
         None
@@ -1451,7 +1465,7 @@ pub async fn task_events(store: &DynStore) {
     woken(&mut events, agent.id).await;
     claimed(store, &agent, generation, t).await;
     store
-        .cancel_task(tenant.id, task.id, t)
+        .cancel_task(tenant.id, task.id, operator(), t)
         .await
         .expect("cancel");
     woken(&mut events, agent.id).await;

@@ -7,7 +7,7 @@ pub async fn tenants(store: &DynStore) {
     let at = now();
     let id = TenantId::new();
     let created = store
-        .create_tenant(id, &name, at)
+        .create_tenant(id, &name, operator(), at)
         .await
         .expect("create tenant");
     assert_eq!(
@@ -31,7 +31,9 @@ pub async fn tenants(store: &DynStore) {
     );
 
     assert_conflict(
-        store.create_tenant(TenantId::new(), &name, now()).await,
+        store
+            .create_tenant(TenantId::new(), &name, operator(), now())
+            .await,
         "tenant_name",
     );
 
@@ -74,6 +76,7 @@ pub async fn api_tokens(store: &DynStore) {
     let at = now();
     let created = store
         .create_api_token(NewApiToken {
+            created_by: None,
             id: TokenId::new(),
             tenant_id: tenant.id,
             name: "ci".to_string(),
@@ -106,6 +109,7 @@ pub async fn api_tokens(store: &DynStore) {
 
     let duplicate = store
         .create_api_token(NewApiToken {
+            created_by: None,
             id: TokenId::new(),
             tenant_id: other.id,
             name: "copy".to_string(),
@@ -121,6 +125,7 @@ pub async fn api_tokens(store: &DynStore) {
         let hash = token_hash();
         let token = store
             .create_api_token(NewApiToken {
+                created_by: None,
                 id: TokenId::new(),
                 tenant_id: tenant.id,
                 name: role.as_str().to_string(),

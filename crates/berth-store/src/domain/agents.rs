@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
+use berth_proto::audit::AuditActor;
 use berth_proto::{AgentId, TenantId};
 use time::OffsetDateTime;
 
@@ -68,6 +69,8 @@ pub struct AgentFilter {
 pub struct AgentUpdate {
     pub labels: Option<BTreeMap<String, String>>,
     pub capabilities: Option<Vec<Capability>>,
+    /// Who asked: an `agent.update` entry is appended in the update's transaction.
+    pub updated_by: Option<AuditActor>,
 }
 
 /// One heartbeat, applied with others in a single transaction (group commit).
@@ -160,8 +163,15 @@ pub trait AgentStore: Send + Sync {
     ) -> Result<Option<Agent>>;
     /// True when the agent existed. Its certificate binding goes with it. In the same
     /// transaction its `pending`/`retry_wait` tasks become `expired` (`AGENT_DELETED`), and its
-    /// `leased` ones `unknown` if they have side effects, else `expired` (attempts `expired`).
-    async fn delete_agent(&self, tenant: TenantId, id: AgentId) -> Result<bool>;
+    /// `leased` ones `unknown` if they have side effects, else `expired` (attempts `expired`),
+    /// and an `agent.delete` entry by `actor` is appended.
+    async fn delete_agent(
+        &self,
+        tenant: TenantId,
+        id: AgentId,
+        actor: AuditActor,
+        now: OffsetDateTime,
+    ) -> Result<bool>;
 
     /// Replaces the certificate binding only while `old_fingerprint` is still bound and
     /// `generation` is the agent's current session generation, checked in the same transaction:

@@ -2,6 +2,7 @@
 //! A backend implements every domain trait; [`crate::Store`] is all of them together.
 
 pub mod agents;
+pub mod audit;
 pub mod releases;
 pub mod tasks;
 pub mod tenants;

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use berth_proto::audit::AuditActor;
 use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
 use time::OffsetDateTime;
 
@@ -65,6 +66,10 @@ pub struct NewTask {
     /// A read-back task points at the `unknown` task it checks.
     pub read_back_of: Option<TaskId>,
     pub created_at: OffsetDateTime,
+    /// Who asked for it: when set, a `task.create` audit entry is appended in the insert's
+    /// transaction (not for an existing task an idempotency key returns). The server's own
+    /// read-backs have none.
+    pub created_by: Option<AuditActor>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -167,6 +172,8 @@ pub struct Completion {
     pub agent_id: AgentId,
     pub generation: i64,
     pub certificate_fingerprint: String,
+    /// The DER of that certificate, recorded with the result in the audit log.
+    pub certificate_der: Vec<u8>,
     pub task_id: TaskId,
     /// From the envelope; `None` means "the task's current assignment".
     pub assignment_id: Option<AssignmentId>,
@@ -321,7 +328,8 @@ pub trait TaskStore: Send + Sync {
     /// `succeeded`; Cancelled → `cancelled`; Failed and retriable → `retry_wait` (next attempt
     /// after `policy.delay_after(attempts)`) or `dead_letter` once attempts reach
     /// `policy.max_attempts`; Failed and not retriable → `failed`. The attempt row gets the
-    /// envelope. A second submission for an already-ended assignment with an identical envelope
+    /// envelope, and the tenant's audit chain a `task.result` entry (envelope and certificate),
+    /// in the same transaction. A second submission for an already-ended assignment with an identical envelope
     /// is `Duplicate`; a different one is `Fenced`. A task whose cancellation was requested is
     /// never requeued: a retriable failure makes it `cancelled` instead of `retry_wait`.
     async fn complete_attempt(
@@ -330,20 +338,25 @@ pub trait TaskStore: Send + Sync {
         policy: &RetryPolicy,
     ) -> Result<CompleteOutcome>;
 
+    /// A task that is cancelled or whose cancellation is requested gets a `task.cancel` audit
+    /// entry by `actor` in the same transaction.
     async fn cancel_task(
         &self,
         tenant: TenantId,
         id: TaskId,
+        actor: AuditActor,
         now: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>>;
     /// Unknown or dead_letter: back to `pending` with a fresh attempt budget (`attempts = 0`).
     /// In the same transaction the task's read-backs lose their idempotency keys: they were
     /// about losses before the retry, and [`read_back_key`] counts from 1 again, so a delivery
-    /// lost after the retry gets a read-back of its own.
+    /// lost after the retry gets a read-back of its own. A requeued task gets a `task.retry`
+    /// audit entry by `actor` in the same transaction.
     async fn retry_task(
         &self,
         tenant: TenantId,
         id: TaskId,
+        actor: AuditActor,
         now: OffsetDateTime,
     ) -> Result<Option<RetryOutcome>>;
 

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use berth_proto::admin::Role;
+use berth_proto::audit::AuditActor;
 use berth_proto::{TenantId, TokenId};
 use time::OffsetDateTime;
 
@@ -37,6 +38,9 @@ pub struct NewApiToken {
     /// SHA-256 of the secret, hex. The secret itself is never stored.
     pub token_hash: String,
     pub created_at: OffsetDateTime,
+    /// Who issued it: an `api_token.create` entry (id, name, role; never the secret) is
+    /// appended in the insert's transaction. None only for the bootstrap operator token.
+    pub created_by: Option<AuditActor>,
 }
 
 #[derive(Debug, Clone)]
@@ -48,6 +52,8 @@ pub struct NewRegistrationToken {
     pub environment: Option<String>,
     pub expires_at: OffsetDateTime,
     pub created_at: OffsetDateTime,
+    /// Who issued it: an `agent_token.create` entry is appended in the insert's transaction.
+    pub created_by: Option<AuditActor>,
 }
 
 /// Tenants, API tokens and registration tokens. Part of [`crate::Store`].
@@ -55,8 +61,15 @@ pub struct NewRegistrationToken {
 pub trait TenantStore: Send + Sync {
     /// Creates the tenant or returns the existing one with that name (bootstrap).
     async fn ensure_tenant(&self, name: &str, now: OffsetDateTime) -> Result<Tenant>;
-    /// `Conflict { constraint: "tenant_name" }` when the name exists.
-    async fn create_tenant(&self, id: TenantId, name: &str, now: OffsetDateTime) -> Result<Tenant>;
+    /// `Conflict { constraint: "tenant_name" }` when the name exists. The new tenant's audit
+    /// chain starts, in the same transaction, with a `tenant.create` entry by `actor`.
+    async fn create_tenant(
+        &self,
+        id: TenantId,
+        name: &str,
+        actor: AuditActor,
+        now: OffsetDateTime,
+    ) -> Result<Tenant>;
     async fn get_tenant(&self, id: TenantId) -> Result<Option<Tenant>>;
 
     // --- API tokens ---

@@ -8,13 +8,18 @@ use sqlx::types::Json;
 use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 
+use super::audit::append;
 use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE};
+use crate::domain::audit::admin_event;
 use crate::lifecycle;
 use crate::rows::{self, agent_columns, db_error, millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, Page,
     RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep,
 };
+use berth_proto::audit::actions::{AGENT_DELETE, AGENT_UPDATE};
+use berth_proto::audit::AuditActor;
+use serde_json::json;
 
 #[async_trait::async_trait]
 impl AgentStore for PostgresStore {
@@ -153,7 +158,9 @@ impl AgentStore for PostgresStore {
         update: AgentUpdate,
         now: OffsetDateTime,
     ) -> Result<Option<Agent>> {
-        sqlx::query(concat!(
+        const OP: &str = "update agent";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let agent = sqlx::query(concat!(
             "UPDATE agents SET labels = COALESCE($1, labels), \
              capabilities = COALESCE($2, capabilities), updated_at = $3 \
              WHERE tenant_id = $4 AND id = $5 RETURNING ",
@@ -164,17 +171,29 @@ impl AgentStore for PostgresStore {
         .bind(millis(now))
         .bind(tenant.0)
         .bind(id.0)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await
-        .map_err(db_error("update agent"))?
+        .map_err(db_error(OP))?
         .map(|row| rows::read_agent(&row))
-        .transpose()
+        .transpose()?;
+        if let (Some(actor), Some(_)) = (update.updated_by, &agent) {
+            let details = json!({"labels": update.labels, "capabilities": update.capabilities});
+            let event = admin_event(tenant, actor, AGENT_UPDATE, id, details, now);
+            append(&mut tx, event).await?;
+        }
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(agent)
     }
 
-    async fn delete_agent(&self, tenant: TenantId, id: AgentId) -> Result<bool> {
+    async fn delete_agent(
+        &self,
+        tenant: TenantId,
+        id: AgentId,
+        actor: AuditActor,
+        at: OffsetDateTime,
+    ) -> Result<bool> {
         const OP: &str = "delete agent";
-        // The trait gives no clock here.
-        let now = millis(OffsetDateTime::now_utc());
+        let now = millis(at);
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         // The agent row first, like every other writer: its lock waits out claims, results and
         // task creations in flight, and those that come after find no agent.
@@ -214,6 +233,10 @@ impl AgentStore for PostgresStore {
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;
+        // The audit chain's lock last, as in every writer, so no two transactions wait on
+        // each other's task rows and chain.
+        let event = admin_event(tenant, actor, AGENT_DELETE, id, json!({}), at);
+        append(&mut tx, event).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(true)
     }

@@ -20,6 +20,7 @@ use crate::rows::{self, db_error, get, ColumnReader};
 use crate::{Page, Result, Store, StoreError};
 
 mod agents;
+mod audit;
 mod releases;
 mod tasks;
 mod tenants;

@@ -11,6 +11,7 @@ use tokio::sync::broadcast;
 use super::{
     check_binding, fetch_page, notify, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
 };
+use crate::domain::audit::{result_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
@@ -19,6 +20,8 @@ use crate::{
     LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
     StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
+use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
+use berth_proto::audit::AuditActor;
 
 #[async_trait::async_trait]
 impl TaskStore for PostgresStore {
@@ -66,6 +69,10 @@ impl TaskStore for PostgresStore {
             .map_err(db_error(OP))?;
             if let Some(row) = inserted {
                 let created = rows::read_task(&row)?;
+                if let Some(actor) = task.created_by.clone() {
+                    let event = task_event(TASK_CREATE, &created, actor, task.created_at);
+                    super::audit::append(&mut tx, event).await?;
+                }
                 notify(&mut tx, created.agent_id).await?;
                 tx.commit().await.map_err(db_error(OP))?;
                 return Ok(CreateTaskOutcome::Created(created));
@@ -453,6 +460,7 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         let task = rows::read_task(&row)?;
+        super::audit::append(&mut tx, result_event(&completion, &task)).await?;
         // The agent's queue may have unblocked (a side-effecting task ended, or the head moved).
         notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
@@ -463,10 +471,11 @@ impl TaskStore for PostgresStore {
         &self,
         tenant: TenantId,
         id: TaskId,
-        now: OffsetDateTime,
+        actor: AuditActor,
+        at: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>> {
         const OP: &str = "cancel task";
-        let now = millis(now);
+        let now = millis(at);
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let Some(task) = locked_tenant_task(&mut tx, OP, tenant, id).await? else {
             return Ok(None);
@@ -500,6 +509,9 @@ impl TaskStore for PostgresStore {
             }
             _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
         };
+        if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
+            super::audit::append(&mut tx, task_event(TASK_CANCEL, task, actor, at)).await?;
+        }
         // Wakes the agent's long-poll: a cancellation to deliver, or a queue head that moved.
         notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
@@ -510,6 +522,7 @@ impl TaskStore for PostgresStore {
         &self,
         tenant: TenantId,
         id: TaskId,
+        actor: AuditActor,
         now: OffsetDateTime,
     ) -> Result<Option<RetryOutcome>> {
         const OP: &str = "retry task";
@@ -543,6 +556,7 @@ impl TaskStore for PostgresStore {
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;
+        super::audit::append(&mut tx, task_event(TASK_RETRY, &task, actor, now)).await?;
         notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(Some(RetryOutcome::Requeued(task)))

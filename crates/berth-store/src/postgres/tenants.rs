@@ -4,9 +4,14 @@ use berth_proto::TenantId;
 use sqlx::types::Json;
 use time::OffsetDateTime;
 
+use super::audit::append;
 use super::PostgresStore;
+use crate::domain::audit::{admin_event, agent_token_event, api_token_event};
 use crate::rows::{self, db_error, get, millis};
 use crate::{ApiToken, NewApiToken, NewRegistrationToken, Result, Tenant, TenantStore};
+use berth_proto::audit::actions::TENANT_CREATE;
+use berth_proto::audit::AuditActor;
+use serde_json::json;
 
 #[async_trait::async_trait]
 impl TenantStore for PostgresStore {
@@ -31,7 +36,15 @@ impl TenantStore for PostgresStore {
         rows::read_tenant(&row)
     }
 
-    async fn create_tenant(&self, id: TenantId, name: &str, now: OffsetDateTime) -> Result<Tenant> {
+    async fn create_tenant(
+        &self,
+        id: TenantId,
+        name: &str,
+        actor: AuditActor,
+        now: OffsetDateTime,
+    ) -> Result<Tenant> {
+        const OP: &str = "create tenant";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let row = sqlx::query(
             "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) \
              RETURNING id, name, created_at",
@@ -39,10 +52,18 @@ impl TenantStore for PostgresStore {
         .bind(id.0)
         .bind(name)
         .bind(millis(now))
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await
-        .map_err(db_error("create tenant"))?;
-        rows::read_tenant(&row)
+        .map_err(db_error(OP))?;
+        let tenant = rows::read_tenant(&row)?;
+        let details = json!({"name": tenant.name});
+        append(
+            &mut tx,
+            admin_event(id, actor, TENANT_CREATE, id, details, now),
+        )
+        .await?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(tenant)
     }
 
     async fn get_tenant(&self, id: TenantId) -> Result<Option<Tenant>> {
@@ -56,6 +77,8 @@ impl TenantStore for PostgresStore {
     }
 
     async fn create_api_token(&self, token: NewApiToken) -> Result<ApiToken> {
+        const OP: &str = "create api token";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let row = sqlx::query(
             "INSERT INTO api_tokens (id, tenant_id, name, role, operator, token_hash, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7) \
@@ -68,10 +91,15 @@ impl TenantStore for PostgresStore {
         .bind(token.operator)
         .bind(&token.token_hash)
         .bind(millis(token.created_at))
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await
-        .map_err(db_error("create api token"))?;
-        rows::read_api_token(&row)
+        .map_err(db_error(OP))?;
+        let created = rows::read_api_token(&row)?;
+        if let Some(actor) = token.created_by {
+            append(&mut tx, api_token_event(&created, actor)).await?;
+        }
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(created)
     }
 
     async fn api_token_by_hash(&self, token_hash: &str) -> Result<Option<ApiToken>> {
@@ -99,6 +127,8 @@ impl TenantStore for PostgresStore {
     }
 
     async fn create_registration_token(&self, token: NewRegistrationToken) -> Result<()> {
+        const OP: &str = "create registration token";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         sqlx::query(
             "INSERT INTO registration_tokens \
              (id, tenant_id, token_hash, labels, environment, expires_at, created_at) \
@@ -111,9 +141,13 @@ impl TenantStore for PostgresStore {
         .bind(&token.environment)
         .bind(millis(token.expires_at))
         .bind(millis(token.created_at))
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
-        .map_err(db_error("create registration token"))?;
+        .map_err(db_error(OP))?;
+        if let Some(actor) = token.created_by.clone() {
+            append(&mut tx, agent_token_event(&token, actor)).await?;
+        }
+        tx.commit().await.map_err(db_error(OP))?;
         Ok(())
     }
 }

@@ -5,13 +5,18 @@ use berth_proto::{AgentId, TenantId};
 use rusqlite::params;
 use time::OffsetDateTime;
 
+use super::audit::append;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use crate::domain::audit::admin_event;
 use crate::lifecycle;
 use crate::rows::{self, agent_columns, millis, unix_millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, Page,
     RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep, StoreError,
 };
+use berth_proto::audit::actions::{AGENT_DELETE, AGENT_UPDATE};
+use berth_proto::audit::AuditActor;
+use serde_json::json;
 
 #[async_trait::async_trait]
 impl AgentStore for SqliteStore {
@@ -177,9 +182,11 @@ impl AgentStore for SqliteStore {
             .as_ref()
             .map(|c| json_text("agents.capabilities", c))
             .transpose()?;
+        let details = json!({"labels": update.labels, "capabilities": update.capabilities});
+        let by = update.updated_by;
         self.writer
             .write("update agent", move |tx| {
-                tx.optional(
+                let agent = tx.optional(
                     concat!(
                         "UPDATE agents SET labels = COALESCE(?1, labels), \
                          capabilities = COALESCE(?2, capabilities), updated_at = ?3 \
@@ -194,15 +201,25 @@ impl AgentStore for SqliteStore {
                         id_text(id.0),
                     ],
                     |row| rows::read_agent(row),
-                )
+                )?;
+                if let (Some(actor), Some(_)) = (by, &agent) {
+                    let event = admin_event(tenant, actor, AGENT_UPDATE, id, details, now);
+                    append(tx, event)?;
+                }
+                Ok(agent)
             })
             .await
     }
 
-    async fn delete_agent(&self, tenant: TenantId, id: AgentId) -> Result<bool> {
-        // The trait gives no clock here.
-        let now = unix_millis(OffsetDateTime::now_utc());
-        let (tenant, id) = (id_text(tenant.0), id_text(id.0));
+    async fn delete_agent(
+        &self,
+        tenant_id: TenantId,
+        agent_id: AgentId,
+        actor: AuditActor,
+        at: OffsetDateTime,
+    ) -> Result<bool> {
+        let now = unix_millis(at);
+        let (tenant, id) = (id_text(tenant_id.0), id_text(agent_id.0));
         self.writer
             .write("delete agent", move |tx| {
                 let deleted = tx.execute(
@@ -231,6 +248,8 @@ impl AgentStore for SqliteStore {
                      error_code = ?3 WHERE agent_id = ?1 AND state = 'leased'",
                     params![id, now, lifecycle::AGENT_DELETED],
                 )?;
+                let event = admin_event(tenant_id, actor, AGENT_DELETE, agent_id, json!({}), at);
+                append(tx, event)?;
                 Ok(true)
             })
             .await

@@ -24,6 +24,7 @@ use crate::rows::{self, db_error, ColumnReader};
 use crate::{Page, Result, Store, StoreError};
 
 mod agents;
+mod audit;
 mod releases;
 mod tasks;
 mod tenants;

@@ -9,6 +9,7 @@ use tokio::sync::broadcast;
 
 use super::threads::Db;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use crate::domain::audit::{result_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
@@ -17,6 +18,8 @@ use crate::{
     LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
     StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
+use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
+use berth_proto::audit::AuditActor;
 
 /// The tenant's task `id`, if it has one.
 /// The agent's task with the delivery `assignment` names; without one, the task's current
@@ -124,6 +127,10 @@ impl TaskStore for SqliteStore {
                         |row| rows::read_task(row),
                     )?;
                     if let Some(created) = inserted {
+                        if let Some(actor) = task.created_by.clone() {
+                            let event = task_event(TASK_CREATE, &created, actor, task.created_at);
+                            super::audit::append(tx, event)?;
+                        }
                         return Ok(CreateTaskOutcome::Created(created));
                     }
                 }
@@ -512,6 +519,7 @@ impl TaskStore for SqliteStore {
                     ],
                     |row| rows::read_task(row),
                 )?;
+                super::audit::append(tx, result_event(&completion, &task))?;
                 Ok(CompleteOutcome::Recorded(task))
             })
             .await?;
@@ -526,16 +534,17 @@ impl TaskStore for SqliteStore {
         &self,
         tenant: TenantId,
         id: TaskId,
-        now: OffsetDateTime,
+        actor: AuditActor,
+        at: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>> {
-        let now = unix_millis(now);
+        let now = unix_millis(at);
         let outcome = self
             .writer
             .write("cancel task", move |tx| {
                 let Some(task) = tenant_task(tx, tenant, id)? else {
                     return Ok(None);
                 };
-                Ok(Some(match task.state {
+                let outcome = match task.state {
                     TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
                         CancelOutcome::Cancelled(tx.one(
                             concat!(
@@ -556,8 +565,12 @@ impl TaskStore for SqliteStore {
                         params![id_text(id.0), now],
                         |row| rows::read_task(row),
                     )?),
-                    _ => CancelOutcome::AlreadyFinished(task),
-                }))
+                    _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
+                };
+                if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
+                    super::audit::append(tx, task_event(TASK_CANCEL, task, actor, at))?;
+                }
+                Ok(Some(outcome))
             })
             .await?;
         // Wakes the agent's long-poll: a cancellation to deliver, or a queue head that moved.
@@ -571,9 +584,10 @@ impl TaskStore for SqliteStore {
         &self,
         tenant: TenantId,
         id: TaskId,
-        now: OffsetDateTime,
+        actor: AuditActor,
+        at: OffsetDateTime,
     ) -> Result<Option<RetryOutcome>> {
-        let now = unix_millis(now);
+        let now = unix_millis(at);
         let outcome = self
             .writer
             .write("retry task", move |tx| {
@@ -601,6 +615,7 @@ impl TaskStore for SqliteStore {
                      WHERE read_back_of = ?1 AND idempotency_key IS NOT NULL",
                     params![id_text(id.0)],
                 )?;
+                super::audit::append(tx, task_event(TASK_RETRY, &task, actor, at))?;
                 Ok(Some(RetryOutcome::Requeued(task)))
             })
             .await?;

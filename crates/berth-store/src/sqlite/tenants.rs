@@ -4,9 +4,14 @@ use berth_proto::TenantId;
 use rusqlite::params;
 use time::OffsetDateTime;
 
+use super::audit::append;
 use super::{id_text, json_text, SqliteStore};
+use crate::domain::audit::{admin_event, agent_token_event, api_token_event};
 use crate::rows::{self, unix_millis, ColumnReader};
 use crate::{ApiToken, NewApiToken, NewRegistrationToken, Result, Tenant, TenantStore};
+use berth_proto::audit::actions::TENANT_CREATE;
+use berth_proto::audit::AuditActor;
+use serde_json::json;
 
 #[async_trait::async_trait]
 impl TenantStore for SqliteStore {
@@ -32,16 +37,25 @@ impl TenantStore for SqliteStore {
             .await
     }
 
-    async fn create_tenant(&self, id: TenantId, name: &str, now: OffsetDateTime) -> Result<Tenant> {
-        let (id, name, now) = (id_text(id.0), name.to_owned(), unix_millis(now));
+    async fn create_tenant(
+        &self,
+        id: TenantId,
+        name: &str,
+        actor: AuditActor,
+        at: OffsetDateTime,
+    ) -> Result<Tenant> {
+        let name = name.to_owned();
         self.writer
             .write("create tenant", move |tx| {
-                tx.one(
+                let tenant = tx.one(
                     "INSERT INTO tenants (id, name, created_at) VALUES (?1, ?2, ?3) \
                      RETURNING id, name, created_at",
-                    params![id, name, now],
+                    params![id_text(id.0), name, unix_millis(at)],
                     |row| rows::read_tenant(row),
-                )
+                )?;
+                let details = json!({"name": tenant.name});
+                append(tx, admin_event(id, actor, TENANT_CREATE, id, details, at))?;
+                Ok(tenant)
             })
             .await
     }
@@ -61,7 +75,7 @@ impl TenantStore for SqliteStore {
     async fn create_api_token(&self, token: NewApiToken) -> Result<ApiToken> {
         self.writer
             .write("create api token", move |tx| {
-                tx.one(
+                let created = tx.one(
                     "INSERT INTO api_tokens \
                      (id, tenant_id, name, role, operator, token_hash, created_at) \
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
@@ -76,7 +90,11 @@ impl TenantStore for SqliteStore {
                         unix_millis(token.created_at),
                     ],
                     |row| rows::read_api_token(row),
-                )
+                )?;
+                if let Some(actor) = token.created_by {
+                    append(tx, api_token_event(&created, actor))?;
+                }
+                Ok(created)
             })
             .await
     }
@@ -126,6 +144,9 @@ impl TenantStore for SqliteStore {
                         unix_millis(token.created_at),
                     ],
                 )?;
+                if let Some(actor) = token.created_by.clone() {
+                    append(tx, agent_token_event(&token, actor))?;
+                }
                 Ok(())
             })
             .await

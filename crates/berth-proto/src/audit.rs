@@ -1,0 +1,136 @@
+//! The audit log (`GET /api/v1/audit`, `berth audit export|verify`): one hash-chained entry per
+//! admin action and per verified agent result, in one chain per tenant.
+//!
+//! An entry's `hash` is the lowercase hex SHA-256 of [`hash_input`]: the RFC 8785 (JCS) JSON
+//! of the entry without `hash`, so `seq` and `prevHash` are covered. The first entry of a
+//! tenant has `seq` 1 and `prevHash` [`GENESIS_HASH`]. A result entry (`task.result`) carries
+//! the signed envelope as received and the certificate it was verified with
+//! ([`ResultEvidence`]), so the signature can be checked again with no server. Secrets never
+//! enter an entry: tokens appear by id, name and role only.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::admin::Role;
+use crate::{Method, Request, TenantId};
+
+/// `prevHash` of a chain's first entry.
+pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// The actions berth records.
+pub mod actions {
+    pub const TENANT_CREATE: &str = "tenant.create";
+    pub const API_TOKEN_CREATE: &str = "api_token.create";
+    pub const AGENT_TOKEN_CREATE: &str = "agent_token.create";
+    pub const AGENT_UPDATE: &str = "agent.update";
+    pub const AGENT_DELETE: &str = "agent.delete";
+    pub const TASK_CREATE: &str = "task.create";
+    pub const TASK_CANCEL: &str = "task.cancel";
+    pub const TASK_RETRY: &str = "task.retry";
+    /// A verified agent result; `details` is a [`super::ResultEvidence`].
+    pub const TASK_RESULT: &str = "task.result";
+}
+
+/// Who acted: an API token (by id, name and role, never its secret) or an agent (by id; its
+/// proof is the certificate in the entry).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", tag = "kind")]
+pub enum AuditActor {
+    Token {
+        id: uuid::Uuid,
+        name: String,
+        role: Role,
+    },
+    Agent {
+        id: uuid::Uuid,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AuditEntry {
+    /// 1, 2, 3, … within the tenant's chain, without gaps.
+    pub seq: u64,
+    pub tenant_id: TenantId,
+    #[serde(with = "crate::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub at: OffsetDateTime,
+    pub actor: AuditActor,
+    /// One of [`actions`].
+    pub action: String,
+    /// The id of the object acted on (tenant, token, agent or task).
+    pub subject: String,
+    /// What was done, beyond the action: for `task.result` a [`ResultEvidence`].
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub details: serde_json::Value,
+    /// The previous entry's `hash` ([`GENESIS_HASH`] for `seq` 1).
+    pub prev_hash: String,
+    pub hash: String,
+}
+
+/// `details` of a `task.result` entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResultEvidence {
+    /// The signed `AgentTaskResultEnvelope` exactly as received, `signature` included.
+    pub envelope: serde_json::Value,
+    /// The agent's certificate at that time: standard base64 of its DER.
+    pub certificate: String,
+    /// The task's state after the result.
+    pub state: crate::task::TaskState,
+}
+
+/// The bytes an entry's `hash` covers: JCS of the entry without its `hash` member.
+pub fn hash_input(entry: &serde_json::Value) -> Result<Vec<u8>, serde_json::Error> {
+    crate::json::jcs_without(entry, "hash")
+}
+
+/// `GET /api/v1/audit?after=&limit=` (admin role): the caller's tenant's entries with
+/// `seq > after`, in order.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ListAudit {
+    #[serde(default)]
+    pub after: u64,
+    /// 1–1000, default 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AuditPage {
+    pub items: Vec<AuditEntry>,
+    /// The last `seq` of this page when more may follow; pass it back as `after`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<u64>,
+}
+
+impl Request for ListAudit {
+    type Response = AuditPage;
+    const METHOD: Method = Method::Get;
+    fn path(&self) -> String {
+        match self.limit {
+            Some(limit) => format!("/api/v1/audit?after={}&limit={limit}", self.after),
+            None => format!("/api/v1/audit?after={}", self.after),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_input_is_jcs_without_the_hash() {
+        let entry = serde_json::json!({"seq": 2, "hash": "h", "prevHash": "p", "action": "a"});
+        assert_eq!(
+            String::from_utf8(hash_input(&entry).unwrap()).unwrap(),
+            r#"{"action":"a","prevHash":"p","seq":2}"#
+        );
+    }
+}
