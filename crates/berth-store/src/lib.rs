@@ -16,6 +16,7 @@ mod rows;
 mod sqlite;
 
 pub use domain::agents::*;
+pub use domain::events::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use postgres::PostgresStore;
@@ -65,7 +66,7 @@ pub struct Page<T> {
 /// trait object carries its supertraits' methods, so callers import no domain trait. Code that
 /// calls them on a concrete backend (`SqliteStore`) imports the domain trait it uses.
 #[async_trait::async_trait]
-pub trait Store: TenantStore + AgentStore + TaskStore + Send + Sync + 'static {
+pub trait Store: TenantStore + AgentStore + TaskStore + EventStore + Send + Sync + 'static {
     /// Backend name for logs and metrics: `sqlite` or `postgres`.
     fn backend(&self) -> &'static str;
 

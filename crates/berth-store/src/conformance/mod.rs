@@ -25,10 +25,12 @@ use crate::{
 };
 
 mod agents;
+mod events;
 mod tasks;
 mod tenants;
 
 pub use agents::*;
+pub use events::*;
 pub use tasks::*;
 pub use tenants::*;
 
@@ -81,6 +83,10 @@ macro_rules! conformance_cases {
             task_tenant_isolation,
             list_tasks,
             task_events,
+            events_of_task_and_agent_states,
+            events_tenant_isolation,
+            events_wake_readers,
+            events_cursor_never_skips,
         }
     };
 }

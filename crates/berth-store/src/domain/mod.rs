@@ -2,5 +2,6 @@
 //! A backend implements every domain trait; [`crate::Store`] is all of them together.
 
 pub mod agents;
+pub mod events;
 pub mod tasks;
 pub mod tenants;
