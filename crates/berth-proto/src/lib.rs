@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod agent;
 pub mod error;
+pub mod event;
 pub mod ids;
 pub mod json;
 pub mod kind;

@@ -13,6 +13,7 @@ use crate::SharedState;
 
 pub mod admin;
 pub mod agents;
+pub mod events;
 pub mod meta;
 pub mod tasks;
 pub mod transport;
@@ -46,6 +47,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(tasks::get))
         .routes(routes!(tasks::cancel))
         .routes(routes!(tasks::retry))
+        .routes(routes!(events::stream))
 }
 
 pub fn router(state: SharedState) -> Router {
