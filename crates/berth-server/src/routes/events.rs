@@ -76,6 +76,7 @@ pub async fn stream(
             .unwrap_or(true)
             .then(|| state.store.events_written()),
         ready: VecDeque::new(),
+        _open: state.metrics.event_stream_opened(),
     };
     let sse = Sse::new(follow.into_stream())
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"));
@@ -91,6 +92,7 @@ struct Follow {
     /// `None`: not following; the stream ends once the stored events are sent.
     written: Option<watch::Receiver<u64>>,
     ready: VecDeque<Event>,
+    _open: crate::metrics::OpenEventStream,
 }
 
 impl Follow {
