@@ -64,6 +64,19 @@ impl EventQuery {
     }
 }
 
+/// One message of the stream as SSE frames it, for the OpenAPI document (`text/event-stream`
+/// responses are described per message): `data` is an [`EventView`] as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct EventMessage {
+    /// [`EventView::id`], as text.
+    pub id: String,
+    /// [`EventView::kind`].
+    pub event: String,
+    /// An [`EventView`], as JSON.
+    pub data: String,
+}
+
 /// The `data:` of every event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

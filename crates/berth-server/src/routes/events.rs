@@ -12,7 +12,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use berth_proto::error::codes;
-use berth_proto::event::{EventQuery, EventView, LAST_EVENT_ID_HEADER};
+use berth_proto::event::{EventMessage, EventQuery, EventView, LAST_EVENT_ID_HEADER};
 use berth_proto::ErrorBody;
 use berth_store::{DynStore, Event, EventFilter};
 use futures_util::Stream;
@@ -34,7 +34,7 @@ const PAGE: u32 = 500;
 #[utoipa::path(get, path = "/api/v1/events", tag = "events", security(("bearer" = [])),
     params(EventQuery, ("Last-Event-ID" = Option<u64>, Header, description = "resume after this event id; wins over `after` and `lastEventId`")),
     responses(
-        (status = 200, content_type = "text/event-stream", body = EventView,
+        (status = 200, content_type = "text/event-stream", body = EventMessage,
          description = "SSE: `id: <seq>`, `event: <kind>`, `data: <EventView JSON>` per event, `: keep-alive` comments every 15 s"),
         (status = 400, body = ErrorBody, description = "INVALID_REQUEST: a Last-Event-ID that is not a non-negative integer"),
     ))]
