@@ -328,6 +328,18 @@ pub(crate) fn db_error(operation: &'static str) -> impl FnOnce(sqlx::Error) -> S
     }
 }
 
+pub(crate) fn read_event(row: &impl ColumnReader) -> Result<Event, StoreError> {
+    Ok(Event {
+        id: row.int("id")?,
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        kind: row.text("kind")?,
+        task_id: row.uuid_opt("task_id")?.map(TaskId),
+        agent_id: row.uuid_opt("agent_id")?.map(AgentId),
+        data: row.json("data")?,
+        created_at: row.time("created_at")?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,16 +371,4 @@ mod tests {
         assert_eq!(merged["a"], "1");
         assert_eq!(merged["b"], "3");
     }
-}
-
-pub(crate) fn read_event(row: &impl ColumnReader) -> Result<Event, StoreError> {
-    Ok(Event {
-        id: row.int("id")?,
-        tenant_id: TenantId(row.uuid("tenant_id")?),
-        kind: row.text("kind")?,
-        task_id: row.uuid_opt("task_id")?.map(TaskId),
-        agent_id: row.uuid_opt("agent_id")?.map(AgentId),
-        data: row.json("data")?,
-        created_at: row.time("created_at")?,
-    })
 }
