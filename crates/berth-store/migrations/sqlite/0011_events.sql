@@ -16,6 +16,8 @@ CREATE TABLE events (
 );
 CREATE INDEX idx_events_tenant ON events (tenant_id, id);
 
+-- SQLite has no trigger functions and no INSERT OR UPDATE trigger: the insert and update
+-- triggers repeat one INSERT (PostgreSQL shares `events_task()`).
 CREATE TRIGGER events_task_created AFTER INSERT ON tasks
 BEGIN
     INSERT INTO events (tenant_id, kind, task_id, agent_id, data, created_at)
