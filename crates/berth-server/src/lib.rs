@@ -43,6 +43,9 @@ pub(crate) struct AppState {
     pub wakeups: wake::Wakeups,
     pub heartbeats: heartbeat::HeartbeatWriter,
     pub metrics: metrics::Metrics,
+    /// Turns true when the server starts to stop: open event streams end then, so draining
+    /// connections does not wait on them.
+    pub stopping: tokio::sync::watch::Sender<bool>,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -74,6 +77,7 @@ impl Server {
             wakeups,
             heartbeats,
             metrics,
+            stopping: tokio::sync::watch::channel(false).0,
         });
         Ok(Server {
             state,
@@ -97,6 +101,11 @@ impl Server {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
+        let state = self.state.clone();
+        let shutdown = async move {
+            shutdown.await;
+            state.stopping.send_replace(true);
+        };
         let result = tls::serve(
             listener,
             self.tls,

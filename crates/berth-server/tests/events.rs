@@ -233,3 +233,21 @@ async fn a_quiet_stream_outlives_the_idle_connection_timeout() {
     drop(stream);
     server.stop().await;
 }
+
+/// A stopping server ends its event streams cleanly instead of holding its drain on them.
+#[tokio::test]
+async fn a_stopping_server_ends_its_streams() {
+    let server = common::start().await;
+    let admin = server.admin();
+    let mut stream = admin
+        .events(&EventQuery::default(), Some(u64::MAX >> 1), PATIENCE)
+        .await
+        .expect("open stream");
+    let reader = tokio::spawn(async move { stream.next().await });
+    server.stop().await;
+    let ended = reader.await.expect("reader");
+    assert!(
+        matches!(ended, Ok(None)),
+        "the stream ends cleanly: {ended:?}"
+    );
+}

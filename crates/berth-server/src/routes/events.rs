@@ -77,6 +77,7 @@ pub async fn stream(
             .then(|| state.store.events_written()),
         ready: VecDeque::new(),
         _open: state.metrics.event_stream_opened(),
+        stopping: state.stopping.subscribe(),
     };
     let sse = Sse::new(follow.into_stream())
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"));
@@ -93,6 +94,8 @@ struct Follow {
     written: Option<watch::Receiver<u64>>,
     ready: VecDeque<Event>,
     _open: crate::metrics::OpenEventStream,
+    /// The server is stopping: the stream ends (cleanly; the client resumes elsewhere).
+    stopping: watch::Receiver<bool>,
 }
 
 impl Follow {
@@ -129,8 +132,13 @@ impl Follow {
                     return None;
                 }
             }
-            // Caught up: wait for the next commit that wrote events (the store gone: end).
-            self.written.as_mut()?.changed().await.ok()?;
+            // Caught up: wait for the next commit that wrote events; end when the store is
+            // gone or the server stops.
+            let written = self.written.as_mut()?;
+            tokio::select! {
+                changed = written.changed() => changed.ok()?,
+                _ = self.stopping.wait_for(|stop| *stop) => return None,
+            }
         }
     }
 }
