@@ -919,3 +919,62 @@ fn agent_with_a_relative_allow_hook_exits_78() {
         env.stderr()
     );
 }
+
+/// `berth task create --wait` follows the task's events instead of polling: while it waits, the
+/// server counts its open event stream, and it returns when the task settles.
+#[test]
+fn task_create_wait_follows_the_event_stream() {
+    let tmp = tempdir();
+    let server = Server::start(&tmp.path().join("data"), &[]);
+    let mut agent = Agent::register(&server, tmp.path(), "waited-on", &[]);
+    // Its task stays pending: nothing polls for it.
+    agent.proc.kill9();
+
+    let mut cmd = command(BERTH);
+    cmd.args([
+        "task",
+        "create",
+        "--type",
+        "health-check",
+        "--agent",
+        &agent.id,
+        "--payload",
+        r#"{"type": "tcp", "host": "127.0.0.1", "port": 1}"#,
+        "--wait",
+        "--output",
+        "json",
+    ])
+    .env("BERTH_SERVER", &server.url)
+    .env("BERTH_TOKEN", &server.admin_token)
+    .env("BERTH_CA_FILE", server.data_dir.join("ca.crt"));
+    let waiting = Proc::spawn("berth task create --wait", cmd);
+
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let api = server.api();
+    wait_for(SETTLE, "the CLI's event stream open", || {
+        let metrics = runtime
+            .block_on(api.get_text("/metrics"))
+            .map_err(|e| e.to_string())?;
+        match metrics
+            .lines()
+            .find(|l| l.starts_with("berth_event_streams_open "))
+        {
+            Some(line) if line.ends_with(" 1") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let task = wait_for(SETTLE, "the task listed", || {
+        match server.tasks(&["--agent", &agent.id]).as_slice() {
+            [task] => Ok(task.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(task["state"], "pending", "{task}");
+    server.cli(&["task", "cancel", task["id"].as_str().expect("id")]);
+
+    let out = waiting.finish(EXIT);
+    assert!(out.status.success(), "{}", out.stderr);
+    let waited: Value = serde_json::from_str(&out.stdout).expect("JSON");
+    assert_eq!(waited["id"], task["id"], "{waited}");
+    assert_eq!(waited["state"], "cancelled", "{waited}");
+}

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_client::{Client, ClientError};
+use berth_proto::event::{EventQuery, EventView, TASK_STATE};
 use berth_proto::task::{CreateTask, GetTask, ListTasks, TaskView};
 use berth_proto::transport::{
     AcquireSession, AgentTaskPollRequest, CONTRACT_VERSION, GENERATION_HEADER,
@@ -1161,6 +1162,29 @@ fn api_wait_succeeded(rt: &tokio::runtime::Runtime, api: &Client, id: TaskId) ->
     })
 }
 
+/// Two `berth server` replicas on one database (`args` name it). Replicas share nothing but
+/// the database — and the key material, which is not in the database: the CA (agents pin it,
+/// and each replica issues its server certificate from it), the JWT key and the master key
+/// (credentials sealed by one replica are opened by another). So replica 2's data dir starts as
+/// a copy of those four files of replica 1's.
+fn two_replicas(root: &Path, args: &[&str]) -> (Server, Server) {
+    let dir_1 = root.join("replica-1");
+    let dir_2 = root.join("replica-2");
+    let replica_1 = Server::start(&dir_1, args);
+    std::fs::create_dir(&dir_2).unwrap();
+    std::fs::set_permissions(&dir_2, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for file in ["ca.crt", "ca.key", "jwt.key", "master.key"] {
+        std::fs::copy(dir_1.join(file), dir_2.join(file)).unwrap();
+    }
+    let replica_2 = Server::start_at(&dir_2, "127.0.0.1:0", args, Some(&replica_1.admin_token));
+    assert_eq!(replica_2.ca_fingerprint, replica_1.ca_fingerprint);
+    assert!(
+        !dir_2.join("admin.token").exists(),
+        "the second replica minted another bootstrap token"
+    );
+    (replica_1, replica_2)
+}
+
 #[test]
 fn two_replicas_on_postgres_wake_across_replicas_and_fence_together() {
     let Some(admin_url) =
@@ -1178,24 +1202,7 @@ fn two_replicas_on_postgres_wake_across_replicas_and_fence_together() {
         &database.url,
     ];
 
-    // Replicas share nothing but the database — and the key material, which is not in the
-    // database: the CA (agents pin it, and each replica issues its server certificate from it),
-    // the JWT key and the master key (credentials sealed by one replica are opened by another).
-    // So replica 2's data dir starts as a copy of those four files of replica 1's.
-    let dir_1 = tmp.path().join("replica-1");
-    let dir_2 = tmp.path().join("replica-2");
-    let replica_1 = Server::start(&dir_1, &args);
-    std::fs::create_dir(&dir_2).unwrap();
-    std::fs::set_permissions(&dir_2, std::fs::Permissions::from_mode(0o700)).unwrap();
-    for file in ["ca.crt", "ca.key", "jwt.key", "master.key"] {
-        std::fs::copy(dir_1.join(file), dir_2.join(file)).unwrap();
-    }
-    let replica_2 = Server::start_at(&dir_2, "127.0.0.1:0", &args, Some(&replica_1.admin_token));
-    assert_eq!(replica_2.ca_fingerprint, replica_1.ca_fingerprint);
-    assert!(
-        !dir_2.join("admin.token").exists(),
-        "the second replica minted another bootstrap token"
-    );
+    let (replica_1, replica_2) = two_replicas(tmp.path(), &args);
 
     // The agent registers (and holds its first session) through replica 1, then runs against
     // replica 2: a new session, a new generation.
@@ -1461,5 +1468,103 @@ fn busy_agents_renew_their_certificates_without_exiting_or_losing_a_task() {
         1,
         "exit code after deletion:\n{}",
         agents[0].proc.stderr()
+    );
+}
+
+/// Events written through two replicas at once, followed by a client that reconnects to the
+/// other replica every few events with `Last-Event-ID`: it gets every event exactly once, in
+/// the order of the database's event ids.
+#[test]
+fn two_replicas_on_postgres_stream_every_event_once_across_reconnects() {
+    let Some(admin_url) =
+        postgres::admin_url("two_replicas_on_postgres_stream_every_event_once_across_reconnects")
+    else {
+        return;
+    };
+    let database = TestDatabase::create(&admin_url);
+    let tmp = tempdir();
+    let args = ["--database", &database.url];
+    let (replica_1, replica_2) = two_replicas(tmp.path(), &args);
+    let mut agent = Agent::register(&replica_1, tmp.path(), "pg-events", &[]);
+    let last = Agent::register(&replica_1, tmp.path(), "pg-last", &[]);
+    // Their tasks stay pending (and are cancelled): nothing needs to run.
+    agent.proc.kill9();
+    let agent_id = AgentId(agent.id.parse().unwrap());
+    let last_id = AgentId(last.id.parse().unwrap());
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let apis = [replica_1.api(), replica_2.api()];
+    let task = |agent| CreateTask {
+        task_type: "inspect".into(),
+        agent_id: Some(agent),
+        payload: json!({}),
+        ..Default::default()
+    };
+    let writers: Vec<_> = (0..4)
+        .map(|i| {
+            let api = apis[i % 2].clone();
+            rt.spawn(async move {
+                for _ in 0..15 {
+                    let created: TaskView = api.send(&task(agent_id)).await.expect("create");
+                    api.send(&berth_proto::task::CancelTask { id: created.id })
+                        .await
+                        .expect("cancel");
+                }
+            })
+        })
+        .collect();
+    let last_task = {
+        let api = apis[1].clone();
+        rt.spawn(async move {
+            for writer in writers {
+                writer.await.expect("writer");
+            }
+            let created: TaskView = api.send(&task(last_id)).await.expect("create");
+            created.id
+        })
+    };
+
+    let mut seen: Vec<EventView> = Vec::new();
+    rt.block_on(async {
+        tokio::time::timeout(TASK, async {
+            for replica in (0..2).cycle() {
+                let mut stream = apis[replica]
+                    .events(&EventQuery::default(), seen.last().map(|e| e.id), TASK)
+                    .await
+                    .expect("open stream");
+                for _ in 0..5 {
+                    let event = stream.next().await.expect("read").expect("stream open");
+                    let done = event.kind == TASK_STATE && event.agent_id == Some(last_id);
+                    seen.push(event);
+                    if done {
+                        return;
+                    }
+                }
+            }
+        })
+        .await
+        .expect("caught up in time")
+    });
+    let last_task = rt.block_on(last_task).expect("writers");
+    let query = EventQuery {
+        follow: Some(false),
+        ..EventQuery::default()
+    };
+    let stored = rt.block_on(async {
+        let mut stream = apis[0].events(&query, None, TASK).await.expect("backlog");
+        let mut all = Vec::new();
+        while let Some(event) = stream.next().await.expect("read backlog") {
+            all.push(event);
+        }
+        all
+    });
+    let end = stored
+        .iter()
+        .position(|e| e.task_id == Some(last_task))
+        .expect("the last task's event");
+    assert_eq!(seen, stored[..=end], "every event once, in order");
+    assert_eq!(
+        seen.iter().filter(|e| e.kind == TASK_STATE).count(),
+        2 * 4 * 15 + 1
     );
 }

@@ -4,6 +4,10 @@
 //! the caller holds, or — on an agent's first contact — a CA pinned by fingerprint, which the
 //! server must present in its chain. It never trusts on first use silently.
 
+mod events;
+
+pub use events::{EventStream, StreamError};
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -7,6 +7,7 @@ pub mod admin;
 pub mod agent;
 pub mod audit;
 pub mod error;
+pub mod event;
 pub mod ids;
 pub mod json;
 pub mod kind;

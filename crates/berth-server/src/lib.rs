@@ -46,6 +46,9 @@ pub(crate) struct AppState {
     pub metrics: metrics::Metrics,
     /// The registry client that resolves release images to digests.
     pub registries: registry::Registries,
+    /// Turns true when the server starts to stop: open event streams end then, so draining
+    /// connections does not wait on them.
+    pub stopping: tokio::sync::watch::Sender<bool>,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -78,6 +81,7 @@ impl Server {
             heartbeats,
             metrics,
             registries: registry::Registries::new().map_err(ServerError::new)?,
+            stopping: tokio::sync::watch::channel(false).0,
         });
         Ok(Server {
             state,
@@ -101,6 +105,11 @@ impl Server {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
+        let state = self.state.clone();
+        let shutdown = async move {
+            shutdown.await;
+            state.stopping.send_replace(true);
+        };
         let result = tls::serve(
             listener,
             self.tls,

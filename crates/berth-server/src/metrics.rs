@@ -27,6 +27,7 @@ struct Inner {
     tasks: Family<Labels, Counter>,
     sessions_held: Counter,
     polls_parked: Gauge,
+    event_streams: Gauge,
     poll_wakeups: Counter,
     connections_closed: Family<Labels, Counter>,
 }
@@ -92,6 +93,12 @@ impl Metrics {
             "Task polls waiting for work right now",
             polls_parked.clone(),
         );
+        let event_streams = Gauge::default();
+        registry.register(
+            "event_streams_open",
+            "Clients following GET /api/v1/events right now",
+            event_streams.clone(),
+        );
         let poll_wakeups = Counter::default();
         registry.register(
             "long_poll_wakeups",
@@ -107,6 +114,7 @@ impl Metrics {
         Metrics(Arc::new(Inner {
             connections_closed,
             polls_parked,
+            event_streams,
             poll_wakeups,
             result_rejections,
             results_accepted,
@@ -216,6 +224,12 @@ impl Metrics {
         ParkedPoll(self.clone())
     }
 
+    /// An event stream is open; the guard closes it however the response ends.
+    pub fn event_stream_opened(&self) -> OpenEventStream {
+        self.0.event_streams.inc();
+        OpenEventStream(self.clone())
+    }
+
     pub fn poll_woken(&self) {
         self.0.poll_wakeups.inc();
     }
@@ -235,5 +249,14 @@ pub struct ParkedPoll(Metrics);
 impl Drop for ParkedPoll {
     fn drop(&mut self) {
         self.0 .0.polls_parked.dec();
+    }
+}
+
+/// Counts one response of `GET /api/v1/events` in `berth_event_streams_open` while it lives.
+pub struct OpenEventStream(Metrics);
+
+impl Drop for OpenEventStream {
+    fn drop(&mut self) {
+        self.0 .0.event_streams.dec();
     }
 }

@@ -24,6 +24,13 @@ pub const AGENT_CERTIFICATE: &str = "agentCertificate";
 #[derive(OpenApi)]
 #[openapi(
     info(title = "berth", description = "berth control plane API"),
+    // What an event stream message's `data` carries: not referenced by any response, since
+    // SSE messages are described as SSE frames them (`EventMessage`).
+    components(schemas(
+        berth_proto::event::EventView,
+        berth_proto::event::TaskStateEvent,
+        berth_proto::event::AgentEvent
+    )),
     modifiers(&SecuritySchemes),
 )]
 struct ApiDoc;

@@ -223,8 +223,9 @@ pub(crate) async fn serve(
                             let span = crate::routes::request_span(&req);
                             let answer = app.clone().oneshot(req).instrument(span);
                             Either::Right(async move {
-                                let _busy = busy;
-                                answer.await
+                                answer
+                                    .await
+                                    .map(|response| busy_while_streaming(response, busy))
                             })
                         }
                     }
@@ -383,6 +384,32 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n -= 1);
     }
+}
+
+/// A request is in flight until its answer is sent, which for a stream (Server-Sent Events,
+/// `GET /api/v1/events`) is when its body ends, not when its head is ready: the idle close must
+/// not cut a quiet stream. Other answers are whole once their head is, so only streams pay for
+/// the wrapped body.
+fn busy_while_streaming(
+    response: axum::response::Response,
+    busy: InFlight,
+) -> axum::response::Response {
+    let streaming = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !streaming {
+        return response;
+    }
+    response.map(|body| {
+        axum::body::Body::from_stream(futures_util::StreamExt::map(
+            body.into_data_stream(),
+            move |chunk| {
+                let _busy = &busy;
+                chunk
+            },
+        ))
+    })
 }
 
 enum Close {

@@ -1133,11 +1133,21 @@ async fn every_operation_documents_the_common_refusals() {
             };
             let (bearer, mtls) = (secured("bearer"), secured("agentCertificate"));
             let has_path_ids = template.contains('{');
+            // A stream (`GET /api/v1/events`) stays open until the client leaves: a probe that
+            // it answers asks for its bounded form, the stored events and the end.
+            let streams = op["responses"]["200"]["content"]
+                .get("text/event-stream")
+                .is_some();
             let path = |id: &str| {
-                template
+                let path = template
                     .replace("{id}", id)
                     .replace("{agentId}", id)
-                    .replace("{taskId}", &uuid::Uuid::new_v4().to_string())
+                    .replace("{taskId}", &uuid::Uuid::new_v4().to_string());
+                if streams {
+                    format!("{path}?follow=false")
+                } else {
+                    path
+                }
             };
             let agent_id = agent.id.to_string();
             let method = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();

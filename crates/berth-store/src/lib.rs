@@ -17,6 +17,7 @@ mod sqlite;
 
 pub use domain::agents::*;
 pub use domain::audit::{AuditStore, NewAuditEvent};
+pub use domain::events::*;
 pub use domain::releases::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
@@ -68,7 +69,15 @@ pub struct Page<T> {
 /// calls them on a concrete backend (`SqliteStore`) imports the domain trait it uses.
 #[async_trait::async_trait]
 pub trait Store:
-    TenantStore + AgentStore + TaskStore + ReleaseStore + AuditStore + Send + Sync + 'static
+    TenantStore
+    + AgentStore
+    + TaskStore
+    + ReleaseStore
+    + AuditStore
+    + EventStore
+    + Send
+    + Sync
+    + 'static
 {
     /// Backend name for logs and metrics: `sqlite` or `postgres`.
     fn backend(&self) -> &'static str;

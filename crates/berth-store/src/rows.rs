@@ -12,8 +12,8 @@ use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use crate::{
-    Agent, ApiToken, Attempt, AttemptState, HeartbeatRecord, Page, Release, StoreError, Task,
-    TaskState, Tenant,
+    Agent, ApiToken, Attempt, AttemptState, Event, HeartbeatRecord, Page, Release, StoreError,
+    Task, TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -352,6 +352,18 @@ pub(crate) fn db_error(operation: &'static str) -> impl FnOnce(sqlx::Error) -> S
         Some(constraint) => StoreError::Conflict { constraint },
         None => StoreError::Database { operation, source },
     }
+}
+
+pub(crate) fn read_event(row: &impl ColumnReader) -> Result<Event, StoreError> {
+    Ok(Event {
+        id: row.int("id")?,
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        kind: row.text("kind")?,
+        task_id: row.uuid_opt("task_id")?.map(TaskId),
+        agent_id: row.uuid_opt("agent_id")?.map(AgentId),
+        data: row.json("data")?,
+        created_at: row.time("created_at")?,
+    })
 }
 
 #[cfg(test)]

@@ -13,6 +13,8 @@ use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
 use berth_proto::audit::ListAudit;
+use berth_proto::error::ErrorChain;
+use berth_proto::event::{EventQuery, TaskStateEvent, TASK_STATE};
 use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListReleases};
 use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, TaskId};
@@ -499,17 +501,8 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
                 .map(|k| (berth_proto::headers::IDEMPOTENCY_KEY_HEADER, k.as_str()))
                 .collect();
             let mut task = client.send_with(&request, &headers, None).await?;
-            while wait
-                && matches!(
-                    task.state,
-                    TaskState::Pending | TaskState::Leased | TaskState::RetryWait
-                )
-            {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                task = client.send(&GetTask { id: task.id }).await?;
-            }
-            if wait {
-                task = client.send(&GetTask { id: task.id }).await?;
+            if wait && in_progress(task.state) {
+                task = wait_for_task(&client, task.id).await?;
             }
             print_task(out, &task)
         }
@@ -666,6 +659,65 @@ async fn audit_export(conn: &Connection) -> anyhow::Result<()> {
     stdout.flush()?;
     Ok(())
 }
+
+/// `--wait` waits while a task is in one of these states.
+fn in_progress(state: TaskState) -> bool {
+    matches!(
+        state,
+        TaskState::Pending | TaskState::Leased | TaskState::RetryWait
+    )
+}
+
+/// Waits until the task leaves [`in_progress`] and returns it, following its events (the
+/// server's `GET /api/v1/events?task=`). The stream starts at the task's first event, so a task
+/// that settled before it opened is seen too; a broken stream resumes after the last event
+/// seen. Polling is the fallback for a server without the stream, or one that keeps failing.
+async fn wait_for_task(client: &Client, id: TaskId) -> anyhow::Result<berth_proto::task::TaskView> {
+    const STREAM_ATTEMPTS: u32 = 3;
+    let query = EventQuery {
+        task: Some(id),
+        ..EventQuery::default()
+    };
+    let mut last = None;
+    let mut failures = 0;
+    while failures < STREAM_ATTEMPTS {
+        let failure = match client.events(&query, last, WAIT_STREAM_TIMEOUT).await {
+            Ok(mut stream) => loop {
+                match stream.next().await {
+                    Ok(Some(event)) => {
+                        last = Some(event.id);
+                        failures = 0;
+                        if event.kind != TASK_STATE {
+                            continue;
+                        }
+                        let data: TaskStateEvent = serde_json::from_value(event.data)
+                            .context("a task.state event the CLI cannot read")?;
+                        if !in_progress(data.state) {
+                            return Ok(client.send(&GetTask { id }).await?);
+                        }
+                    }
+                    Ok(None) => break anyhow::anyhow!("the server ended the event stream"),
+                    Err(e) => break e.into(),
+                }
+            },
+            Err(e) => e.into(),
+        };
+        failures += 1;
+        tracing::debug!(error = %ErrorChain(failure.as_ref()), "task event stream failed");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tracing::warn!("the event stream keeps failing; polling the task instead");
+    loop {
+        let task = client.send(&GetTask { id }).await?;
+        if !in_progress(task.state) {
+            return Ok(task);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// How long one `--wait` stream may stay open before it is reopened from its last event.
+const WAIT_STREAM_TIMEOUT: Duration = Duration::from_secs(3600);
 
 fn admin_client(conn: &Connection) -> anyhow::Result<Client> {
     let token = conn

@@ -14,6 +14,7 @@ use crate::SharedState;
 pub mod admin;
 pub mod agents;
 pub mod audit;
+pub mod events;
 pub mod meta;
 pub mod releases;
 pub mod tasks;
@@ -51,6 +52,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(releases::create, releases::list))
         .routes(routes!(releases::get))
         .routes(routes!(audit::list))
+        .routes(routes!(events::stream))
 }
 
 pub fn router(state: SharedState) -> Router {

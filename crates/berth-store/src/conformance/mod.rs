@@ -26,12 +26,14 @@ use crate::{
 
 mod agents;
 mod audit;
+mod events;
 mod releases;
 mod tasks;
 mod tenants;
 
 pub use agents::*;
 pub use audit::*;
+pub use events::*;
 pub use releases::*;
 pub use tasks::*;
 pub use tenants::*;
@@ -92,6 +94,10 @@ macro_rules! conformance_cases {
             audit_task_entries,
             audit_admin_entries,
             audit_concurrent_appends,
+            events_of_task_and_agent_states,
+            events_tenant_isolation,
+            events_wake_readers,
+            events_cursor_never_skips,
         }
     };
 }

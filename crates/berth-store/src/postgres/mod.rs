@@ -13,7 +13,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
-use tokio::sync::{broadcast, oneshot};
+use tokio::sync::{broadcast, oneshot, watch};
 use uuid::Uuid;
 
 use crate::rows::{self, db_error, get, ColumnReader};
@@ -21,6 +21,7 @@ use crate::{Page, Result, Store, StoreError};
 
 mod agents;
 mod audit;
+mod events;
 mod releases;
 mod tasks;
 mod tenants;
@@ -30,6 +31,9 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 const MAX_CONNECTIONS: u32 = 16;
 /// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas.
 const TASK_CHANNEL: &str = "berth_tasks";
+/// Notified by migration 0011's `events_number()` at the commit of every transaction that
+/// wrote events, on every replica's listener.
+const EVENT_CHANNEL: &str = "berth_events";
 const EVENT_CAPACITY: usize = 1024;
 const LISTENER_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
@@ -37,6 +41,8 @@ pub struct PostgresStore {
     pool: PgPool,
     /// Fed only by the listener task, so every replica's writes (ours included) arrive once.
     events: broadcast::Sender<AgentId>,
+    /// Counts `berth_events` notifications (and listener reconnects, which may have lost some).
+    written: watch::Sender<u64>,
     /// Dropping the store drops this, which stops the listener task.
     _stop_listener: oneshot::Sender<()>,
 }
@@ -54,16 +60,19 @@ impl PostgresStore {
         // LISTEN before returning, so no write after `connect` can go unnoticed.
         let listener = listen(&pool).await?;
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let (written, _) = watch::channel(0);
         let (stop, stopped) = oneshot::channel();
         tokio::spawn(forward_task_events(
             pool.clone(),
             listener,
             events.clone(),
+            written.clone(),
             stopped,
         ));
         Ok(PostgresStore {
             pool,
             events,
+            written,
             _stop_listener: stop,
         })
     }
@@ -74,7 +83,7 @@ async fn listen(pool: &PgPool) -> Result<PgListener> {
         .await
         .map_err(db_error("listen for task events"))?;
     listener
-        .listen(TASK_CHANNEL)
+        .listen_all([TASK_CHANNEL, EVENT_CHANNEL])
         .await
         .map_err(db_error("listen for task events"))?;
     Ok(listener)
@@ -87,15 +96,18 @@ async fn forward_task_events(
     pool: PgPool,
     mut listener: PgListener,
     events: broadcast::Sender<AgentId>,
+    written: watch::Sender<u64>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let wake_everyone = AgentId(Uuid::nil());
+    let announce = || written.send_modify(|n| *n = n.wrapping_add(1));
     loop {
         let received = tokio::select! {
             _ = &mut stop => return,
             received = listener.try_recv() => received,
         };
         match received {
+            Ok(Some(notification)) if notification.channel() == EVENT_CHANNEL => announce(),
             Ok(Some(notification)) => match notification.payload().parse::<Uuid>() {
                 Ok(id) => {
                     // No receivers is not an error: nobody is long-polling right now.
@@ -108,6 +120,7 @@ async fn forward_task_events(
             // The connection dropped and `try_recv` re-established it (and re-LISTENed).
             Ok(None) => {
                 let _ = events.send(wake_everyone);
+                announce();
             }
             Err(e) => {
                 tracing::warn!(error = %ErrorChain(&e), "task event listener failed; reconnecting");
@@ -126,6 +139,7 @@ async fn forward_task_events(
                     }
                 };
                 let _ = events.send(wake_everyone);
+                announce();
             }
         }
     }

@@ -17,7 +17,7 @@ use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::Connection as _;
 use time::OffsetDateTime;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 use uuid::Uuid;
 
 use crate::rows::{self, db_error, ColumnReader};
@@ -25,6 +25,7 @@ use crate::{Page, Result, Store, StoreError};
 
 mod agents;
 mod audit;
+mod events;
 mod releases;
 mod tasks;
 mod tenants;
@@ -52,6 +53,8 @@ pub struct SqliteStore {
     readers: Readers,
     /// Task events: one process owns the file, so an in-process channel reaches every poller.
     events: broadcast::Sender<AgentId>,
+    /// The highest event id, after each commit that wrote events (the writer sends it).
+    written: watch::Sender<u64>,
     /// Dropping it stops the checkpointer.
     _checkpointer: mpsc::Sender<()>,
 }
@@ -138,7 +141,8 @@ impl SqliteStore {
 
         const SPAWN: &str = "start sqlite threads";
         let stopped = |_| StoreError::ThreadStopped { operation: SPAWN };
-        let writer = Writer::spawn(connect(path, false)?).map_err(stopped)?;
+        let (written, _) = watch::channel(0);
+        let writer = Writer::spawn(connect(path, false)?, written.clone()).map_err(stopped)?;
         let readers = (0..READERS)
             .map(|_| connect(path, true))
             .collect::<Result<Vec<_>>>()?;
@@ -154,6 +158,7 @@ impl SqliteStore {
             writer,
             readers,
             events,
+            written,
             _checkpointer: checkpointer,
         })
     }

@@ -20,7 +20,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
 
 use rusqlite::{Connection, Params, Row};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use crate::rows;
 use crate::{Result, StoreError};
@@ -36,11 +36,12 @@ pub(super) struct Writer {
 impl Writer {
     /// Starts the writer thread. It ends when the last `Writer` handle is dropped and the
     /// queued operations have run.
-    pub(super) fn spawn(conn: Connection) -> std::io::Result<Writer> {
+    /// `written` gets the highest event id after every commit that wrote events.
+    pub(super) fn spawn(conn: Connection, written: watch::Sender<u64>) -> std::io::Result<Writer> {
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("berth-sqlite-writer".to_string())
-            .spawn(move || write_loop(conn, queue))?;
+            .spawn(move || write_loop(conn, queue, written))?;
         Ok(Writer { jobs })
     }
 
@@ -211,7 +212,7 @@ where
     }
 }
 
-fn write_loop(conn: Connection, queue: mpsc::Receiver<Box<dyn Job>>) {
+fn write_loop(conn: Connection, queue: mpsc::Receiver<Box<dyn Job>>, written: watch::Sender<u64>) {
     let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(MAX_BATCH);
     // The connection opens with `synchronous=FULL`.
     let mut flushing = true;
@@ -234,6 +235,29 @@ fn write_loop(conn: Connection, queue: mpsc::Receiver<Box<dyn Job>>) {
         }
         for job in batch.drain(..) {
             job.finish(committed.as_ref().map(|_| ()));
+        }
+        if committed.is_ok() {
+            announce_events(&conn, &written);
+        }
+    }
+}
+
+/// Wakes event readers after a commit that wrote events (triggers write them, so the writer
+/// asks the table, not the operations). Committed already: a woken reader finds them.
+fn announce_events(conn: &Connection, written: &watch::Sender<u64>) {
+    let last = conn
+        .prepare_cached("SELECT seq FROM sqlite_sequence WHERE name = 'events'")
+        .and_then(|mut stmt| stmt.query_row([], |row| row.get::<_, i64>(0)));
+    match last {
+        Ok(last) => {
+            let last = u64::try_from(last).unwrap_or(0);
+            written.send_if_modified(|seen| std::mem::replace(seen, last) != last);
+        }
+        // No event written yet: `sqlite_sequence` has no row for the table.
+        Err(rusqlite::Error::QueryReturnedNoRows) => {}
+        Err(e) => {
+            tracing::warn!(error = %berth_proto::error::ErrorChain(&e), "reading the last event id failed");
+            written.send_modify(|_| {});
         }
     }
 }
@@ -351,7 +375,7 @@ mod tests {
         let conn = Connection::open_in_memory().expect("open");
         conn.execute_batch("CREATE TABLE t (k TEXT PRIMARY KEY)")
             .expect("schema");
-        Writer::spawn(conn).expect("spawn")
+        Writer::spawn(conn, watch::channel(0).0).expect("spawn")
     }
 
     fn insert(key: &'static str) -> impl FnOnce(&Db<'_>) -> Result<usize> + Send {
@@ -417,7 +441,7 @@ mod tests {
         let conn = Connection::open_in_memory().expect("open");
         conn.pragma_update(None, "synchronous", "FULL")
             .expect("full");
-        let writer = Writer::spawn(conn).expect("spawn");
+        let writer = Writer::spawn(conn, watch::channel(0).0).expect("spawn");
         assert_eq!(writer.write_unflushed("hb", synchronous).await.unwrap(), 1);
         assert_eq!(writer.write("task", synchronous).await.unwrap(), 2);
         assert_eq!(writer.write_unflushed("hb", synchronous).await.unwrap(), 1);
@@ -465,7 +489,7 @@ mod tests {
              PRAGMA foreign_keys = ON;",
         )
         .expect("schema");
-        let writer = Writer::spawn(conn).expect("spawn");
+        let writer = Writer::spawn(conn, watch::channel(0).0).expect("spawn");
         // Queued at once behind a slow first operation, `good` and `orphan` run in one batch
         // (with `first` too, unless the writer took it before they were queued).
         let (_, good, orphan) = tokio::join!(

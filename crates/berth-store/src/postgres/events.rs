@@ -1,0 +1,47 @@
+use sqlx::{Postgres, QueryBuilder};
+use tokio::sync::watch;
+
+use super::PostgresStore;
+use crate::rows::{self, db_error};
+use crate::{Event, EventFilter, EventStore, Result};
+
+#[async_trait::async_trait]
+impl EventStore for PostgresStore {
+    async fn read_events(
+        &self,
+        tenant: berth_proto::TenantId,
+        filter: &EventFilter,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
+        // `id IS NULL` rows are staged by a transaction that has not committed yet; no one
+        // else can see them, so `id > $after` needs no extra guard.
+        let mut query = QueryBuilder::<Postgres>::new(
+            "SELECT id, tenant_id, kind, task_id, agent_id, data, created_at FROM events \
+             WHERE tenant_id = ",
+        );
+        query.push_bind(tenant.0);
+        query.push(" AND id > ").push_bind(after);
+        if let Some(task) = filter.task {
+            query.push(" AND task_id = ").push_bind(task.0);
+        }
+        if let Some(agent) = filter.agent {
+            query.push(" AND agent_id = ").push_bind(agent.0);
+        }
+        query
+            .push(" ORDER BY id LIMIT ")
+            .push_bind(i64::from(limit.max(1)));
+        query
+            .build()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_error("read events"))?
+            .iter()
+            .map(rows::read_event)
+            .collect()
+    }
+
+    fn events_written(&self) -> watch::Receiver<u64> {
+        self.written.subscribe()
+    }
+}

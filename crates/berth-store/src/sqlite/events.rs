@@ -1,0 +1,44 @@
+use rusqlite::params_from_iter;
+use tokio::sync::watch;
+
+use super::{id_text, Query, SqliteStore};
+use crate::rows;
+use crate::{Event, EventFilter, EventStore, Result};
+
+#[async_trait::async_trait]
+impl EventStore for SqliteStore {
+    async fn read_events(
+        &self,
+        tenant: berth_proto::TenantId,
+        filter: &EventFilter,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
+        let mut query = Query::new(
+            "SELECT id, tenant_id, kind, task_id, agent_id, data, created_at FROM events \
+             WHERE tenant_id = ",
+        );
+        query.push_bind(id_text(tenant.0));
+        query.push(" AND id > ").push_bind(after);
+        if let Some(task) = filter.task {
+            query.push(" AND task_id = ").push_bind(id_text(task.0));
+        }
+        if let Some(agent) = filter.agent {
+            query.push(" AND agent_id = ").push_bind(id_text(agent.0));
+        }
+        query
+            .push(" ORDER BY id LIMIT ")
+            .push_bind(i64::from(limit.max(1)));
+        self.readers
+            .read("read events", move |db| {
+                db.all(&query.sql, params_from_iter(query.params), |row| {
+                    rows::read_event(row)
+                })
+            })
+            .await
+    }
+
+    fn events_written(&self) -> watch::Receiver<u64> {
+        self.written.subscribe()
+    }
+}
