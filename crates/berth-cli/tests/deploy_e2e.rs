@@ -22,6 +22,7 @@ use berth_test_utils::deploy::{docker_check, http_check};
 use berth_test_utils::docker::{
     self as fixtures, container_id, container_names, make_image, Cleanup, Env, Image, Variant,
 };
+use berth_test_utils::files_containing;
 use common::*;
 use serde_json::{json, Value};
 
@@ -635,29 +636,6 @@ fn base64(bytes: &[u8]) -> String {
         }
     }
     out
-}
-
-/// Every file under `root` whose bytes contain `needle`.
-fn files_containing(root: &Path, needle: &[u8]) -> Vec<std::path::PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let path = entry.path();
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => stack.push(path),
-                Ok(t)
-                    if t.is_file()
-                        && std::fs::read(&path)
-                            .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) =>
-                {
-                    found.push(path)
-                }
-                _ => {}
-            }
-        }
-    }
-    found
 }
 
 /// The `docker-config-*` registry logins in the agent's credentials dir.

@@ -9,7 +9,7 @@ use berth_exec::compose::{sweep_credentials, BACKUP_FILE, DOCKER_CONFIG_PREFIX, 
 use berth_exec::sticker::StickerStore;
 use berth_exec::{ComposeExecutor, Executor};
 use berth_test_utils::docker::*;
-use berth_test_utils::{free_port, wait_until};
+use berth_test_utils::{files_containing, free_port, wait_until};
 use serde_json::json;
 
 fn lock(services: &[(&str, &Image, u16)]) -> String {
@@ -269,32 +269,6 @@ async fn pulls_with_registry_credentials_and_refuses_a_wrong_password() {
         .unwrap()
         .contains(&env.password));
     assert_eq!(http_body(port).await.as_deref(), Some("private"));
-}
-
-/// Every file under `root` whose bytes contain `needle`.
-fn files_containing(root: &std::path::Path, needle: &[u8]) -> Vec<std::path::PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => stack.push(path),
-                Ok(t)
-                    if t.is_file()
-                        && std::fs::read(&path)
-                            .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) =>
-                {
-                    found.push(path)
-                }
-                _ => {}
-            }
-        }
-    }
-    found
 }
 
 /// The registry login directories in `credentials_dir`.

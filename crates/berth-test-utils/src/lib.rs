@@ -121,6 +121,29 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Every file under `root` whose bytes contain `needle` (a secret that must not be left on disk).
+pub fn files_containing(root: &std::path::Path, needle: &[u8]) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(path),
+                Ok(t)
+                    if t.is_file()
+                        && std::fs::read(&path)
+                            .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) =>
+                {
+                    found.push(path)
+                }
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
