@@ -104,6 +104,27 @@ pub mod codes {
     /// A release of that name exists in the tenant; releases are immutable.
     pub const RELEASE_EXISTS: &str = "RELEASE_EXISTS";
     pub const RELEASE_NOT_FOUND: &str = "RELEASE_NOT_FOUND";
+    // --- environments and deployments ---
+    pub const ENVIRONMENT_EXISTS: &str = "ENVIRONMENT_EXISTS";
+    pub const ENVIRONMENT_NOT_FOUND: &str = "ENVIRONMENT_NOT_FOUND";
+    pub const DEPLOYMENT_NOT_FOUND: &str = "DEPLOYMENT_NOT_FOUND";
+    /// The environment has a deployment that has not finished (the database's unique index on
+    /// an environment's active deployment decides, not a read before the write).
+    pub const DEPLOYMENT_IN_PROGRESS: &str = "DEPLOYMENT_IN_PROGRESS";
+    /// The environment's selector matches no agent.
+    pub const NO_TARGETS: &str = "NO_TARGETS";
+    /// The environment's promotion rule: the release has not succeeded in the environment it
+    /// must come from.
+    pub const PROMOTION_REQUIRED: &str = "PROMOTION_REQUIRED";
+    /// The environment is pinned to another release (`berth rollback` pins it) until
+    /// `berth env unpin`.
+    pub const ENVIRONMENT_PINNED: &str = "ENVIRONMENT_PINNED";
+    /// The token that requested a deployment cannot approve it.
+    pub const SELF_APPROVAL: &str = "SELF_APPROVAL";
+    /// Approve or cancel of a deployment in a state that does not allow it.
+    pub const DEPLOYMENT_STATE: &str = "DEPLOYMENT_STATE";
+    /// A rollback with no earlier successful release to return to.
+    pub const NO_PREVIOUS_RELEASE: &str = "NO_PREVIOUS_RELEASE";
 }
 
 #[cfg(test)]

@@ -3,15 +3,15 @@
 //! `Last-Event-ID` (or `?after=`) resumes after a sequence number.
 //!
 //! Kinds: `task.state` (data [`TaskStateEvent`]), `agent.registered`, `agent.status`,
-//! `agent.deleted` (data [`AgentEvent`]). Later kinds (`deployment.*`) add a subject field to
-//! [`EventView`] and a query parameter to [`EventQuery`]; clients ignore kinds they do not know.
+//! `agent.deleted` (data [`AgentEvent`]), `deployment.state`, `deployment.target` and
+//! `environment.drift` (data in `crate::deploy`). Clients ignore kinds they do not know.
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 use crate::agent::with_query;
 use crate::task::TaskState;
-use crate::{AgentId, TaskId};
+use crate::{AgentId, DeploymentId, EnvironmentId, TaskId};
 
 pub const TASK_STATE: &str = "task.state";
 pub const AGENT_REGISTERED: &str = "agent.registered";
@@ -21,7 +21,7 @@ pub const AGENT_DELETED: &str = "agent.deleted";
 /// The `Last-Event-ID` request header of SSE, lowercase as HTTP/2 sends it.
 pub const LAST_EVENT_ID_HEADER: &str = "last-event-id";
 
-/// `GET /api/v1/events?task=&agent=&after=&follow=`.
+/// `GET /api/v1/events?task=&agent=&deployment=&environment=&after=&follow=`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -32,6 +32,12 @@ pub struct EventQuery {
     /// Only this agent's events and its tasks'.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<AgentId>,
+    /// Only this deployment's events (its state and its targets').
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployment: Option<DeploymentId>,
+    /// Only this environment's events (its deployments, their targets, its drift).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<EnvironmentId>,
     /// Events after this sequence number; the `Last-Event-ID` header wins when both are sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after: Option<u64>,
@@ -48,6 +54,8 @@ impl EventQuery {
     pub fn path(&self) -> String {
         let task = self.task.map(|t| t.to_string());
         let agent = self.agent.map(|a| a.to_string());
+        let deployment = self.deployment.map(|d| d.to_string());
+        let environment = self.environment.map(|e| e.to_string());
         let after = self.after.map(|a| a.to_string());
         let last = self.last_event_id.map(|a| a.to_string());
         let follow = self.follow.map(|f| f.to_string());
@@ -56,6 +64,8 @@ impl EventQuery {
             &[
                 ("task", task.as_deref()),
                 ("agent", agent.as_deref()),
+                ("deployment", deployment.as_deref()),
+                ("environment", environment.as_deref()),
                 ("after", after.as_deref()),
                 ("lastEventId", last.as_deref()),
                 ("follow", follow.as_deref()),
@@ -90,6 +100,10 @@ pub struct EventView {
     pub task_id: Option<TaskId>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<AgentId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployment_id: Option<DeploymentId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment_id: Option<EnvironmentId>,
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: OffsetDateTime,

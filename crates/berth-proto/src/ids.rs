@@ -63,3 +63,11 @@ id_type!(
     /// A release: an immutable set of components pinned by digest.
     ReleaseId
 );
+id_type!(
+    /// An environment: a named set of targets with a rollout policy.
+    EnvironmentId
+);
+id_type!(
+    /// A deployment: one release rolled out to one environment.
+    DeploymentId
+);

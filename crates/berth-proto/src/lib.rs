@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod agent;
 pub mod audit;
+pub mod deploy;
 pub mod error;
 pub mod event;
 pub mod ids;
@@ -31,7 +32,9 @@ pub mod headers {
 }
 
 pub use error::ErrorBody;
-pub use ids::{AgentId, AssignmentId, ReleaseId, TaskId, TenantId, TokenId};
+pub use ids::{
+    AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, TaskId, TenantId, TokenId,
+};
 
 /// HTTP method of a typed request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

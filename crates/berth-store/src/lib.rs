@@ -17,6 +17,7 @@ mod sqlite;
 
 pub use domain::agents::*;
 pub use domain::audit::{AuditStore, NewAuditEvent};
+pub use domain::deployments::*;
 pub use domain::events::*;
 pub use domain::releases::*;
 pub use domain::tasks::*;
@@ -75,6 +76,7 @@ pub trait Store:
     + ReleaseStore
     + AuditStore
     + EventStore
+    + DeploymentStore
     + Send
     + Sync
     + 'static

@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 
 use berth_proto::admin::Role;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
-use berth_proto::{AgentId, AssignmentId, ReleaseId, TaskId, TenantId, TokenId};
+use berth_proto::{
+    AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, TaskId, TenantId, TokenId,
+};
 use sqlx::error::ErrorKind;
 use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
@@ -361,6 +363,8 @@ pub(crate) fn read_event(row: &impl ColumnReader) -> Result<Event, StoreError> {
         kind: row.text("kind")?,
         task_id: row.uuid_opt("task_id")?.map(TaskId),
         agent_id: row.uuid_opt("agent_id")?.map(AgentId),
+        deployment_id: row.uuid_opt("deployment_id")?.map(DeploymentId),
+        environment_id: row.uuid_opt("environment_id")?.map(EnvironmentId),
         data: row.json("data")?,
         created_at: row.time("created_at")?,
     })

@@ -67,6 +67,8 @@ pub async fn stream(
         filter: EventFilter {
             task: query.task,
             agent: query.agent,
+            deployment: query.deployment,
+            environment: query.environment,
         },
         cursor: i64::try_from(after).unwrap_or(i64::MAX),
         // Subscribed before the first read: a commit between that read and the wait still
@@ -149,6 +151,8 @@ fn to_sse(event: Event) -> SseEvent {
         kind: event.kind,
         task_id: event.task_id,
         agent_id: event.agent_id,
+        deployment_id: event.deployment_id,
+        environment_id: event.environment_id,
         created_at: event.created_at,
         data: event.data,
     };

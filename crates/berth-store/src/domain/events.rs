@@ -2,7 +2,7 @@
 //! database triggers on the rows they describe (migration 0011), so every state change writes
 //! its event in its own transaction, whichever operation made it; this domain only reads them.
 
-use berth_proto::{AgentId, TaskId, TenantId};
+use berth_proto::{AgentId, DeploymentId, EnvironmentId, TaskId, TenantId};
 use time::OffsetDateTime;
 
 use crate::Result;
@@ -12,10 +12,13 @@ pub struct Event {
     /// Commit-ordered per database: once a reader sees `id`, every lower id is visible too.
     pub id: i64,
     pub tenant_id: TenantId,
-    /// `task.state`, `agent.registered`, `agent.status`, `agent.deleted`.
+    /// `task.state`, `agent.registered`, `agent.status`, `agent.deleted`, `deployment.state`,
+    /// `deployment.target`, `environment.drift`.
     pub kind: String,
     pub task_id: Option<TaskId>,
     pub agent_id: Option<AgentId>,
+    pub deployment_id: Option<DeploymentId>,
+    pub environment_id: Option<EnvironmentId>,
     pub data: serde_json::Value,
     pub created_at: OffsetDateTime,
 }
@@ -26,6 +29,9 @@ pub struct EventFilter {
     pub task: Option<TaskId>,
     /// The agent's own events and those of its tasks.
     pub agent: Option<AgentId>,
+    pub deployment: Option<DeploymentId>,
+    /// The environment's deployments, their targets, and its drift.
+    pub environment: Option<EnvironmentId>,
 }
 
 /// Part of [`crate::Store`].

@@ -3,6 +3,7 @@
 
 pub mod agents;
 pub mod audit;
+pub mod deployments;
 pub mod events;
 pub mod releases;
 pub mod tasks;

@@ -21,6 +21,7 @@ use crate::{Page, Result, Store, StoreError};
 
 mod agents;
 mod audit;
+mod deployments;
 mod events;
 mod releases;
 mod tasks;

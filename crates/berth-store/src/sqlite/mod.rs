@@ -25,6 +25,7 @@ use crate::{Page, Result, Store, StoreError};
 
 mod agents;
 mod audit;
+mod deployments;
 mod events;
 mod releases;
 mod tasks;
