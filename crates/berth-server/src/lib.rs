@@ -8,6 +8,8 @@ mod auth;
 mod bootstrap;
 mod clock;
 mod config;
+mod deploy;
+mod drift;
 mod error;
 mod extract;
 mod fault;
@@ -104,6 +106,8 @@ impl Server {
     ) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
+        let deployments = tokio::spawn(deploy::run(self.state.clone(), stop_rx.clone()));
+        let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -121,6 +125,8 @@ impl Server {
         .await;
         let _ = stop_tx.send(true);
         let _ = reconciler.await;
+        let _ = deployments.await;
+        let _ = drift.await;
         self.state.heartbeats.close().await;
         result
     }

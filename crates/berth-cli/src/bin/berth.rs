@@ -7,17 +7,23 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use berth_cli::deploy;
 use berth_cli::output::{print_agent, print_agents, Output};
 use berth_cli::output::{print_release, print_releases, print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
 use berth_proto::audit::ListAudit;
+use berth_proto::deploy::{
+    ApproveDeployment, CancelDeployment, CreateDeployment, CreateEnvironment, DeploymentView,
+    EnvironmentStatusRequest, GetDeployment, GetEnvironment, ListDeployments, ListEnvironments,
+    PlanDeployment, RollbackEnvironment, RolloutPolicy, Tier, UnpinEnvironment,
+};
 use berth_proto::error::ErrorChain;
 use berth_proto::event::{EventQuery, TaskStateEvent, TASK_STATE};
 use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListReleases};
 use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
-use berth_proto::{AgentId, TaskId};
+use berth_proto::{AgentId, DeploymentId, TaskId};
 use berth_server::{Server, ServerConfig};
 use clap::{Args, Parser, Subcommand};
 
@@ -82,6 +88,96 @@ enum Command {
     /// The tenant's hash-chained audit log.
     #[command(subcommand)]
     Audit(AuditCommand),
+    /// Environments: named sets of targets with a rollout policy.
+    #[command(subcommand)]
+    Env(EnvCommand),
+    /// Deploy a release into an environment.
+    Deploy {
+        release: String,
+        #[arg(long = "env")]
+        environment: String,
+        /// Print the plan per wave and target, and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Follow the deployment until it ends; exit non-zero unless it succeeded.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Deploy the environment's previous successful release and pin the environment to it.
+    Rollback {
+        #[arg(long = "env")]
+        environment: String,
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Deployments: show, list, approve, cancel, wait.
+    #[command(subcommand)]
+    Deployment(DeploymentCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum EnvCommand {
+    /// Create an environment (admin).
+    Create {
+        name: String,
+        /// dev, qa or prod.
+        #[arg(long, value_parser = parse_tier)]
+        tier: Tier,
+        /// An agent label every target carries, KEY=VALUE (repeatable, at least one).
+        #[arg(long = "selector", required = true)]
+        selector: Vec<String>,
+        /// Targets per wave.
+        #[arg(long, default_value_t = 1)]
+        max_parallel: u32,
+        /// Keep starting waves after a target failed.
+        #[arg(long)]
+        no_stop_on_failure: bool,
+        /// Do not return updated targets to the previous release after a failure.
+        #[arg(long)]
+        no_auto_rollback: bool,
+        /// Seconds a target has to become healthy.
+        #[arg(long, default_value_t = 60)]
+        health_timeout: u64,
+        /// A release must have succeeded in this environment first.
+        #[arg(long)]
+        promote_from: Option<String>,
+        /// Approvals from other tokens (default: 1 for prod, else 0).
+        #[arg(long)]
+        approvals: Option<u32>,
+        /// Redeploy the current release when a target drifts.
+        #[arg(long)]
+        auto_heal: bool,
+        /// How often each target is read back for drift (e.g. 5m, 30s).
+        #[arg(long, default_value = "5m")]
+        drift_interval: String,
+    },
+    /// List environments.
+    #[command(alias = "list")]
+    Ls,
+    /// Show an environment.
+    Show { name: String },
+    /// Each target's desired and running release, drift, and when it was verified.
+    Status { name: String },
+    /// Lift the pin a rollback set.
+    Unpin { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+enum DeploymentCommand {
+    /// Show a deployment with its targets.
+    Show { id: DeploymentId },
+    /// List deployments, oldest first.
+    #[command(alias = "list")]
+    Ls {
+        #[arg(long = "env")]
+        environment: Option<String>,
+    },
+    /// Approve a deployment awaiting approval (not with the requester's token).
+    Approve { id: DeploymentId },
+    /// Cancel: a waiting deployment ends now, a running one after its running wave.
+    Cancel { id: DeploymentId },
+    /// Follow a deployment until it ends.
+    Wait { id: DeploymentId },
 }
 
 #[derive(Subcommand, Debug)]
@@ -428,6 +524,65 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Task(cmd) => task_command(&cli.conn, out, cmd).await,
         Command::Release(cmd) => release_command(&cli.conn, out, cmd).await,
         Command::Audit(AuditCommand::Export) => audit_export(&cli.conn).await,
+        Command::Env(cmd) => env_command(&cli.conn, out, cmd).await,
+        Command::Deploy {
+            release,
+            environment,
+            dry_run,
+            wait,
+        } => {
+            let client = admin_client(&cli.conn)?;
+            let req = CreateDeployment {
+                release,
+                environment,
+            };
+            if dry_run {
+                return deploy::print_plan(out, &client.send(&PlanDeployment(req)).await?);
+            }
+            let created = client.send(&req).await?;
+            follow(&client, out, created, wait).await
+        }
+        Command::Rollback { environment, wait } => {
+            let client = admin_client(&cli.conn)?;
+            let created = client
+                .send(&RollbackEnvironment { name: environment })
+                .await?;
+            follow(&client, out, created, wait).await
+        }
+        Command::Deployment(cmd) => {
+            let client = admin_client(&cli.conn)?;
+            match cmd {
+                DeploymentCommand::Show { id } => {
+                    deploy::print_deployment(out, &client.send(&GetDeployment { id }).await?)
+                }
+                DeploymentCommand::Ls { environment } => {
+                    let mut items = Vec::new();
+                    let mut cursor = None;
+                    loop {
+                        let page = client
+                            .send(&ListDeployments {
+                                environment: environment.clone(),
+                                cursor,
+                                limit: Some(500),
+                            })
+                            .await?;
+                        items.extend(page.items);
+                        match page.next_cursor {
+                            Some(next) => cursor = Some(next),
+                            None => break,
+                        }
+                    }
+                    deploy::print_deployments(out, &items)
+                }
+                DeploymentCommand::Approve { id } => {
+                    deploy::print_deployment(out, &client.send(&ApproveDeployment { id }).await?)
+                }
+                DeploymentCommand::Cancel { id } => {
+                    deploy::print_deployment(out, &client.send(&CancelDeployment { id }).await?)
+                }
+                DeploymentCommand::Wait { id } => deploy::wait(&client, out, id).await,
+            }
+        }
         Command::Audit(AuditCommand::Verify { file, ca }) => {
             let ca = ca
                 .or(cli.conn.ca_file)
@@ -460,6 +615,83 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             })
         }
     }
+}
+
+/// Shows a new deployment, or follows it with `--wait`.
+async fn follow(
+    client: &Client,
+    out: Output,
+    created: DeploymentView,
+    wait: bool,
+) -> anyhow::Result<()> {
+    if wait {
+        if let Output::Table = out {
+            println!(
+                "deployment {}: {} into {}",
+                created.id, created.release, created.environment
+            );
+        }
+        deploy::wait(client, out, created.id).await
+    } else {
+        deploy::print_deployment(out, &created)
+    }
+}
+
+async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow::Result<()> {
+    let client = admin_client(conn)?;
+    match cmd {
+        EnvCommand::Create {
+            name,
+            tier,
+            selector,
+            max_parallel,
+            no_stop_on_failure,
+            no_auto_rollback,
+            health_timeout,
+            promote_from,
+            approvals,
+            auto_heal,
+            drift_interval,
+        } => {
+            let env = client
+                .send(&CreateEnvironment {
+                    name,
+                    tier,
+                    selector: deploy::selector(&selector)?,
+                    policy: RolloutPolicy {
+                        max_parallel,
+                        stop_on_failure: !no_stop_on_failure,
+                        auto_rollback: !no_auto_rollback,
+                        health_timeout_secs: health_timeout,
+                    },
+                    promote_from,
+                    approvals,
+                    auto_heal,
+                    drift_interval_secs: Some(
+                        u32::try_from(berth_cli::parse_duration(&drift_interval)?.as_secs())
+                            .context("--drift-interval is too long")?,
+                    ),
+                })
+                .await?;
+            deploy::print_environment(out, &env)
+        }
+        EnvCommand::Ls => {
+            deploy::print_environments(out, &client.send(&ListEnvironments {}).await?.items)
+        }
+        EnvCommand::Show { name } => {
+            deploy::print_environment(out, &client.send(&GetEnvironment { name }).await?)
+        }
+        EnvCommand::Status { name } => {
+            deploy::print_status(out, &client.send(&EnvironmentStatusRequest { name }).await?)
+        }
+        EnvCommand::Unpin { name } => {
+            deploy::print_environment(out, &client.send(&UnpinEnvironment { name }).await?)
+        }
+    }
+}
+
+fn parse_tier(s: &str) -> Result<Tier, String> {
+    Tier::parse(s).ok_or_else(|| format!("{s:?} is not a tier: dev, qa or prod"))
 }
 
 async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyhow::Result<()> {

@@ -14,6 +14,7 @@ use crate::SharedState;
 pub mod admin;
 pub mod agents;
 pub mod audit;
+pub mod deployments;
 pub mod events;
 pub mod meta;
 pub mod releases;
@@ -51,6 +52,19 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(tasks::retry))
         .routes(routes!(releases::create, releases::list))
         .routes(routes!(releases::get))
+        .routes(routes!(
+            deployments::create_environment,
+            deployments::list_environments
+        ))
+        .routes(routes!(deployments::get_environment))
+        .routes(routes!(deployments::environment_status))
+        .routes(routes!(deployments::unpin_environment))
+        .routes(routes!(deployments::rollback_environment))
+        .routes(routes!(deployments::create, deployments::list))
+        .routes(routes!(deployments::plan))
+        .routes(routes!(deployments::get))
+        .routes(routes!(deployments::approve))
+        .routes(routes!(deployments::cancel))
         .routes(routes!(audit::list))
         .routes(routes!(events::stream))
 }

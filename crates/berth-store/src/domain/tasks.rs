@@ -259,11 +259,42 @@ pub fn read_back_key(task: TaskId, attempts: u32) -> String {
 /// The SQL of the read-back sweep builds keys from it too (as a bound parameter).
 pub(crate) const READ_BACK_KEY_PREFIX: &str = "read-back:";
 
-/// Whether an idempotency key is in the server's own namespace (read-backs), which a client's
-/// `Idempotency-Key` may never use: a client key there could stop a read-back from being
-/// created.
+/// The idempotency key of the task that puts one component on one target of a deployment
+/// (`purpose`: `deploy` or `rollback`): a reconciler that runs a step again finds the task the
+/// first run created instead of creating a second.
+pub fn deployment_task_key(
+    deployment: berth_proto::DeploymentId,
+    agent: AgentId,
+    purpose: &str,
+    component: &str,
+) -> String {
+    format!("{DEPLOYMENT_KEY_PREFIX}{deployment}:{agent}:{purpose}:{component}")
+}
+
+/// The idempotency key of a drift read-back of one target of an environment, due at `due`
+/// (unix milliseconds).
+pub fn drift_check_key(
+    environment: berth_proto::EnvironmentId,
+    agent: AgentId,
+    due: i64,
+) -> String {
+    format!("{DRIFT_KEY_PREFIX}{environment}:{agent}:{due}")
+}
+
+const DEPLOYMENT_KEY_PREFIX: &str = "deployment:";
+const DRIFT_KEY_PREFIX: &str = "drift:";
+
+/// Whether an idempotency key is in the server's own namespace (read-backs, deployments, drift
+/// checks), which a client's `Idempotency-Key` may never use: a client key there could stop a
+/// read-back from being created, or slip its own task into a deployment.
 pub fn is_internal_key(key: &str) -> bool {
-    key.starts_with(READ_BACK_KEY_PREFIX)
+    [
+        READ_BACK_KEY_PREFIX,
+        DEPLOYMENT_KEY_PREFIX,
+        DRIFT_KEY_PREFIX,
+    ]
+    .iter()
+    .any(|prefix| key.starts_with(prefix))
 }
 
 /// Tasks, their deliveries and the wake-ups of long-polls. Part of [`crate::Store`].

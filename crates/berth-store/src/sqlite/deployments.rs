@@ -62,8 +62,12 @@ impl DeploymentStore for SqliteStore {
         todo!("deployment store")
     }
     #[allow(unused_variables)]
-    async fn succeeded_in(&self, tenant: TenantId, environment: &str, release: ReleaseId)
-        -> Result<bool> {
+    async fn succeeded_in(
+        &self,
+        tenant: TenantId,
+        environment: &str,
+        release: ReleaseId,
+    ) -> Result<bool> {
         todo!("deployment store")
     }
     #[allow(unused_variables)]
@@ -91,7 +95,10 @@ impl DeploymentStore for SqliteStore {
         todo!("deployment store")
     }
     #[allow(unused_variables)]
-    async fn record_deployment_step(&self, step: DeploymentStep) -> Result<Option<DeploymentDetail>> {
+    async fn record_deployment_step(
+        &self,
+        step: DeploymentStep,
+    ) -> Result<Option<DeploymentDetail>> {
         todo!("deployment store")
     }
     #[allow(unused_variables)]

@@ -1,0 +1,626 @@
+//! The deployment reconciler: moves every `pending` or `running` deployment one step toward its
+//! end, from the states of its tasks only (verified results and read-backs).
+//!
+//! A step is decided from one read of the deployment (its `version`) and its tasks, and
+//! recorded by compare-and-set on that version, so replicas running this loop at once cannot
+//! both apply a step. Tasks are created before the step that names them, under an idempotency
+//! key per (deployment, target, purpose, component): a crash or a lost race between the two
+//! leaves tasks that the next run finds again instead of duplicating. Nothing here runs once
+//! after a commit; every pass re-derives what to do from the database.
+//!
+//! The rules:
+//! - waves run in order; a wave ends when each of its targets succeeded or failed. A target
+//!   whose task is `unknown` holds the wave (and the deployment, `running`) until read-back
+//!   decides it; it never counts as success;
+//! - a failed target fails its other open tasks (cancelled) and, with `stopOnFailure`, ends the
+//!   rollout after its wave; with `autoRollback`, every target this deployment touched gets the
+//!   deployment's `rollbackRelease` (the environment's current release when the deployment was
+//!   created: the same for every target), and the deployment ends `rolled_back`, or `failed`
+//!   if a rollback failed;
+//! - a cancellation ends the deployment after the running wave.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use berth_proto::audit::AuditActor;
+use berth_proto::deploy::{DeploymentKind, DeploymentState, RolloutPolicy, TargetPhase};
+use berth_proto::error::ErrorChain;
+use berth_proto::kind::TaskKind;
+use berth_proto::release::Component;
+use berth_proto::{AgentId, DeploymentId, TaskId, TenantId};
+use berth_store::{
+    deployment_task_key, Agent, AgentFilter, CreateTaskOutcome, Deployment, DeploymentDetail,
+    DeploymentStep, DeploymentTarget, Environment, NewDeployment, NewTask, Release, ReleaseRef,
+    StoreError, TaskState,
+};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use crate::SharedState;
+
+/// Deployments advanced per pass.
+const ACTIVE_PAGE: u32 = 200;
+/// A pass also runs this often without any event, for steps that wait on time alone.
+const IDLE_PASS: Duration = Duration::from_secs(1);
+/// Seconds a deploy task may take beyond its health timeout: pulling and starting.
+const PULL_AND_START_SECS: u64 = 300;
+
+pub const DEPLOY: &str = "deploy";
+pub const ROLLBACK: &str = "rollback";
+
+/// Runs until `stop`: a pass after every committed change that may have written an event (a
+/// task result, a read-back, an approval) and at least every second.
+pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
+    let mut written = state.store.events_written();
+    let mut idle = tokio::time::interval(IDLE_PASS);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = written.changed() => {}
+            _ = idle.tick() => {}
+        }
+        sweep(&state).await;
+    }
+}
+
+pub async fn sweep(state: &SharedState) {
+    let active = match state.store.active_deployments(ACTIVE_PAGE).await {
+        Ok(active) => active,
+        Err(e) => {
+            state.metrics.error("reconcile_store");
+            tracing::warn!(error = %ErrorChain(&e), "deployment sweep failed");
+            return;
+        }
+    };
+    for detail in active {
+        let id = detail.deployment.id;
+        if let Err(e) = advance(state, detail).await {
+            state.metrics.error("reconcile_store");
+            tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
+        }
+    }
+}
+
+/// Agents of the tenant carrying every selector label, whatever their status, by name.
+pub(crate) async fn matching_agents(
+    state: &SharedState,
+    tenant: TenantId,
+    selector: &std::collections::BTreeMap<String, String>,
+) -> Result<Vec<Agent>, StoreError> {
+    let filter = AgentFilter {
+        status: None,
+        capability: None,
+        label: selector.iter().next().map(|(k, v)| (k.clone(), v.clone())),
+    };
+    let mut agents = Vec::new();
+    let mut after = None;
+    loop {
+        let page = state.store.list_agents(tenant, &filter, after, 500).await?;
+        agents.extend(
+            page.items
+                .into_iter()
+                .filter(|a| selector.iter().all(|(k, v)| a.labels.get(k) == Some(v))),
+        );
+        match page.next {
+            Some(next) => after = Some(AgentId(next)),
+            None => break,
+        }
+    }
+    agents.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(agents)
+}
+
+/// Inserts a deployment of `release` into `env` over `agents` (in waves of `maxParallel`, by
+/// name). A deploy waits for the environment's approvals; a rollback or a heal returns to a
+/// release the environment already ran and waits for none. A rollback pins the environment.
+/// The deployment's rollback release is the environment's current one.
+pub(crate) async fn create(
+    state: &SharedState,
+    env: &Environment,
+    release: &Release,
+    kind: DeploymentKind,
+    requested_by: AuditActor,
+    agents: &[Agent],
+) -> Result<DeploymentDetail, StoreError> {
+    let now = state.config.clock.now();
+    let id = DeploymentId::new();
+    let approvals_required = match kind {
+        DeploymentKind::Deploy => env.approvals,
+        DeploymentKind::Rollback | DeploymentKind::Heal => 0,
+    };
+    let per_wave = env.policy.max_parallel.max(1) as usize;
+    let targets = agents
+        .iter()
+        .enumerate()
+        .map(|(i, agent)| DeploymentTarget {
+            deployment_id: id,
+            agent_id: agent.id,
+            agent_name: agent.name.clone(),
+            wave: (i / per_wave) as u32,
+            phase: TargetPhase::Waiting,
+            tasks: Vec::new(),
+            rollback_tasks: Vec::new(),
+            error_code: None,
+            detail: None,
+            started_at: None,
+            finished_at: None,
+        })
+        .collect();
+    state
+        .store
+        .create_deployment(NewDeployment {
+            deployment: Deployment {
+                id,
+                tenant_id: env.tenant_id,
+                environment_id: env.id,
+                environment_name: env.name.clone(),
+                release: ReleaseRef {
+                    id: release.id,
+                    name: release.name.clone(),
+                },
+                kind,
+                state: if approvals_required > 0 {
+                    DeploymentState::AwaitingApproval
+                } else {
+                    DeploymentState::Pending
+                },
+                rolling_back: false,
+                requested_by,
+                rollback_release: env.current_release.clone(),
+                approvals_required,
+                cancel_requested: false,
+                current_wave: 0,
+                error_code: None,
+                detail: None,
+                version: 0,
+                created_at: now,
+                updated_at: now,
+                finished_at: None,
+            },
+            targets,
+            pin: kind == DeploymentKind::Rollback,
+        })
+        .await
+}
+
+/// The container a component runs as: its config's `containerName`, else its name.
+pub(crate) fn container_name(component: &Component) -> String {
+    component
+        .config
+        .as_ref()
+        .and_then(|c| c.get("containerName"))
+        .and_then(Value::as_str)
+        .unwrap_or(&component.name)
+        .to_string()
+}
+
+/// The `docker.run` payload that puts one component of `release` on a target: pinned by digest,
+/// labelled with the release, health-checked within the environment's timeout.
+pub(crate) fn component_payload(
+    release: &Release,
+    component: &Component,
+    policy: &RolloutPolicy,
+) -> Value {
+    let mut config = component
+        .config
+        .clone()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
+    config["containerName"] = json!(container_name(component));
+    config["releaseId"] = json!(release.id.to_string());
+    config["releaseName"] = json!(release.name);
+    if let Some(health) = config.get_mut("healthCheck").filter(|h| h.is_object()) {
+        health["timeout"] = json!(policy.health_timeout_secs);
+    }
+    json!({ "image": component.image, "digest": component.digest, "config": config })
+}
+
+/// What one task looks like to a deployment.
+#[derive(Debug, Clone)]
+struct Snapshot {
+    state: TaskState,
+    error_code: Option<String>,
+    /// A delivery was confirmed started (the agent is working on the target).
+    started: bool,
+}
+
+/// A target's phase from its tasks: deploy tasks, or rollback tasks once it has some.
+fn phase_of(
+    target: &DeploymentTarget,
+    tasks: &HashMap<TaskId, Snapshot>,
+) -> (TargetPhase, Option<String>) {
+    let rolling_back = !target.rollback_tasks.is_empty();
+    let ids = if rolling_back {
+        &target.rollback_tasks
+    } else {
+        &target.tasks
+    };
+    if ids.is_empty() {
+        return (target.phase, target.error_code.clone());
+    }
+    let snaps: Vec<&Snapshot> = ids.iter().filter_map(|id| tasks.get(id)).collect();
+    let failed = snaps.iter().find(|s| {
+        matches!(
+            s.state,
+            TaskState::Failed | TaskState::DeadLetter | TaskState::Cancelled | TaskState::Expired
+        )
+    });
+    let (done, failure, holding, working) = if rolling_back {
+        (
+            TargetPhase::RolledBack,
+            TargetPhase::RollbackFailed,
+            TargetPhase::RollingBack,
+            TargetPhase::RollingBack,
+        )
+    } else {
+        (
+            TargetPhase::Succeeded,
+            TargetPhase::Failed,
+            TargetPhase::Unknown,
+            TargetPhase::Deploying,
+        )
+    };
+    if let Some(f) = failed {
+        let code = f
+            .error_code
+            .clone()
+            .or_else(|| (f.state == TaskState::Cancelled).then(|| "CANCELLED".to_string()));
+        return (failure, code);
+    }
+    if snaps.len() == ids.len() && snaps.iter().all(|s| s.state == TaskState::Succeeded) {
+        return (done, None);
+    }
+    if snaps.iter().any(|s| s.state == TaskState::Unknown) {
+        return (holding, Some("UNKNOWN".into()));
+    }
+    if snaps
+        .iter()
+        .any(|s| s.started || s.state == TaskState::Succeeded)
+    {
+        return (working, None);
+    }
+    let queued = if rolling_back {
+        TargetPhase::RollingBack
+    } else {
+        TargetPhase::Queued
+    };
+    (queued, None)
+}
+
+fn is_settled(phase: TargetPhase) -> bool {
+    matches!(phase, TargetPhase::Succeeded | TargetPhase::Failed)
+}
+
+async fn snapshots(
+    state: &SharedState,
+    tenant: TenantId,
+    targets: &[DeploymentTarget],
+) -> Result<HashMap<TaskId, Snapshot>, StoreError> {
+    let mut out = HashMap::new();
+    // Collected first: a borrowing iterator held across `.await` makes the future not `Send`.
+    let ids: Vec<TaskId> = targets
+        .iter()
+        .flat_map(|t| t.tasks.iter().chain(&t.rollback_tasks).copied())
+        .collect();
+    for id in ids {
+        if let Some((task, attempts)) = state.store.get_task(tenant, id).await? {
+            let started = task.state == TaskState::Leased
+                && attempts.iter().any(|a| {
+                    Some(a.assignment_id) == task.current_assignment && a.started_at.is_some()
+                });
+            out.insert(
+                id,
+                Snapshot {
+                    state: task.state,
+                    error_code: task.error_code,
+                    started,
+                },
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// One step of one deployment.
+async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), StoreError> {
+    let d = &detail.deployment;
+    let now = state.config.clock.now();
+    let tasks = snapshots(state, d.tenant_id, &detail.targets).await?;
+    let environment = state
+        .store
+        .get_environment(d.tenant_id, &d.environment_name)
+        .await?;
+    let policy = environment
+        .as_ref()
+        .map(|e| e.policy.clone())
+        .unwrap_or_default();
+
+    let mut targets = detail.targets.clone();
+    for t in &mut targets {
+        let (phase, code) = phase_of(t, &tasks);
+        if phase != t.phase {
+            if phase == TargetPhase::Failed {
+                // The target's remaining components must not run after one failed.
+                cancel_open(state, d, &t.tasks, &tasks).await?;
+            }
+            if matches!(
+                phase,
+                TargetPhase::Succeeded
+                    | TargetPhase::Failed
+                    | TargetPhase::RolledBack
+                    | TargetPhase::RollbackFailed
+            ) {
+                t.finished_at = Some(now);
+            }
+            if phase == TargetPhase::Deploying && t.started_at.is_none() {
+                t.started_at = Some(now);
+            }
+            t.phase = phase;
+            t.error_code = code;
+        }
+    }
+
+    let mut next = Next {
+        state: DeploymentState::Running,
+        rolling_back: d.rolling_back,
+        wave: d.current_wave,
+        error_code: d.error_code.clone(),
+        detail: d.detail.clone(),
+    };
+    if d.rolling_back {
+        let rolling: Vec<&DeploymentTarget> = targets
+            .iter()
+            .filter(|t| !t.rollback_tasks.is_empty())
+            .collect();
+        if rolling.iter().all(|t| {
+            matches!(
+                t.phase,
+                TargetPhase::RolledBack | TargetPhase::RollbackFailed
+            )
+        }) {
+            let failed: Vec<&str> = rolling
+                .iter()
+                .filter(|t| t.phase == TargetPhase::RollbackFailed)
+                .map(|t| t.agent_name.as_str())
+                .collect();
+            if failed.is_empty() {
+                next.state = DeploymentState::RolledBack;
+            } else {
+                next.state = DeploymentState::Failed;
+                next.detail = Some(format!(
+                    "{}; the rollback failed on {}",
+                    next.detail.unwrap_or_default(),
+                    failed.join(", ")
+                ));
+            }
+        }
+    } else {
+        let last_wave = targets.iter().map(|t| t.wave).max().unwrap_or(0);
+        let wave_done = targets
+            .iter()
+            .filter(|t| t.wave == next.wave)
+            .all(|t| is_settled(t.phase));
+        let failed: Vec<&DeploymentTarget> = targets
+            .iter()
+            .filter(|t| t.phase == TargetPhase::Failed)
+            .collect();
+        if wave_done {
+            if !failed.is_empty() && (policy.stop_on_failure || next.wave == last_wave) {
+                next.error_code = failed[0].error_code.clone();
+                next.detail = Some(
+                    failed
+                        .iter()
+                        .map(|t| {
+                            format!(
+                                "{} failed: {}",
+                                t.agent_name,
+                                t.error_code.as_deref().unwrap_or("FAILED")
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                );
+                let rollback = (policy.auto_rollback && d.kind == DeploymentKind::Deploy)
+                    .then_some(d.rollback_release.as_ref())
+                    .flatten();
+                match rollback {
+                    Some(to) => {
+                        let release = load_release(state, d.tenant_id, &to.name).await?;
+                        next.rolling_back = true;
+                        for t in &mut targets {
+                            if matches!(t.phase, TargetPhase::Succeeded | TargetPhase::Failed) {
+                                match create_tasks(state, &detail, t, &release, &policy, ROLLBACK)
+                                    .await?
+                                {
+                                    Some(ids) => {
+                                        t.rollback_tasks = ids;
+                                        t.phase = TargetPhase::RollingBack;
+                                        t.finished_at = None;
+                                    }
+                                    None => gone(t, TargetPhase::RollbackFailed, now),
+                                }
+                            }
+                        }
+                    }
+                    None => next.state = DeploymentState::Failed,
+                }
+                skip_waiting(&mut targets);
+            } else if d.cancel_requested {
+                next.state = DeploymentState::Cancelled;
+                skip_waiting(&mut targets);
+            } else if next.wave < last_wave {
+                next.wave += 1;
+            } else {
+                next.state = DeploymentState::Succeeded;
+            }
+        }
+        // Start the current wave's targets that have no tasks yet.
+        if next.state == DeploymentState::Running && !next.rolling_back {
+            let release = load_release(state, d.tenant_id, &d.release.name).await?;
+            for t in &mut targets {
+                if t.wave == next.wave && t.phase == TargetPhase::Waiting {
+                    match create_tasks(state, &detail, t, &release, &policy, DEPLOY).await? {
+                        Some(ids) => {
+                            t.tasks = ids;
+                            t.phase = TargetPhase::Queued;
+                        }
+                        None => gone(t, TargetPhase::Failed, now),
+                    }
+                }
+            }
+        }
+    }
+
+    let changed: Vec<DeploymentTarget> = targets
+        .into_iter()
+        .zip(&detail.targets)
+        .filter(|(new, old)| new != *old)
+        .map(|(new, _)| new)
+        .collect();
+    let same = next.state == d.state
+        && next.rolling_back == d.rolling_back
+        && next.wave == d.current_wave
+        && changed.is_empty();
+    if same {
+        return Ok(());
+    }
+    let terminal = !next.state.is_active();
+    let recorded = state
+        .store
+        .record_deployment_step(DeploymentStep {
+            tenant_id: d.tenant_id,
+            id: d.id,
+            expected_version: d.version,
+            state: next.state,
+            rolling_back: next.rolling_back,
+            current_wave: next.wave,
+            error_code: next.error_code,
+            detail: next.detail,
+            targets: changed,
+            now,
+        })
+        .await?;
+    if let (Some(r), true) = (recorded, terminal) {
+        tracing::info!(
+            deployment_id = %r.deployment.id,
+            environment = %r.deployment.environment_name,
+            release = %r.deployment.release.name,
+            state = r.deployment.state.as_str(),
+            "deployment finished"
+        );
+    }
+    Ok(())
+}
+
+struct Next {
+    state: DeploymentState,
+    rolling_back: bool,
+    wave: u32,
+    error_code: Option<String>,
+    detail: Option<String>,
+}
+
+/// The target's agent was deleted: nothing can run there.
+fn gone(t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime) {
+    t.phase = phase;
+    t.error_code = Some(AGENT_DELETED.into());
+    t.detail = Some(format!("agent {} was deleted", t.agent_name));
+    t.finished_at = Some(now);
+}
+
+/// A target's code when its agent is gone.
+const AGENT_DELETED: &str = "AGENT_DELETED";
+
+fn skip_waiting(targets: &mut [DeploymentTarget]) {
+    for t in targets {
+        if t.phase == TargetPhase::Waiting {
+            t.phase = TargetPhase::Skipped;
+        }
+    }
+}
+
+async fn load_release(
+    state: &SharedState,
+    tenant: TenantId,
+    name: &str,
+) -> Result<Release, StoreError> {
+    state.store.get_release(tenant, name).await?.ok_or_else(|| {
+        StoreError::Corrupt(format!("deployment names release {name:?}, which is gone"))
+    })
+}
+
+/// Cancels the target's tasks that have not ended; the deployment's requester is the actor.
+async fn cancel_open(
+    state: &SharedState,
+    d: &berth_store::Deployment,
+    ids: &[TaskId],
+    tasks: &HashMap<TaskId, Snapshot>,
+) -> Result<(), StoreError> {
+    for id in ids {
+        let open = tasks.get(id).is_some_and(|s| !s.state.is_terminal());
+        if open {
+            state
+                .store
+                .cancel_task(
+                    d.tenant_id,
+                    *id,
+                    d.requested_by.clone(),
+                    state.config.clock.now(),
+                )
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Creates (or finds again, by key) one task per component of `release` for the target; `None`
+/// when the target's agent no longer exists.
+async fn create_tasks(
+    state: &SharedState,
+    detail: &DeploymentDetail,
+    target: &DeploymentTarget,
+    release: &Release,
+    policy: &RolloutPolicy,
+    purpose: &str,
+) -> Result<Option<Vec<TaskId>>, StoreError> {
+    let d = &detail.deployment;
+    let mut ids = Vec::new();
+    for component in &release.components {
+        let task = NewTask {
+            id: TaskId::new(),
+            tenant_id: d.tenant_id,
+            task_type: TaskKind::DockerRun.name().into(),
+            agent_id: target.agent_id,
+            payload: component_payload(release, component, policy),
+            credentials_sealed: None,
+            variables: Default::default(),
+            timeout_seconds: (policy.health_timeout_secs + PULL_AND_START_SECS) as u32,
+            priority: 0,
+            side_effects: true,
+            idempotency_key: Some(deployment_task_key(
+                d.id,
+                target.agent_id,
+                purpose,
+                &component.name,
+            )),
+            request_hash: None,
+            read_back_of: None,
+            created_at: state.config.clock.now(),
+            created_by: Some(d.requested_by.clone()),
+        };
+        match state.store.create_task(task).await {
+            Err(StoreError::Conflict {
+                constraint: "task_agent",
+            }) => return Ok(None),
+            Err(e) => return Err(e),
+            Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => ids.push(t.id),
+            Ok(CreateTaskOutcome::KeyConflict) => {
+                return Err(StoreError::Corrupt(format!(
+                    "deployment {} task key for {} is taken by another request",
+                    d.id, target.agent_name
+                )))
+            }
+        }
+    }
+    Ok(Some(ids))
+}

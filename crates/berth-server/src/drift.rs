@@ -1,0 +1,255 @@
+//! Drift: every target of an environment that has a current release is read back once per
+//! `driftIntervalSecs` (each target at its own offset in the period, so a fleet's checks
+//! spread out), by an `inspect` task whose signed result says which containers run which
+//! digest. A target whose containers are missing, stopped or on another digest is `drifted`.
+//! Drift is reported (the target's observation, an `environment.drift` event); it is corrected
+//! only when the environment says `autoHeal`, by a `heal` deployment of its current release.
+//!
+//! Like every reconciler this is a sweep over the database: a check is created under a key
+//! naming its due time, so a repeated pass finds it again, and a finished check is applied by
+//! whichever pass sees it first.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use berth_proto::deploy::{DeploymentKind, Drift, ObservedComponent};
+use berth_proto::error::ErrorChain;
+use berth_proto::kind::TaskKind;
+use berth_proto::payload::InspectedContainer;
+use berth_proto::{AgentId, TaskId};
+use berth_store::{
+    drift_check_key, CreateTaskOutcome, Environment, NewTask, Release, StoreError,
+    TargetObservation, TaskState,
+};
+use serde_json::Value;
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use crate::deploy::container_name;
+use crate::SharedState;
+
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+const PAGE: u32 = 100;
+const CHECK_TIMEOUT_SECS: u32 = 60;
+
+pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => sweep(&state).await,
+        }
+    }
+}
+
+async fn sweep(state: &SharedState) {
+    let mut after = None;
+    loop {
+        let page = match state.store.environments_with_release(after, PAGE).await {
+            Ok(page) => page,
+            Err(e) => {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(error = %ErrorChain(&e), "drift sweep failed");
+                return;
+            }
+        };
+        for env in &page {
+            if let Err(e) = check_environment(state, env).await {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(environment = %env.name, error = %ErrorChain(&e), "drift check failed");
+            }
+        }
+        match page.last() {
+            Some(last) if page.len() == PAGE as usize => after = Some(last.id),
+            _ => break,
+        }
+    }
+}
+
+/// The target's first check is due at an offset in the period derived from its id.
+fn offset(agent: AgentId, period: Duration) -> Duration {
+    let millis = period.as_millis().max(1) as u64;
+    Duration::from_millis(agent.0.as_u128() as u64 % millis)
+}
+
+async fn check_environment(state: &SharedState, env: &Environment) -> Result<(), StoreError> {
+    let Some(current) = &env.current_release else {
+        return Ok(());
+    };
+    let Some(release) = state
+        .store
+        .get_release(env.tenant_id, &current.name)
+        .await?
+    else {
+        return Ok(());
+    };
+    let now = state.config.clock.now();
+    let period = Duration::from_secs(env.drift_interval_secs.into());
+    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector).await?;
+    let known: HashMap<AgentId, TargetObservation> = state
+        .store
+        .target_observations(env.id)
+        .await?
+        .into_iter()
+        .map(|o| (o.agent_id, o))
+        .collect();
+    let mut drifted = false;
+    for agent in agents {
+        let old = known.get(&agent.id);
+        let mut obs = old.cloned().unwrap_or_else(|| TargetObservation {
+            tenant_id: env.tenant_id,
+            environment_id: env.id,
+            agent_id: agent.id,
+            check_task_id: None,
+            next_check_at: now + offset(agent.id, period),
+            drift: Drift::Unverified,
+            running_release: None,
+            components: Vec::new(),
+            verified_at: None,
+        });
+        // A verification from before the current release was set says nothing about it.
+        if obs.verified_at.is_some_and(|v| v < env.updated_at) && obs.drift != Drift::Unverified {
+            obs.drift = Drift::Unverified;
+            obs.next_check_at = now;
+        }
+        let mut open = false;
+        if let Some(id) = obs.check_task_id {
+            if let Some((task, _)) = state.store.get_task(env.tenant_id, id).await? {
+                let fresh = task
+                    .finished_at
+                    .is_some_and(|f| f >= env.updated_at && obs.verified_at.is_none_or(|v| v < f));
+                if task.state == TaskState::Succeeded && fresh {
+                    let (drift, running, components) = observe(&release, task.result.as_ref());
+                    obs.drift = drift;
+                    obs.running_release = running;
+                    obs.components = components;
+                    obs.verified_at = task.finished_at;
+                }
+                open = !task.state.is_terminal() && task.state != TaskState::Unknown;
+            }
+        }
+        if !open && obs.next_check_at <= now {
+            if let Some(id) = schedule_check(state, env, agent.id, obs.next_check_at).await? {
+                obs.check_task_id = Some(id);
+                obs.next_check_at = now + period;
+            }
+        }
+        if old != Some(&obs) {
+            if obs.drift == Drift::Drifted && old.map(|o| o.drift) != Some(Drift::Drifted) {
+                tracing::warn!(environment = %env.name, agent = %agent.name, running = ?obs.running_release, desired = %current.name, "target drifted from the environment's release");
+            }
+            state.store.put_target_observation(obs.clone()).await?;
+        }
+        drifted |= obs.drift == Drift::Drifted;
+    }
+    if drifted && env.auto_heal {
+        heal(state, env, &release).await?;
+    }
+    Ok(())
+}
+
+/// Queues the `inspect` that reads the target back; `None` when its agent is gone.
+async fn schedule_check(
+    state: &SharedState,
+    env: &Environment,
+    agent: AgentId,
+    due: OffsetDateTime,
+) -> Result<Option<TaskId>, StoreError> {
+    let task = NewTask {
+        id: TaskId::new(),
+        tenant_id: env.tenant_id,
+        task_type: TaskKind::Inspect.name().into(),
+        agent_id: agent,
+        payload: serde_json::json!({}),
+        credentials_sealed: None,
+        variables: Default::default(),
+        timeout_seconds: CHECK_TIMEOUT_SECS,
+        priority: 0,
+        side_effects: false,
+        idempotency_key: Some(drift_check_key(
+            env.id,
+            agent,
+            (due.unix_timestamp_nanos() / 1_000_000) as i64,
+        )),
+        request_hash: None,
+        read_back_of: None,
+        created_at: state.config.clock.now(),
+        created_by: None,
+    };
+    match state.store.create_task(task).await {
+        Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => Ok(Some(t.id)),
+        Ok(CreateTaskOutcome::KeyConflict) => Ok(None),
+        Err(StoreError::Conflict {
+            constraint: "task_agent",
+        }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// What an `inspect` result says of each component of the release.
+fn observe(
+    release: &Release,
+    result: Option<&Value>,
+) -> (Drift, Option<String>, Vec<ObservedComponent>) {
+    let containers: Vec<InspectedContainer> = result
+        .and_then(|r| r.pointer("/outputs/containers"))
+        .and_then(|c| serde_json::from_value(c.clone()).ok())
+        .unwrap_or_default();
+    let mut in_sync = true;
+    let mut running = None;
+    let mut components = Vec::new();
+    for component in &release.components {
+        let name = container_name(component);
+        let found = containers.iter().find(|c| c.name == name);
+        // The digest the container was created from, not what its labels claim.
+        let digest = found.and_then(|c| {
+            c.image
+                .split_once('@')
+                .map(|(_, d)| d.to_string())
+                .or_else(|| c.digest.clone())
+        });
+        let state = found.map(|c| c.state.clone());
+        in_sync &= digest.as_deref() == Some(component.digest.as_str())
+            && state.as_deref() == Some("running");
+        let release_name = found.and_then(|c| c.release_name.clone());
+        if running.is_none() {
+            running = release_name.clone();
+        }
+        components.push(ObservedComponent {
+            name: component.name.clone(),
+            digest,
+            release: release_name,
+            state,
+        });
+    }
+    let drift = if in_sync {
+        Drift::InSync
+    } else {
+        Drift::Drifted
+    };
+    (drift, running, components)
+}
+
+/// Redeploys the environment's current release, unless a deployment is already running there.
+async fn heal(state: &SharedState, env: &Environment, release: &Release) -> Result<(), StoreError> {
+    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector).await?;
+    let created = crate::deploy::create(
+        state,
+        env,
+        release,
+        DeploymentKind::Heal,
+        env.created_by.clone(),
+        &agents,
+    )
+    .await;
+    match created {
+        Ok(d) => {
+            tracing::info!(environment = %env.name, deployment_id = %d.deployment.id, "drift: healing with the current release");
+            Ok(())
+        }
+        Err(StoreError::Conflict {
+            constraint: "deployment_in_progress",
+        }) => Ok(()),
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,705 @@
+//! The environment and deployment API: environments (create, list, show, status, unpin,
+//! rollback) and deployments (plan, create, list, show, approve, cancel). Deployments are
+//! driven by `deploy.rs`; these handlers only check requests and write what was asked.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use berth_proto::deploy::{
+    valid_environment_name, ApprovalView, CreateDeployment, CreateEnvironment, DeploymentKind,
+    DeploymentList, DeploymentPlan, DeploymentTargetView, DeploymentView, Drift, EnvironmentList,
+    EnvironmentStatus, EnvironmentView, ListDeployments, PlanComponent, PlanTarget, PlanWave,
+    TargetStatus, DEFAULT_DRIFT_INTERVAL_SECS,
+};
+use berth_proto::error::codes;
+use berth_proto::kind::TaskKind;
+use berth_proto::{DeploymentId, EnvironmentId, ErrorBody};
+use berth_store::{
+    Agent, ApproveOutcome, DeploymentDetail, Environment, Release, StoreError, TargetObservation,
+};
+
+use crate::auth::Caller;
+use crate::deploy::container_name;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::routes::admin::validate_labels;
+use crate::routes::audit::actor;
+use crate::SharedState;
+
+/// Seconds a health check may be given at most.
+const MAX_HEALTH_TIMEOUT_SECS: u64 = 3600;
+
+fn invalid(detail: impl Into<String>) -> ApiError {
+    ApiError::unprocessable(codes::INVALID_REQUEST, detail)
+}
+
+fn env_view(e: Environment) -> EnvironmentView {
+    EnvironmentView {
+        id: e.id,
+        name: e.name,
+        tier: e.tier,
+        selector: e.selector,
+        policy: e.policy,
+        promote_from: e.promote_from,
+        approvals: e.approvals,
+        auto_heal: e.auto_heal,
+        drift_interval_secs: e.drift_interval_secs,
+        current_release: e.current_release.map(|r| r.name),
+        previous_release: e.previous_release.map(|r| r.name),
+        pinned_release: e.pinned_release.map(|r| r.name),
+        created_at: e.created_at,
+        updated_at: e.updated_at,
+    }
+}
+
+pub(crate) fn deployment_view(d: DeploymentDetail) -> DeploymentView {
+    let DeploymentDetail {
+        deployment: dep,
+        targets,
+        approvals,
+    } = d;
+    DeploymentView {
+        id: dep.id,
+        environment: dep.environment_name,
+        environment_id: dep.environment_id,
+        release: dep.release.name,
+        kind: dep.kind,
+        state: dep.state,
+        rolling_back: dep.rolling_back,
+        requested_by: dep.requested_by,
+        rollback_release: dep.rollback_release.map(|r| r.name),
+        approvals_required: dep.approvals_required,
+        approvals: approvals
+            .into_iter()
+            .map(|a| ApprovalView {
+                by: a.actor,
+                at: a.approved_at,
+            })
+            .collect(),
+        cancel_requested: dep.cancel_requested,
+        current_wave: dep.current_wave,
+        targets: targets
+            .into_iter()
+            .map(|t| DeploymentTargetView {
+                agent_id: t.agent_id,
+                agent_name: t.agent_name,
+                wave: t.wave,
+                phase: t.phase,
+                tasks: t.tasks,
+                rollback_tasks: t.rollback_tasks,
+                error_code: t.error_code,
+                detail: t.detail,
+                started_at: t.started_at,
+                finished_at: t.finished_at,
+            })
+            .collect(),
+        error_code: dep.error_code,
+        detail: dep.detail,
+        created_at: dep.created_at,
+        updated_at: dep.updated_at,
+        finished_at: dep.finished_at,
+    }
+}
+
+fn environment_not_found(name: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        codes::ENVIRONMENT_NOT_FOUND,
+        format!("no environment named {name:?}"),
+    )
+}
+
+async fn environment(state: &SharedState, caller: &Caller, name: &str) -> ApiResult<Environment> {
+    state
+        .store
+        .get_environment(caller.tenant(), name)
+        .await?
+        .ok_or_else(|| environment_not_found(name))
+}
+
+/// Create an environment: its tier, the agent labels that select its targets, its rollout
+/// policy, promotion rule, approvals (default one for prod) and drift read-back period.
+#[utoipa::path(post, path = "/api/v1/environments", tag = "environments", request_body = CreateEnvironment, security(("bearer" = [])),
+    responses(
+        (status = 201, body = EnvironmentView, description = "created"),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 409, body = ErrorBody, description = "ENVIRONMENT_EXISTS"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST (names the field) or ENVIRONMENT_NOT_FOUND (`promoteFrom`)"),
+    ))]
+pub async fn create_environment(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateEnvironment>,
+) -> ApiResult<(StatusCode, Json<EnvironmentView>)> {
+    caller.require_admin()?;
+    if !valid_environment_name(&req.name) {
+        return Err(invalid(
+            "name must be 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit",
+        ));
+    }
+    if req.selector.is_empty() {
+        return Err(invalid(
+            "selector needs at least one label: an environment never selects every agent",
+        ));
+    }
+    validate_labels(&req.selector)?;
+    let policy = req.policy;
+    if policy.max_parallel == 0 {
+        return Err(invalid("policy.maxParallel must be at least 1"));
+    }
+    if !(1..=MAX_HEALTH_TIMEOUT_SECS).contains(&policy.health_timeout_secs) {
+        return Err(invalid(format!(
+            "policy.healthTimeoutSecs must be 1..={MAX_HEALTH_TIMEOUT_SECS}"
+        )));
+    }
+    let drift_interval_secs = req
+        .drift_interval_secs
+        .unwrap_or(DEFAULT_DRIFT_INTERVAL_SECS);
+    if drift_interval_secs == 0 {
+        return Err(invalid("driftIntervalSecs must be at least 1"));
+    }
+    if let Some(from) = &req.promote_from {
+        if from == &req.name
+            || state
+                .store
+                .get_environment(caller.tenant(), from)
+                .await?
+                .is_none()
+        {
+            return Err(ApiError::unprocessable(
+                codes::ENVIRONMENT_NOT_FOUND,
+                format!("promoteFrom names {from:?}, which is not another environment"),
+            ));
+        }
+    }
+    let now = state.config.clock.now();
+    let env = Environment {
+        id: EnvironmentId::new(),
+        tenant_id: caller.tenant(),
+        name: req.name,
+        tier: req.tier,
+        selector: req.selector,
+        policy,
+        promote_from: req.promote_from,
+        approvals: req.approvals.unwrap_or(req.tier.default_approvals()),
+        auto_heal: req.auto_heal,
+        drift_interval_secs,
+        current_release: None,
+        previous_release: None,
+        pinned_release: None,
+        created_by: actor(&caller),
+        created_at: now,
+        updated_at: now,
+    };
+    match state.store.create_environment(env, actor(&caller)).await {
+        Ok(env) => Ok((StatusCode::CREATED, Json(env_view(env)))),
+        Err(StoreError::Conflict {
+            constraint: "environment_name",
+        }) => Err(ApiError::conflict(
+            codes::ENVIRONMENT_EXISTS,
+            "the tenant has an environment of that name",
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Every environment of the tenant, by name.
+#[utoipa::path(get, path = "/api/v1/environments", tag = "environments", security(("bearer" = [])),
+    responses((status = 200, body = EnvironmentList)))]
+pub async fn list_environments(
+    State(state): State<SharedState>,
+    caller: Caller,
+) -> ApiResult<Json<EnvironmentList>> {
+    caller.can_read()?;
+    let items = state.store.list_environments(caller.tenant()).await?;
+    Ok(Json(EnvironmentList {
+        items: items.into_iter().map(env_view).collect(),
+    }))
+}
+
+/// One environment.
+#[utoipa::path(get, path = "/api/v1/environments/{name}", tag = "environments", security(("bearer" = [])),
+    params(("name" = String, Path)),
+    responses((status = 200, body = EnvironmentView),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND")))]
+pub async fn get_environment(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<EnvironmentView>> {
+    caller.can_read()?;
+    Ok(Json(env_view(environment(&state, &caller, &name).await?)))
+}
+
+/// Each target's desired release against what its last verified read-back found, and when.
+#[utoipa::path(get, path = "/api/v1/environments/{name}/status", tag = "environments", security(("bearer" = [])),
+    params(("name" = String, Path)),
+    responses((status = 200, body = EnvironmentStatus),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND")))]
+pub async fn environment_status(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<EnvironmentStatus>> {
+    caller.can_read()?;
+    let env = environment(&state, &caller, &name).await?;
+    let agents = crate::deploy::matching_agents(&state, env.tenant_id, &env.selector).await?;
+    let observations = state.store.target_observations(env.id).await?;
+    let desired = env.current_release.as_ref().map(|r| r.name.clone());
+    let targets = agents
+        .into_iter()
+        .map(|agent| {
+            let obs = observations.iter().find(|o| o.agent_id == agent.id);
+            target_status(&agent, desired.clone(), obs, &env)
+        })
+        .collect();
+    Ok(Json(EnvironmentStatus {
+        environment: env_view(env),
+        targets,
+    }))
+}
+
+fn target_status(
+    agent: &Agent,
+    desired_release: Option<String>,
+    obs: Option<&TargetObservation>,
+    env: &Environment,
+) -> TargetStatus {
+    // A verification older than the current release says nothing about it.
+    let current = obs.filter(|o| o.verified_at.is_some_and(|v| v >= env.updated_at));
+    TargetStatus {
+        agent_id: agent.id,
+        agent_name: agent.name.clone(),
+        desired_release,
+        running_release: obs.and_then(|o| o.running_release.clone()),
+        drift: current.map_or(Drift::Unverified, |o| o.drift),
+        components: obs.map(|o| o.components.clone()).unwrap_or_default(),
+        verified_at: obs.and_then(|o| o.verified_at),
+        check_task_id: obs.and_then(|o| o.check_task_id),
+    }
+}
+
+/// Lift the pin a rollback set: any release may be deployed again.
+#[utoipa::path(post, path = "/api/v1/environments/{name}/unpin", tag = "environments", security(("bearer" = [])),
+    params(("name" = String, Path)),
+    responses((status = 200, body = EnvironmentView),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND")))]
+pub async fn unpin_environment(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<EnvironmentView>> {
+    caller.require_deployer()?;
+    let env = state
+        .store
+        .unpin_environment(
+            caller.tenant(),
+            &name,
+            actor(&caller),
+            state.config.clock.now(),
+        )
+        .await?;
+    env.map(|env| Json(env_view(env)))
+        .ok_or_else(|| environment_not_found(&name))
+}
+
+/// Deploy the environment's previous successful release to every target and pin the
+/// environment to it, so the bad release cannot come back until `unpin`. No approval: it
+/// returns to a release the environment already ran.
+#[utoipa::path(post, path = "/api/v1/environments/{name}/rollback", tag = "environments", security(("bearer" = [])),
+    params(("name" = String, Path)),
+    responses((status = 201, body = DeploymentView),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND"),
+        (status = 409, body = ErrorBody, description = "NO_PREVIOUS_RELEASE or DEPLOYMENT_IN_PROGRESS"),
+        (status = 422, body = ErrorBody, description = "NO_TARGETS or CAPABILITY_MISSING")))]
+pub async fn rollback_environment(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
+    caller.require_deployer()?;
+    let env = environment(&state, &caller, &name).await?;
+    let previous = env.previous_release.clone().ok_or_else(|| {
+        ApiError::conflict(
+            codes::NO_PREVIOUS_RELEASE,
+            format!("environment {name:?} has no earlier successful release to return to"),
+        )
+    })?;
+    let release = release(&state, &caller, &previous.name).await?;
+    let agents = targets(&state, &env, &release).await?;
+    start(
+        &state,
+        &env,
+        &release,
+        DeploymentKind::Rollback,
+        &caller,
+        &agents,
+    )
+    .await
+}
+
+async fn release(state: &SharedState, caller: &Caller, name: &str) -> ApiResult<Release> {
+    state
+        .store
+        .get_release(caller.tenant(), name)
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                codes::RELEASE_NOT_FOUND,
+                format!("no release named {name:?}"),
+            )
+        })
+}
+
+/// The environment's targets for this release: at least one, each able to run it.
+async fn targets(
+    state: &SharedState,
+    env: &Environment,
+    release: &Release,
+) -> ApiResult<Vec<Agent>> {
+    if release.components.is_empty() || release.compose_lock.is_some() {
+        return Err(invalid(format!(
+            "release {:?} is a compose release; environments deploy component releases \
+             (docker.run per component) only",
+            release.name
+        )));
+    }
+    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector).await?;
+    if agents.is_empty() {
+        return Err(ApiError::unprocessable(
+            codes::NO_TARGETS,
+            format!(
+                "no agent carries the labels of environment {:?} ({})",
+                env.name,
+                env.selector
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    let kind = TaskKind::DockerRun;
+    let unable: Vec<&str> = agents
+        .iter()
+        .filter(|a| {
+            let names: Vec<&str> = a.capabilities.iter().map(|c| c.name.as_str()).collect();
+            !kind.runs_on(&names)
+        })
+        .map(|a| a.name.as_str())
+        .collect();
+    if !unable.is_empty() {
+        return Err(ApiError::unprocessable(
+            codes::CAPABILITY_MISSING,
+            format!(
+                "these targets do not report the {:?} capability: {}",
+                kind.required_capability(),
+                unable.join(", ")
+            ),
+        ));
+    }
+    Ok(agents)
+}
+
+/// Everything a deployment of `req` needs, checked in the order an operator fixes them: the
+/// environment and release exist, the pin and the promotion rule allow it, and there are
+/// targets that can run it.
+async fn prepare(
+    state: &SharedState,
+    caller: &Caller,
+    req: &CreateDeployment,
+) -> ApiResult<(Environment, Release, Vec<Agent>)> {
+    let env = environment(state, caller, &req.environment).await?;
+    let release = release(state, caller, &req.release).await?;
+    if let Some(pin) = env.pinned_release.as_ref().filter(|p| p.id != release.id) {
+        return Err(ApiError::conflict(
+            codes::ENVIRONMENT_PINNED,
+            format!(
+                "environment {:?} is pinned to release {:?} by a rollback; `berth env unpin {}` \
+                 before deploying {:?}",
+                env.name, pin.name, env.name, release.name
+            ),
+        ));
+    }
+    if let Some(from) = &env.promote_from {
+        if !state
+            .store
+            .succeeded_in(caller.tenant(), from, release.id)
+            .await?
+        {
+            return Err(ApiError::conflict(
+                codes::PROMOTION_REQUIRED,
+                format!(
+                    "release {:?} must succeed in {from:?} before it is deployed to {:?}",
+                    release.name, env.name
+                ),
+            ));
+        }
+    }
+    let agents = targets(state, &env, &release).await?;
+    Ok((env, release, agents))
+}
+
+async fn start(
+    state: &SharedState,
+    env: &Environment,
+    release: &Release,
+    kind: DeploymentKind,
+    caller: &Caller,
+    agents: &[Agent],
+) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
+    match crate::deploy::create(state, env, release, kind, actor(caller), agents).await {
+        Ok(d) => Ok((StatusCode::CREATED, Json(deployment_view(d)))),
+        Err(StoreError::Conflict {
+            constraint: "deployment_in_progress",
+        }) => Err(ApiError::conflict(
+            codes::DEPLOYMENT_IN_PROGRESS,
+            format!(
+                "environment {:?} has a deployment that has not finished; wait for it or \
+                 cancel it",
+                env.name
+            ),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Deploy a release into an environment: one `docker.run` task per component per target, in
+/// waves of the environment's `maxParallel`. It waits in `awaiting_approval` when the
+/// environment needs approvals.
+#[utoipa::path(post, path = "/api/v1/deployments", tag = "deployments", request_body = CreateDeployment, security(("bearer" = [])),
+    responses(
+        (status = 201, body = DeploymentView, description = "created"),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND or RELEASE_NOT_FOUND"),
+        (status = 409, body = ErrorBody, description = "DEPLOYMENT_IN_PROGRESS, ENVIRONMENT_PINNED or PROMOTION_REQUIRED"),
+        (status = 422, body = ErrorBody, description = "NO_TARGETS, CAPABILITY_MISSING or INVALID_REQUEST"),
+    ))]
+pub async fn create(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateDeployment>,
+) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
+    caller.require_deployer()?;
+    let (env, release, agents) = prepare(&state, &caller, &req).await?;
+    start(
+        &state,
+        &env,
+        &release,
+        DeploymentKind::Deploy,
+        &caller,
+        &agents,
+    )
+    .await
+}
+
+/// What a deployment would do, per wave and target: each target's release and digests as its
+/// last verified read-back found them, and the new digest per component. Changes nothing.
+#[utoipa::path(post, path = "/api/v1/deployments/plan", tag = "deployments", request_body = CreateDeployment, security(("bearer" = [])),
+    responses(
+        (status = 200, body = DeploymentPlan),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND or RELEASE_NOT_FOUND"),
+        (status = 409, body = ErrorBody, description = "ENVIRONMENT_PINNED or PROMOTION_REQUIRED"),
+        (status = 422, body = ErrorBody, description = "NO_TARGETS, CAPABILITY_MISSING or INVALID_REQUEST"),
+    ))]
+pub async fn plan(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateDeployment>,
+) -> ApiResult<Json<DeploymentPlan>> {
+    caller.can_read()?;
+    let (env, release, agents) = prepare(&state, &caller, &req).await?;
+    let observations = state.store.target_observations(env.id).await?;
+    let per_wave = env.policy.max_parallel.max(1) as usize;
+    let waves = agents
+        .chunks(per_wave)
+        .enumerate()
+        .map(|(wave, chunk)| PlanWave {
+            wave: wave as u32,
+            targets: chunk
+                .iter()
+                .map(|agent| {
+                    let obs = observations.iter().find(|o| o.agent_id == agent.id);
+                    PlanTarget {
+                        agent_id: agent.id,
+                        agent_name: agent.name.clone(),
+                        current_release: obs.and_then(|o| o.running_release.clone()),
+                        verified_at: obs.and_then(|o| o.verified_at),
+                        components: release
+                            .components
+                            .iter()
+                            .map(|c| {
+                                let current = obs
+                                    .and_then(|o| o.components.iter().find(|oc| oc.name == c.name))
+                                    .and_then(|oc| oc.digest.clone());
+                                PlanComponent {
+                                    name: container_name(c),
+                                    changes: current.as_deref() != Some(c.digest.as_str()),
+                                    current_digest: current,
+                                    new_digest: c.digest.clone(),
+                                }
+                            })
+                            .collect(),
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(Json(DeploymentPlan {
+        environment: env.name,
+        release: release.name,
+        rollback_release: env.current_release.map(|r| r.name),
+        approvals: env.approvals,
+        waves,
+    }))
+}
+
+/// The tenant's deployments, oldest first, optionally of one environment.
+#[utoipa::path(get, path = "/api/v1/deployments", tag = "deployments", params(ListDeployments), security(("bearer" = [])),
+    responses((status = 200, body = DeploymentList),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND")))]
+pub async fn list(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiQuery(query): ApiQuery<ListDeployments>,
+) -> ApiResult<Json<DeploymentList>> {
+    caller.can_read()?;
+    let environment_id = match &query.environment {
+        Some(name) => Some(environment(&state, &caller, name).await?.id),
+        None => None,
+    };
+    let after = match &query.cursor {
+        Some(c) => Some(DeploymentId(
+            c.parse()
+                .map_err(|_| invalid("cursor is not a deployment id"))?,
+        )),
+        None => None,
+    };
+    let limit = query.limit.unwrap_or(100).clamp(1, 500);
+    let page = state
+        .store
+        .list_deployments(caller.tenant(), environment_id, after, limit)
+        .await?;
+    let mut items = Vec::with_capacity(page.items.len());
+    for d in page.items {
+        if let Some(detail) = state.store.get_deployment(caller.tenant(), d.id).await? {
+            items.push(deployment_view(detail));
+        }
+    }
+    Ok(Json(DeploymentList {
+        items,
+        next_cursor: page.next.map(|n| n.to_string()),
+    }))
+}
+
+async fn deployment(
+    state: &SharedState,
+    caller: &Caller,
+    id: DeploymentId,
+) -> ApiResult<DeploymentDetail> {
+    state
+        .store
+        .get_deployment(caller.tenant(), id)
+        .await?
+        .ok_or_else(|| not_found(id))
+}
+
+fn not_found(id: DeploymentId) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        codes::DEPLOYMENT_NOT_FOUND,
+        format!("no deployment {id}"),
+    )
+}
+
+/// One deployment: its state, waves and targets (phase, tasks, failure codes), approvals.
+#[utoipa::path(get, path = "/api/v1/deployments/{id}", tag = "deployments", security(("bearer" = [])),
+    params(("id" = DeploymentId, Path)),
+    responses((status = 200, body = DeploymentView),
+        (status = 404, body = ErrorBody, description = "DEPLOYMENT_NOT_FOUND")))]
+pub async fn get(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<DeploymentId>,
+) -> ApiResult<Json<DeploymentView>> {
+    caller.can_read()?;
+    Ok(Json(deployment_view(
+        deployment(&state, &caller, id).await?,
+    )))
+}
+
+/// Approve a deployment that awaits approval. The requester's own token cannot; once enough
+/// other tokens approved, it starts.
+#[utoipa::path(post, path = "/api/v1/deployments/{id}/approve", tag = "deployments", security(("bearer" = [])),
+    params(("id" = DeploymentId, Path)),
+    responses((status = 200, body = DeploymentView),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN (a viewer token) or SELF_APPROVAL"),
+        (status = 404, body = ErrorBody, description = "DEPLOYMENT_NOT_FOUND"),
+        (status = 409, body = ErrorBody, description = "DEPLOYMENT_STATE: it is not awaiting approval")))]
+pub async fn approve(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<DeploymentId>,
+) -> ApiResult<Json<DeploymentView>> {
+    caller.require_deployer()?;
+    let current = deployment(&state, &caller, id).await?;
+    if let berth_proto::audit::AuditActor::Token { id: requester, .. } =
+        &current.deployment.requested_by
+    {
+        if *requester == caller.0.id.0 {
+            return Err(ApiError::forbidden(
+                codes::SELF_APPROVAL,
+                "the token that requested a deployment cannot approve it",
+            ));
+        }
+    }
+    match state
+        .store
+        .approve_deployment(
+            caller.tenant(),
+            id,
+            actor(&caller),
+            state.config.clock.now(),
+        )
+        .await?
+    {
+        Some(ApproveOutcome::Approved(d)) => Ok(Json(deployment_view(d))),
+        Some(ApproveOutcome::NotAwaiting(d)) => Err(ApiError::conflict(
+            codes::DEPLOYMENT_STATE,
+            format!(
+                "deployment {id} is {}, not awaiting approval",
+                d.deployment.state.as_str()
+            ),
+        )),
+        None => Err(not_found(id)),
+    }
+}
+
+/// Cancel a deployment: one that waits ends at once; a running one stops after its running
+/// wave (the targets it already updated keep the new release). A finished one is unchanged.
+#[utoipa::path(post, path = "/api/v1/deployments/{id}/cancel", tag = "deployments", security(("bearer" = [])),
+    params(("id" = DeploymentId, Path)),
+    responses((status = 200, body = DeploymentView),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody, description = "DEPLOYMENT_NOT_FOUND")))]
+pub async fn cancel(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<DeploymentId>,
+) -> ApiResult<Json<DeploymentView>> {
+    caller.require_deployer()?;
+    state
+        .store
+        .cancel_deployment(
+            caller.tenant(),
+            id,
+            actor(&caller),
+            state.config.clock.now(),
+        )
+        .await?
+        .map(|d| Json(deployment_view(d)))
+        .ok_or_else(|| not_found(id))
+}
