@@ -183,15 +183,63 @@ pub(crate) async fn create(
         .await
 }
 
-/// The container a component runs as: its config's `containerName`, else its name.
-pub(crate) fn container_name(component: &Component) -> String {
-    component
+/// A component's `docker.run` config for one target. Like Octopus's machine-scoped variables,
+/// any string in it may name the target: `{{target.name}}` (the agent's name) and
+/// `{{target.labels.KEY}}` (one of its labels), so one release can give each host its own
+/// container name, port or setting. The server substitutes them as text; nothing is evaluated,
+/// and a label the target lacks is an error naming it.
+pub(crate) fn target_config(component: &Component, agent: &Agent) -> Result<Value, String> {
+    fn render(value: &mut Value, agent: &Agent) -> Result<(), String> {
+        match value {
+            Value::String(s) => {
+                let mut out = String::with_capacity(s.len());
+                let mut rest = s.as_str();
+                while let Some(start) = rest.find("{{") {
+                    let end = rest[start..]
+                        .find("}}")
+                        .ok_or_else(|| format!("unclosed {{{{ in {s:?}"))?;
+                    let name = rest[start + 2..start + end].trim();
+                    out.push_str(&rest[..start]);
+                    let value = match name.strip_prefix("target.labels.") {
+                        _ if name == "target.name" => agent.name.as_str(),
+                        Some(key) => {
+                            agent.labels.get(key).map(String::as_str).ok_or_else(|| {
+                                format!("target {} has no label {key:?}", agent.name)
+                            })?
+                        }
+                        None => return Err(format!("unknown placeholder {{{{{name}}}}}")),
+                    };
+                    out.push_str(value);
+                    rest = &rest[start + end + 2..];
+                }
+                out.push_str(rest);
+                *s = out;
+            }
+            Value::Array(items) => items.iter_mut().try_for_each(|v| render(v, agent))?,
+            Value::Object(map) => map.values_mut().try_for_each(|v| render(v, agent))?,
+            _ => {}
+        }
+        Ok(())
+    }
+    let mut config = component
         .config
-        .as_ref()
-        .and_then(|c| c.get("containerName"))
+        .clone()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
+    if config.get("containerName").is_none() {
+        config["containerName"] = json!(component.name);
+    }
+    render(&mut config, agent).map_err(|e| format!("component {}: {e}", component.name))?;
+    Ok(config)
+}
+
+/// The container a component runs as on a target.
+pub(crate) fn container_name(component: &Component, agent: &Agent) -> Result<String, String> {
+    Ok(target_config(component, agent)?
+        .get("containerName")
         .and_then(Value::as_str)
         .unwrap_or(&component.name)
-        .to_string()
+        .to_string())
 }
 
 /// The `docker.run` payload that puts one component of `release` on a target: pinned by digest,
@@ -199,20 +247,16 @@ pub(crate) fn container_name(component: &Component) -> String {
 pub(crate) fn component_payload(
     release: &Release,
     component: &Component,
+    agent: &Agent,
     policy: &RolloutPolicy,
-) -> Value {
-    let mut config = component
-        .config
-        .clone()
-        .filter(Value::is_object)
-        .unwrap_or_else(|| json!({}));
-    config["containerName"] = json!(container_name(component));
+) -> Result<Value, String> {
+    let mut config = target_config(component, agent)?;
     config["releaseId"] = json!(release.id.to_string());
     config["releaseName"] = json!(release.name);
     if let Some(health) = config.get_mut("healthCheck").filter(|h| h.is_object()) {
         health["timeout"] = json!(policy.health_timeout_secs);
     }
-    json!({ "image": component.image, "digest": component.digest, "config": config })
+    Ok(json!({ "image": component.image, "digest": component.digest, "config": config }))
 }
 
 /// What one task looks like to a deployment.
@@ -584,14 +628,21 @@ async fn create_tasks(
     purpose: &str,
 ) -> Result<Option<Vec<TaskId>>, StoreError> {
     let d = &detail.deployment;
+    let Some(agent) = state.store.get_agent(d.tenant_id, target.agent_id).await? else {
+        return Ok(None);
+    };
     let mut ids = Vec::new();
     for component in &release.components {
+        // Checked for every target when the deployment was created (and its labels are the
+        // agent's own); a label removed since fails the step loudly.
+        let payload = component_payload(release, component, &agent, policy)
+            .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
         let task = NewTask {
             id: TaskId::new(),
             tenant_id: d.tenant_id,
             task_type: TaskKind::DockerRun.name().into(),
             agent_id: target.agent_id,
-            payload: component_payload(release, component, policy),
+            payload,
             credentials_sealed: None,
             variables: Default::default(),
             timeout_seconds: (policy.health_timeout_secs + PULL_AND_START_SECS) as u32,

@@ -18,7 +18,7 @@ use berth_proto::kind::TaskKind;
 use berth_proto::payload::InspectedContainer;
 use berth_proto::{AgentId, TaskId};
 use berth_store::{
-    drift_check_key, CreateTaskOutcome, Environment, NewTask, Release, StoreError,
+    drift_check_key, Agent, CreateTaskOutcome, Environment, NewTask, Release, StoreError,
     TargetObservation, TaskState,
 };
 use serde_json::Value;
@@ -119,7 +119,8 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
                     .finished_at
                     .is_some_and(|f| f >= env.updated_at && obs.verified_at.is_none_or(|v| v < f));
                 if task.state == TaskState::Succeeded && fresh {
-                    let (drift, running, components) = observe(&release, task.result.as_ref());
+                    let (drift, running, components) =
+                        observe(&release, &agent, task.result.as_ref());
                     obs.drift = drift;
                     obs.running_release = running;
                     obs.components = components;
@@ -189,6 +190,7 @@ async fn schedule_check(
 /// What an `inspect` result says of each component of the release.
 fn observe(
     release: &Release,
+    agent: &Agent,
     result: Option<&Value>,
 ) -> (Drift, Option<String>, Vec<ObservedComponent>) {
     let containers: Vec<InspectedContainer> = result
@@ -199,8 +201,8 @@ fn observe(
     let mut running = None;
     let mut components = Vec::new();
     for component in &release.components {
-        let name = container_name(component);
-        let found = containers.iter().find(|c| c.name == name);
+        let name = container_name(component, agent).ok();
+        let found = containers.iter().find(|c| Some(&c.name) == name.as_ref());
         // The digest the container was created from, not what its labels claim.
         let digest = found.and_then(|c| {
             c.image

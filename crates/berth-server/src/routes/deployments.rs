@@ -19,7 +19,6 @@ use berth_store::{
 };
 
 use crate::auth::Caller;
-use crate::deploy::container_name;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::validate_labels;
@@ -401,6 +400,19 @@ async fn targets(
             ),
         ));
     }
+    // Every target's config must render and pass the kind's payload checks now, not in a wave.
+    for agent in &agents {
+        for component in &release.components {
+            let payload = crate::deploy::component_payload(release, component, agent, &env.policy)
+                .map_err(invalid)?;
+            kind.check_payload(&payload).map_err(|e| {
+                ApiError::unprocessable(
+                    codes::INVALID_PAYLOAD,
+                    format!("component {} on {}: {e}", component.name, agent.name),
+                )
+            })?;
+        }
+    }
     Ok(agents)
 }
 
@@ -536,7 +548,7 @@ pub async fn plan(
                                     .and_then(|o| o.components.iter().find(|oc| oc.name == c.name))
                                     .and_then(|oc| oc.digest.clone());
                                 PlanComponent {
-                                    name: container_name(c),
+                                    name: c.name.clone(),
                                     changes: current.as_deref() != Some(c.digest.as_str()),
                                     current_digest: current,
                                     new_digest: c.digest.clone(),
