@@ -283,12 +283,16 @@ fn phase_of(
         return (target.phase, target.error_code.clone());
     }
     let snaps: Vec<&Snapshot> = ids.iter().filter_map(|id| tasks.get(id)).collect();
-    let failed = snaps.iter().find(|s| {
-        matches!(
-            s.state,
-            TaskState::Failed | TaskState::DeadLetter | TaskState::Cancelled | TaskState::Expired
-        )
-    });
+    // A failure's own code before the cancellations it caused.
+    let failed = snaps
+        .iter()
+        .find(|s| {
+            matches!(
+                s.state,
+                TaskState::Failed | TaskState::DeadLetter | TaskState::Expired
+            )
+        })
+        .or_else(|| snaps.iter().find(|s| s.state == TaskState::Cancelled));
     let (done, failure, holding, working) = if rolling_back {
         (
             TargetPhase::RolledBack,
@@ -674,4 +678,149 @@ async fn create_tasks(
         }
     }
     Ok(Some(ids))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use berth_proto::agent::AgentStatus;
+
+    fn agent(name: &str, labels: &[(&str, &str)]) -> Agent {
+        let now = time::OffsetDateTime::UNIX_EPOCH;
+        Agent {
+            id: AgentId::new(),
+            tenant_id: TenantId::new(),
+            name: name.into(),
+            version: String::new(),
+            capabilities: vec![],
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            status: AgentStatus::Online,
+            reported_status: AgentStatus::Online,
+            environment: None,
+            last_heartbeat: None,
+            resource_usage: None,
+            certificate_fingerprint: None,
+            certificate_expires_at: None,
+            previous_certificate_fingerprint: None,
+            created_at: now,
+            updated_at: now,
+        }
+    }
+
+    fn component(config: Value) -> Component {
+        Component {
+            name: "web".into(),
+            image: "r/web".into(),
+            digest: "sha256:1".into(),
+            resolved_from: None,
+            config: Some(config),
+        }
+    }
+
+    #[test]
+    fn placeholders_name_the_target_and_nothing_else() {
+        let a = agent("qa-1", &[("port", "18080")]);
+        let c = component(json!({
+            "containerName": "web-{{target.name}}",
+            "ports": ["127.0.0.1:{{ target.labels.port }}:8080/tcp"],
+            "environment": {"X": "$(id) {{target.name}}"},
+        }));
+        let config = target_config(&c, &a).unwrap();
+        assert_eq!(config["containerName"], "web-qa-1");
+        assert_eq!(config["ports"][0], "127.0.0.1:18080:8080/tcp");
+        // Substituted as text: nothing else in the string is interpreted.
+        assert_eq!(config["environment"]["X"], "$(id) qa-1");
+        assert_eq!(container_name(&c, &a).unwrap(), "web-qa-1");
+
+        let missing = component(json!({"ports": ["{{target.labels.nope}}"]}));
+        let err = target_config(&missing, &a).unwrap_err();
+        assert!(err.contains("qa-1") && err.contains("nope"), "{err}");
+        for bad in ["{{target.id}}", "{{env.SECRET}}", "{{target.name"] {
+            let c = component(json!({ "containerName": bad }));
+            assert!(target_config(&c, &a).is_err(), "{bad}");
+        }
+        // No config: the component's name is the container's.
+        let plain = Component {
+            config: None,
+            ..component(json!({}))
+        };
+        assert_eq!(container_name(&plain, &a).unwrap(), "web");
+    }
+
+    fn target(tasks: &[TaskId], rollback: &[TaskId]) -> DeploymentTarget {
+        DeploymentTarget {
+            deployment_id: DeploymentId::new(),
+            agent_id: AgentId::new(),
+            agent_name: "t".into(),
+            wave: 0,
+            phase: TargetPhase::Queued,
+            tasks: tasks.to_vec(),
+            rollback_tasks: rollback.to_vec(),
+            error_code: None,
+            detail: None,
+            started_at: None,
+            finished_at: None,
+        }
+    }
+
+    fn snap(state: TaskState, code: Option<&str>, started: bool) -> Snapshot {
+        Snapshot {
+            state,
+            error_code: code.map(Into::into),
+            started,
+        }
+    }
+
+    #[test]
+    fn a_target_is_only_as_done_as_its_tasks_say() {
+        let (a, b) = (TaskId::new(), TaskId::new());
+        let t = target(&[a, b], &[]);
+        let phase = |sa: Snapshot, sb: Snapshot| phase_of(&t, &HashMap::from([(a, sa), (b, sb)])).0;
+        use TaskState::*;
+        assert_eq!(
+            phase(snap(Pending, None, false), snap(Pending, None, false)),
+            TargetPhase::Queued
+        );
+        assert_eq!(
+            phase(snap(Leased, None, true), snap(Pending, None, false)),
+            TargetPhase::Deploying
+        );
+        assert_eq!(
+            phase(snap(Succeeded, None, false), snap(Succeeded, None, false)),
+            TargetPhase::Succeeded
+        );
+        // Unknown holds: never success, even when the other component succeeded.
+        assert_eq!(
+            phase(snap(Succeeded, None, false), snap(Unknown, None, false)),
+            TargetPhase::Unknown
+        );
+        let (p, code) = phase_of(
+            &t,
+            &HashMap::from([
+                (a, snap(Succeeded, None, false)),
+                (b, snap(Failed, Some("HEALTH_CHECK_FAILED"), false)),
+            ]),
+        );
+        assert_eq!(
+            (p, code.as_deref()),
+            (TargetPhase::Failed, Some("HEALTH_CHECK_FAILED"))
+        );
+        // A task the store no longer returns is not success either.
+        assert_eq!(
+            phase_of(&t, &HashMap::from([(a, snap(Succeeded, None, false))])).0,
+            TargetPhase::Deploying
+        );
+        let r = TaskId::new();
+        let rolling = target(&[a], &[r]);
+        let rb = |s: Snapshot| phase_of(&rolling, &HashMap::from([(r, s)])).0;
+        assert_eq!(rb(snap(Pending, None, false)), TargetPhase::RollingBack);
+        assert_eq!(rb(snap(Succeeded, None, false)), TargetPhase::RolledBack);
+        assert_eq!(
+            rb(snap(DeadLetter, None, false)),
+            TargetPhase::RollbackFailed
+        );
+    }
 }
