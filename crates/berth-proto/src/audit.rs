@@ -27,6 +27,8 @@ pub mod actions {
     pub const TASK_CREATE: &str = "task.create";
     pub const TASK_CANCEL: &str = "task.cancel";
     pub const TASK_RETRY: &str = "task.retry";
+    /// `details`: the release's name and components (name, image, digest).
+    pub const RELEASE_CREATE: &str = "release.create";
     /// A verified agent result; `details` is a [`super::ResultEvidence`].
     pub const TASK_RESULT: &str = "task.result";
 }

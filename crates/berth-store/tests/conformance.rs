@@ -253,14 +253,19 @@ async fn release_rows_refuse_updates(store: &DynStore, update: impl Future<Outpu
         .await
         .expect("tenant");
     store
-        .create_release(berth_store::Release {
-            id: berth_proto::ReleaseId::new(),
-            tenant_id: tenant.id,
-            name: "r1".into(),
-            components: vec![],
-            compose_lock: None,
-            created_at: time::OffsetDateTime::now_utc(),
-        })
+        .create_release(
+            berth_store::Release {
+                id: berth_proto::ReleaseId::new(),
+                tenant_id: tenant.id,
+                name: "r1".into(),
+                components: vec![],
+                compose_lock: None,
+                created_at: time::OffsetDateTime::now_utc(),
+            },
+            berth_proto::audit::AuditActor::Agent {
+                id: uuid::Uuid::nil(),
+            },
+        )
         .await
         .expect("create release");
     assert!(!update.await, "an UPDATE of a release row must fail");

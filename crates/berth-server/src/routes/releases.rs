@@ -196,14 +196,17 @@ pub async fn create(
     };
     let created = state
         .store
-        .create_release(Release {
-            id: ReleaseId::new(),
-            tenant_id: caller.tenant(),
-            name: req.name.clone(),
-            components,
-            compose_lock,
-            created_at: state.config.clock.now(),
-        })
+        .create_release(
+            Release {
+                id: ReleaseId::new(),
+                tenant_id: caller.tenant(),
+                name: req.name.clone(),
+                components,
+                compose_lock,
+                created_at: state.config.clock.now(),
+            },
+            crate::routes::audit::actor(&caller),
+        )
         .await
         .map_err(|e| match e {
             StoreError::Conflict {

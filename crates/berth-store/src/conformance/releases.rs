@@ -32,7 +32,7 @@ pub async fn release_create_get(store: &DynStore) {
     let mut wanted = release(t.id, "2024.06.1");
     wanted.compose_lock = Some("services:\n  web:\n    image: x@sha256:ab\n".into());
     let created = store
-        .create_release(wanted.clone())
+        .create_release(wanted.clone(), operator())
         .await
         .expect("create release");
     wanted.created_at = millis(wanted.created_at);
@@ -50,7 +50,10 @@ pub async fn release_create_get(store: &DynStore) {
     // components, and leaves the first untouched.
     let mut again = release(t.id, "2024.06.1");
     again.components.truncate(1);
-    assert_conflict(store.create_release(again).await, "release_name");
+    assert_conflict(
+        store.create_release(again, operator()).await,
+        "release_name",
+    );
     assert_eq!(
         store.get_release(t.id, "2024.06.1").await.expect("get"),
         Some(wanted.clone())
@@ -58,7 +61,10 @@ pub async fn release_create_get(store: &DynStore) {
     // The same id is a conflict too.
     let mut same_id = release(t.id, "other");
     same_id.id = wanted.id;
-    assert_conflict(store.create_release(same_id).await, "release_id");
+    assert_conflict(
+        store.create_release(same_id, operator()).await,
+        "release_id",
+    );
 
     // Another tenant neither sees it nor is blocked by its name.
     let other = tenant(store).await;
@@ -67,7 +73,7 @@ pub async fn release_create_get(store: &DynStore) {
         None
     );
     let theirs = store
-        .create_release(release(other.id, "2024.06.1"))
+        .create_release(release(other.id, "2024.06.1"), operator())
         .await
         .expect("same name in another tenant");
     assert_ne!(theirs.id, wanted.id);
@@ -78,7 +84,7 @@ pub async fn release_create_concurrent(store: &DynStore) {
     let attempts = (0..8).map(|_| {
         let store = store.clone();
         let release = release(t.id, "race");
-        tokio::spawn(async move { store.create_release(release).await })
+        tokio::spawn(async move { store.create_release(release, operator()).await })
     });
     let mut won = 0;
     for attempt in attempts {
@@ -95,13 +101,13 @@ pub async fn list_releases(store: &DynStore) {
     let t = tenant(store).await;
     let other = tenant(store).await;
     store
-        .create_release(release(other.id, "theirs"))
+        .create_release(release(other.id, "theirs"), operator())
         .await
         .expect("create");
     let mut names = Vec::new();
     for i in 0..5 {
         let r = store
-            .create_release(release(t.id, &format!("r{i}")))
+            .create_release(release(t.id, &format!("r{i}")), operator())
             .await
             .expect("create");
         names.push(r.name);

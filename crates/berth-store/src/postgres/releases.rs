@@ -5,12 +5,16 @@ use sqlx::types::Json;
 use sqlx::{Postgres, QueryBuilder};
 
 use super::{fetch_page, PostgresStore};
+use crate::domain::releases::release_event;
 use crate::rows::{self, db_error, millis, release_columns};
 use crate::{Page, Release, ReleaseStore, Result};
+use berth_proto::audit::AuditActor;
 
 #[async_trait::async_trait]
 impl ReleaseStore for PostgresStore {
-    async fn create_release(&self, release: Release) -> Result<Release> {
+    async fn create_release(&self, release: Release, actor: AuditActor) -> Result<Release> {
+        const OP: &str = "create release";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let row = sqlx::query(concat!(
             "INSERT INTO releases (id, tenant_id, name, components, compose_lock, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6) RETURNING ",
@@ -22,10 +26,13 @@ impl ReleaseStore for PostgresStore {
         .bind(Json(&release.components))
         .bind(&release.compose_lock)
         .bind(millis(release.created_at))
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await
-        .map_err(db_error("create release"))?;
-        rows::read_release(&row)
+        .map_err(db_error(OP))?;
+        let created = rows::read_release(&row)?;
+        super::audit::append(&mut tx, release_event(&created, actor)).await?;
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(created)
     }
 
     async fn get_release(&self, tenant: TenantId, name: &str) -> Result<Option<Release>> {

@@ -4,16 +4,18 @@ use berth_proto::{ReleaseId, TenantId};
 use rusqlite::params;
 
 use super::{id_text, json_text, Query, SqliteStore};
+use crate::domain::releases::release_event;
 use crate::rows::{self, release_columns, unix_millis};
 use crate::{Page, Release, ReleaseStore, Result};
+use berth_proto::audit::AuditActor;
 
 #[async_trait::async_trait]
 impl ReleaseStore for SqliteStore {
-    async fn create_release(&self, release: Release) -> Result<Release> {
+    async fn create_release(&self, release: Release, actor: AuditActor) -> Result<Release> {
         let components = json_text("releases.components", &release.components)?;
         self.writer
             .write("create release", move |tx| {
-                tx.one(
+                let created = tx.one(
                     concat!(
                         "INSERT INTO releases \
                          (id, tenant_id, name, components, compose_lock, created_at) \
@@ -29,7 +31,9 @@ impl ReleaseStore for SqliteStore {
                         unix_millis(release.created_at),
                     ],
                     |row| rows::read_release(row),
-                )
+                )?;
+                super::audit::append(tx, release_event(&created, actor))?;
+                Ok(created)
             })
             .await
     }
