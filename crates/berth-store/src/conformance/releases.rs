@@ -37,6 +37,14 @@ pub async fn release_create_get(store: &DynStore) {
         .expect("create release");
     wanted.created_at = millis(wanted.created_at);
     assert_eq!(created, wanted, "the release reads back as written");
+    // Recorded in the audit chain by the same transaction, with what it pins.
+    let audit = store.list_audit(t.id, 0, 100).await.expect("audit");
+    let entry = audit
+        .iter()
+        .find(|e| e.action == berth_proto::audit::actions::RELEASE_CREATE)
+        .expect("a release.create entry");
+    assert_eq!(entry.subject, created.id.to_string());
+    assert_eq!(entry.details["name"], "2024.06.1");
     assert_eq!(
         store.get_release(t.id, "2024.06.1").await.expect("get"),
         Some(wanted.clone())
