@@ -316,11 +316,7 @@ pub struct TargetStatus {
     #[serde(default)]
     pub components: Vec<ObservedComponent>,
     /// When the last read-back was verified (its signed result received).
-    #[serde(
-        default,
-        with = "crate::rfc3339::option",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default, with = "crate::rfc3339::option", skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub verified_at: Option<OffsetDateTime>,
     /// The `inspect` task that read it back.
@@ -532,11 +528,7 @@ pub struct PlanTarget {
     /// The release its last read-back found, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_release: Option<String>,
-    #[serde(
-        default,
-        with = "crate::rfc3339::option",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default, with = "crate::rfc3339::option", skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub verified_at: Option<OffsetDateTime>,
     pub components: Vec<PlanComponent>,
@@ -585,11 +577,7 @@ pub struct DeploymentView {
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub updated_at: OffsetDateTime,
-    #[serde(
-        default,
-        with = "crate::rfc3339::option",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default, with = "crate::rfc3339::option", skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub finished_at: Option<OffsetDateTime>,
 }
@@ -621,18 +609,10 @@ pub struct DeploymentTargetView {
     pub error_code: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
-    #[serde(
-        default,
-        with = "crate::rfc3339::option",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default, with = "crate::rfc3339::option", skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub started_at: Option<OffsetDateTime>,
-    #[serde(
-        default,
-        with = "crate::rfc3339::option",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default, with = "crate::rfc3339::option", skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub finished_at: Option<OffsetDateTime>,
 }

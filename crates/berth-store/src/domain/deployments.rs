@@ -203,12 +203,8 @@ pub trait DeploymentStore: Send + Sync {
     ) -> Result<crate::Page<Deployment>>;
     /// Whether the release has a `succeeded` deployment in the tenant's environment of that
     /// name (the promotion rule).
-    async fn succeeded_in(
-        &self,
-        tenant: TenantId,
-        environment: &str,
-        release: ReleaseId,
-    ) -> Result<bool>;
+    async fn succeeded_in(&self, tenant: TenantId, environment: &str, release: ReleaseId)
+        -> Result<bool>;
 
     /// In one transaction: records `approver`'s approval (once per token), and moves the
     /// deployment from `awaiting_approval` to `pending` once it has `approvals_required`; a
@@ -238,10 +234,7 @@ pub trait DeploymentStore: Send + Sync {
     /// version + 1), in one transaction. When the step makes it `succeeded` the environment's
     /// `current_release` becomes its release (the old one `previous_release`, unless it is the
     /// same release). `None`: another step came first (or no such deployment); nothing written.
-    async fn record_deployment_step(
-        &self,
-        step: DeploymentStep,
-    ) -> Result<Option<DeploymentDetail>>;
+    async fn record_deployment_step(&self, step: DeploymentStep) -> Result<Option<DeploymentDetail>>;
 
     /// Every observation of the environment's targets, by agent id.
     async fn target_observations(
