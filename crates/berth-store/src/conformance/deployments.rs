@@ -885,22 +885,21 @@ pub async fn target_observations_upsert(store: &DynStore) {
         .put_target_observation(first.clone())
         .await
         .expect("put");
+    let second = observation(&env, b, Drift::InSync);
     store
-        .put_target_observation(observation(&env, b, Drift::InSync))
+        .put_target_observation(second.clone())
         .await
         .expect("put");
     store
         .put_target_observation(observation(&other_env, a, Drift::InSync))
         .await
         .expect("put");
-    let mut wanted = vec![first, observation(&env, b, Drift::InSync)];
+    let mut wanted = vec![first, second.clone()];
     wanted.sort_by_key(|o| o.agent_id);
-    let read = store.target_observations(env.id).await.expect("read");
-    assert_eq!(read.len(), 2);
     assert_eq!(
-        read.iter().map(|o| o.agent_id).collect::<Vec<_>>(),
-        wanted.iter().map(|o| o.agent_id).collect::<Vec<_>>(),
-        "by agent id"
+        store.target_observations(env.id).await.expect("read"),
+        wanted,
+        "as written, by agent id"
     );
     // Replaced whole.
     let drifted = observation(&env, a, Drift::Drifted);
@@ -908,9 +907,12 @@ pub async fn target_observations_upsert(store: &DynStore) {
         .put_target_observation(drifted.clone())
         .await
         .expect("put");
-    let read = store.target_observations(env.id).await.expect("read");
-    assert_eq!(read.len(), 2);
-    assert!(read.contains(&drifted));
+    let mut wanted = vec![drifted.clone(), second];
+    wanted.sort_by_key(|o| o.agent_id);
+    assert_eq!(
+        store.target_observations(env.id).await.expect("read"),
+        wanted
+    );
     assert_eq!(
         store
             .target_observations(other_env.id)
