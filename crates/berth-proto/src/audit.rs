@@ -29,6 +29,12 @@ pub mod actions {
     pub const TASK_RETRY: &str = "task.retry";
     /// `details`: the release's name and components (name, image, digest).
     pub const RELEASE_CREATE: &str = "release.create";
+    pub const ENVIRONMENT_CREATE: &str = "environment.create";
+    /// The pin a rollback set was lifted.
+    pub const ENVIRONMENT_UNPIN: &str = "environment.unpin";
+    pub const DEPLOYMENT_CREATE: &str = "deployment.create";
+    pub const DEPLOYMENT_APPROVE: &str = "deployment.approve";
+    pub const DEPLOYMENT_CANCEL: &str = "deployment.cancel";
     /// A verified agent result; `details` is a [`super::ResultEvidence`].
     pub const TASK_RESULT: &str = "task.result";
 }
@@ -62,7 +68,7 @@ pub struct AuditEntry {
     pub actor: AuditActor,
     /// One of [`actions`].
     pub action: String,
-    /// The id of the object acted on (tenant, token, agent or task).
+    /// The id of the object acted on (tenant, token, agent, task, environment or deployment).
     pub subject: String,
     /// What was done, beyond the action: for `task.result` a [`ResultEvidence`].
     #[cfg_attr(feature = "openapi", schema(value_type = Object))]

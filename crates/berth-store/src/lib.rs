@@ -30,8 +30,10 @@ pub enum StoreError {
     /// A unique constraint refused the write; `constraint` names what collided: `tenant_id`,
     /// `tenant_name`, `api_token_id`, `api_token_hash`, `registration_token_id`,
     /// `registration_token_hash`, `agent_id`, `agent_name`, `agent_certificate`, `task_id`,
-    /// `assignment_id`, `release_id`, `release_name`, or `task_agent` (a task for an agent that is not, or no longer, the
-    /// tenant's).
+    /// `assignment_id`, `release_id`, `release_name`, `environment_id`, `environment_name`,
+    /// `deployment_id`, `deployment_target`, `deployment_in_progress` (the environment has a
+    /// pending, awaiting or running deployment), `task_agent` (a task for an agent that is not,
+    /// or no longer, the tenant's), or `approval_token` (an approval by other than an API token).
     #[error("conflict on {constraint}")]
     Conflict { constraint: &'static str },
     #[error("database error during {operation}")]

@@ -13,9 +13,13 @@ use sqlx::error::ErrorKind;
 use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
+use berth_proto::audit::AuditActor;
+use berth_proto::deploy::{DeploymentKind, DeploymentState, Drift, TargetPhase, Tier};
+
 use crate::{
-    Agent, ApiToken, Attempt, AttemptState, Event, HeartbeatRecord, Page, Release, StoreError,
-    Task, TaskState, Tenant,
+    Agent, ApiToken, Approval, Attempt, AttemptState, Deployment, DeploymentTarget, Environment,
+    Event, HeartbeatRecord, Page, Release, ReleaseRef, StoreError, TargetObservation, Task,
+    TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -319,6 +323,24 @@ const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
         "releases.tenant_id, releases.name",
         "release_name",
     ),
+    ("environments_pkey", "environments.id", "environment_id"),
+    (
+        "environments_tenant_id_name_key",
+        "environments.tenant_id, environments.name",
+        "environment_name",
+    ),
+    ("deployments_pkey", "deployments.id", "deployment_id"),
+    // The partial unique index: one pending, awaiting or running deployment per environment.
+    (
+        "deployments_one_active",
+        "deployments.environment_id",
+        "deployment_in_progress",
+    ),
+    (
+        "deployment_targets_pkey",
+        "deployment_targets.deployment_id, deployment_targets.agent_id",
+        "deployment_target",
+    ),
 ];
 
 /// The `Conflict` name of the unique constraint `err` violated, if it is a known one.
@@ -353,6 +375,200 @@ pub(crate) fn db_error(operation: &'static str) -> impl FnOnce(sqlx::Error) -> S
     move |source| match unique_violation(&source) {
         Some(constraint) => StoreError::Conflict { constraint },
         None => StoreError::Database { operation, source },
+    }
+}
+
+/// An environment with its releases' names: a derived table, so callers append conditions on
+/// its plain column names (`WHERE tenant_id = … AND id > …`) without ambiguity.
+macro_rules! environment_rows {
+    () => {
+        "SELECT * FROM (SELECT e.id, e.tenant_id, e.name, e.tier, e.selector, e.policy, \
+         e.promote_from, e.approvals, e.auto_heal, e.drift_interval_secs, \
+         e.current_release_id, cr.name AS current_release_name, \
+         e.previous_release_id, pr.name AS previous_release_name, \
+         e.pinned_release_id, pn.name AS pinned_release_name, \
+         e.created_by, e.created_at, e.updated_at \
+         FROM environments e \
+         LEFT JOIN releases cr ON cr.id = e.current_release_id \
+         LEFT JOIN releases pr ON pr.id = e.previous_release_id \
+         LEFT JOIN releases pn ON pn.id = e.pinned_release_id) AS environment WHERE "
+    };
+}
+pub(crate) use environment_rows;
+
+/// A deployment with its environment's and releases' names, as [`environment_rows`].
+macro_rules! deployment_rows {
+    () => {
+        "SELECT * FROM (SELECT d.id, d.tenant_id, d.environment_id, \
+         e.name AS environment_name, d.release_id, r.name AS release_name, d.kind, d.state, \
+         d.rolling_back, d.requested_by, d.rollback_release_id, \
+         rr.name AS rollback_release_name, d.approvals_required, d.cancel_requested, \
+         d.current_wave, d.error_code, d.detail, d.version, d.created_at, d.updated_at, \
+         d.finished_at \
+         FROM deployments d \
+         JOIN environments e ON e.id = d.environment_id \
+         JOIN releases r ON r.id = d.release_id \
+         LEFT JOIN releases rr ON rr.id = d.rollback_release_id) AS deployment WHERE "
+    };
+}
+pub(crate) use deployment_rows;
+
+/// The deployment target columns, in the order [`read_deployment_target`] reads.
+macro_rules! target_columns {
+    () => {
+        "deployment_id, agent_id, agent_name, wave, phase, tasks, rollback_tasks, error_code, \
+         detail, started_at, finished_at"
+    };
+}
+pub(crate) use target_columns;
+
+macro_rules! observation_columns {
+    () => {
+        "environment_id, agent_id, tenant_id, check_task_id, next_check_at, drift, \
+         running_release, components, verified_at"
+    };
+}
+pub(crate) use observation_columns;
+
+fn from_json<T: serde::de::DeserializeOwned>(
+    column: &str,
+    v: serde_json::Value,
+) -> Result<T, StoreError> {
+    serde_json::from_value(v).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
+}
+
+fn unknown(column: &str, value: &str) -> StoreError {
+    StoreError::Corrupt(format!("{column}: unknown value {value:?}"))
+}
+
+/// A release id column and its joined name column.
+fn release_ref(
+    row: &impl ColumnReader,
+    id: &'static str,
+    name: &'static str,
+) -> Result<Option<ReleaseRef>, StoreError> {
+    let Some(release) = row.uuid_opt(id)? else {
+        return Ok(None);
+    };
+    let name = row
+        .text_opt(name)?
+        .ok_or_else(|| StoreError::Corrupt(format!("{id}: no such release")))?;
+    Ok(Some(ReleaseRef {
+        id: ReleaseId(release),
+        name,
+    }))
+}
+
+pub(crate) fn read_environment(row: &impl ColumnReader) -> Result<Environment, StoreError> {
+    let tier = row.text("tier")?;
+    Ok(Environment {
+        id: EnvironmentId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        name: row.text("name")?,
+        tier: Tier::parse(&tier).ok_or_else(|| unknown("environments.tier", &tier))?,
+        selector: labels("environments.selector", row.json("selector")?)?,
+        policy: from_json("environments.policy", row.json("policy")?)?,
+        promote_from: row.text_opt("promote_from")?,
+        approvals: narrow("environments.approvals", row.int("approvals")?)?,
+        auto_heal: row.flag("auto_heal")?,
+        drift_interval_secs: narrow(
+            "environments.drift_interval_secs",
+            row.int("drift_interval_secs")?,
+        )?,
+        current_release: release_ref(row, "current_release_id", "current_release_name")?,
+        previous_release: release_ref(row, "previous_release_id", "previous_release_name")?,
+        pinned_release: release_ref(row, "pinned_release_id", "pinned_release_name")?,
+        created_by: from_json("environments.created_by", row.json("created_by")?)?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+    })
+}
+
+pub(crate) fn read_deployment(row: &impl ColumnReader) -> Result<Deployment, StoreError> {
+    let kind = row.text("kind")?;
+    let state = row.text("state")?;
+    Ok(Deployment {
+        id: DeploymentId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        environment_id: EnvironmentId(row.uuid("environment_id")?),
+        environment_name: row.text("environment_name")?,
+        release: release_ref(row, "release_id", "release_name")?
+            .ok_or_else(|| StoreError::Corrupt("deployments.release_id: missing".into()))?,
+        kind: DeploymentKind::parse(&kind).ok_or_else(|| unknown("deployments.kind", &kind))?,
+        state: DeploymentState::parse(&state)
+            .ok_or_else(|| unknown("deployments.state", &state))?,
+        rolling_back: row.flag("rolling_back")?,
+        requested_by: from_json("deployments.requested_by", row.json("requested_by")?)?,
+        rollback_release: release_ref(row, "rollback_release_id", "rollback_release_name")?,
+        approvals_required: narrow(
+            "deployments.approvals_required",
+            row.int("approvals_required")?,
+        )?,
+        cancel_requested: row.flag("cancel_requested")?,
+        current_wave: narrow("deployments.current_wave", row.int("current_wave")?)?,
+        error_code: row.text_opt("error_code")?,
+        detail: row.text_opt("detail")?,
+        version: row.int("version")?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+        finished_at: row.time_opt("finished_at")?,
+    })
+}
+
+pub(crate) fn read_deployment_target(
+    row: &impl ColumnReader,
+) -> Result<DeploymentTarget, StoreError> {
+    let phase = row.text("phase")?;
+    Ok(DeploymentTarget {
+        deployment_id: DeploymentId(row.uuid("deployment_id")?),
+        agent_id: AgentId(row.uuid("agent_id")?),
+        agent_name: row.text("agent_name")?,
+        wave: narrow("deployment_targets.wave", row.int("wave")?)?,
+        phase: TargetPhase::parse(&phase)
+            .ok_or_else(|| unknown("deployment_targets.phase", &phase))?,
+        tasks: from_json("deployment_targets.tasks", row.json("tasks")?)?,
+        rollback_tasks: from_json(
+            "deployment_targets.rollback_tasks",
+            row.json("rollback_tasks")?,
+        )?,
+        error_code: row.text_opt("error_code")?,
+        detail: row.text_opt("detail")?,
+        started_at: row.time_opt("started_at")?,
+        finished_at: row.time_opt("finished_at")?,
+    })
+}
+
+pub(crate) fn read_approval(row: &impl ColumnReader) -> Result<Approval, StoreError> {
+    Ok(Approval {
+        deployment_id: DeploymentId(row.uuid("deployment_id")?),
+        token_id: TokenId(row.uuid("token_id")?),
+        actor: from_json("deployment_approvals.actor", row.json("actor")?)?,
+        approved_at: row.time("approved_at")?,
+    })
+}
+
+pub(crate) fn read_observation(row: &impl ColumnReader) -> Result<TargetObservation, StoreError> {
+    let drift = row.text("drift")?;
+    Ok(TargetObservation {
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        environment_id: EnvironmentId(row.uuid("environment_id")?),
+        agent_id: AgentId(row.uuid("agent_id")?),
+        check_task_id: row.uuid_opt("check_task_id")?.map(TaskId),
+        next_check_at: row.time("next_check_at")?,
+        drift: Drift::parse(&drift).ok_or_else(|| unknown("target_observations.drift", &drift))?,
+        running_release: row.text_opt("running_release")?,
+        components: from_json("target_observations.components", row.json("components")?)?,
+        verified_at: row.time_opt("verified_at")?,
+    })
+}
+
+/// The token id an approval is recorded under: approvals come from API tokens only.
+pub(crate) fn approver_token(actor: &AuditActor) -> Result<TokenId, StoreError> {
+    match actor {
+        AuditActor::Token { id, .. } => Ok(TokenId(*id)),
+        AuditActor::Agent { .. } => Err(StoreError::Conflict {
+            constraint: "approval_token",
+        }),
     }
 }
 

@@ -141,11 +141,11 @@ pub async fn events_tenant_isolation(store: &DynStore) {
         EventFilter::default(),
         EventFilter {
             task: Some(task.id),
-            agent: None,
+            ..EventFilter::default()
         },
         EventFilter {
-            task: None,
             agent: Some(agent.id),
+            ..EventFilter::default()
         },
     ] {
         assert!(

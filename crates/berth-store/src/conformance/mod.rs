@@ -1,8 +1,8 @@
 //! The conformance suite every [`Store`](crate::Store) backend must pass: one public function
 //! per behaviour, each panicking on failure, in a module per domain (`tenants.rs`, `agents.rs`,
-//! `tasks.rs`, `releases.rs`; this file holds the fixtures and the cases that span domains). Each case makes
-//! its own tenant with a unique name, so cases can share one database; none may assume an empty
-//! database or depend on another case. [`conformance_cases!`](crate::conformance_cases) lists
+//! `tasks.rs`, `releases.rs`, `deployments.rs`, …; this file holds the fixtures and the cases
+//! that span domains). Each case makes its own tenant with a unique name, so cases can share one
+//! database; none may assume an empty database or depend on another case. [`conformance_cases!`](crate::conformance_cases) lists
 //! them all. Compiled only with the `conformance` feature: the shipping library carries none
 //! of it.
 
@@ -26,6 +26,7 @@ use crate::{
 
 mod agents;
 mod audit;
+mod deployments;
 mod events;
 mod releases;
 mod tasks;
@@ -33,6 +34,7 @@ mod tenants;
 
 pub use agents::*;
 pub use audit::*;
+pub use deployments::*;
 pub use events::*;
 pub use releases::*;
 pub use tasks::*;
@@ -98,6 +100,17 @@ macro_rules! conformance_cases {
             events_tenant_isolation,
             events_wake_readers,
             events_cursor_never_skips,
+            environment_create_get_list,
+            deployment_create_round_trip,
+            deployment_one_active_per_environment,
+            deployment_approvals,
+            deployment_cancel,
+            deployment_step_compare_and_set,
+            environment_pin_and_unpin,
+            active_deployments_and_released_environments,
+            target_observations_upsert,
+            deployment_events,
+            deployment_tenant_isolation,
         }
     };
 }

@@ -165,3 +165,45 @@ pub(crate) fn agent_token_event(
         token.created_at,
     )
 }
+
+/// `environment.create`: what the environment says (its policy, selector and approvals).
+pub(crate) fn environment_create_event(
+    env: &crate::Environment,
+    actor: AuditActor,
+) -> NewAuditEvent {
+    let details = serde_json::json!({"name": env.name, "tier": env.tier,
+        "selector": env.selector, "policy": env.policy, "promoteFrom": env.promote_from,
+        "approvals": env.approvals, "autoHeal": env.auto_heal,
+        "driftIntervalSecs": env.drift_interval_secs});
+    let action = berth_proto::audit::actions::ENVIRONMENT_CREATE;
+    admin_event(
+        env.tenant_id,
+        actor,
+        action,
+        env.id,
+        details,
+        env.created_at,
+    )
+}
+
+/// `deployment.create`, by its requester: which release goes where, and how many targets.
+pub(crate) fn deployment_create_event(
+    created: &crate::DeploymentDetail,
+    pinned: bool,
+) -> NewAuditEvent {
+    let d = &created.deployment;
+    let details = serde_json::json!({"environment": d.environment_name,
+        "release": d.release.name, "kind": d.kind, "state": d.state,
+        "rollbackRelease": d.rollback_release.as_ref().map(|r| &r.name),
+        "approvalsRequired": d.approvals_required, "targets": created.targets.len(),
+        "pinned": pinned});
+    let action = berth_proto::audit::actions::DEPLOYMENT_CREATE;
+    admin_event(
+        d.tenant_id,
+        d.requested_by.clone(),
+        action,
+        d.id,
+        details,
+        d.created_at,
+    )
+}

@@ -17,8 +17,8 @@ impl EventStore for PostgresStore {
         // `id IS NULL` rows are staged by a transaction that has not committed yet; no one
         // else can see them, so `id > $after` needs no extra guard.
         let mut query = QueryBuilder::<Postgres>::new(
-            "SELECT id, tenant_id, kind, task_id, agent_id, data, created_at FROM events \
-             WHERE tenant_id = ",
+            "SELECT id, tenant_id, kind, task_id, agent_id, deployment_id, environment_id, data, \
+             created_at FROM events WHERE tenant_id = ",
         );
         query.push_bind(tenant.0);
         query.push(" AND id > ").push_bind(after);
@@ -27,6 +27,14 @@ impl EventStore for PostgresStore {
         }
         if let Some(agent) = filter.agent {
             query.push(" AND agent_id = ").push_bind(agent.0);
+        }
+        if let Some(deployment) = filter.deployment {
+            query.push(" AND deployment_id = ").push_bind(deployment.0);
+        }
+        if let Some(environment) = filter.environment {
+            query
+                .push(" AND environment_id = ")
+                .push_bind(environment.0);
         }
         query
             .push(" ORDER BY id LIMIT ")

@@ -15,8 +15,8 @@ impl EventStore for SqliteStore {
         limit: u32,
     ) -> Result<Vec<Event>> {
         let mut query = Query::new(
-            "SELECT id, tenant_id, kind, task_id, agent_id, data, created_at FROM events \
-             WHERE tenant_id = ",
+            "SELECT id, tenant_id, kind, task_id, agent_id, deployment_id, environment_id, data, \
+             created_at FROM events WHERE tenant_id = ",
         );
         query.push_bind(id_text(tenant.0));
         query.push(" AND id > ").push_bind(after);
@@ -25,6 +25,16 @@ impl EventStore for SqliteStore {
         }
         if let Some(agent) = filter.agent {
             query.push(" AND agent_id = ").push_bind(id_text(agent.0));
+        }
+        if let Some(deployment) = filter.deployment {
+            query
+                .push(" AND deployment_id = ")
+                .push_bind(id_text(deployment.0));
+        }
+        if let Some(environment) = filter.environment {
+            query
+                .push(" AND environment_id = ")
+                .push_bind(id_text(environment.0));
         }
         query
             .push(" ORDER BY id LIMIT ")
