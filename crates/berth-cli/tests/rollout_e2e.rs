@@ -86,14 +86,25 @@ fn run(server: &Server, token: &str, args: &[&str], timeout: Duration) -> (i32, 
 }
 
 /// Creates release `name` of one component `web` from `image`; the container name and the
-/// ports come from each target's labels, the health check URL from its `health` label.
+/// ports come from each target's labels, the health check URL from its label `health`.
 fn release(server: &Server, prefix: &str, name: &str, image: &Image) -> Value {
+    release_checked_on(server, prefix, name, image, "health")
+}
+
+/// Like [`release`], with the health check URL's port from the label `health_label`.
+fn release_checked_on(
+    server: &Server,
+    prefix: &str,
+    name: &str,
+    image: &Image,
+    health_label: &str,
+) -> Value {
     let config = json!({
         "containerName": format!("{prefix}-{{{{target.name}}}}"),
         "ports": ["127.0.0.1:{{target.labels.port}}:8080/tcp"],
         "restartPolicy": "no",
-        "healthCheck": {"type": "http", "url": "http://127.0.0.1:{{target.labels.health}}/",
-                        "interval": 1},
+        "healthCheck": {"type": "http", "interval": 1,
+                        "url": format!("http://127.0.0.1:{{{{target.labels.{health_label}}}}}/")},
     });
     server.cli(&[
         "release",
@@ -150,16 +161,18 @@ fn environments_roll_out_roll_back_and_prove_it() {
     let tmp = tempdir();
     let server = Server::start(&tmp.path().join("data"), &[]);
 
-    // Three qa targets; the second's health label names a port nobody serves once r3 is
-    // deployed (see below), and a prod target.
+    // Three qa targets and a prod target. r3 checks its health on the port of the label
+    // `r3health`, which on qa-2 is a port nobody serves: r3 is unhealthy there only.
     let dead_port = free_port();
     let mut targets = Vec::new();
     for name in ["qa-1", "qa-2", "qa-3"] {
         let port = free_port();
+        let r3_health = if name == "qa-2" { dead_port } else { port };
         let labels = vec![
             "env=qa".to_string(),
             format!("port={port}"),
             format!("health={port}"),
+            format!("r3health={r3_health}"),
         ];
         let agent = target(&server, tmp.path(), name, &labels);
         targets.push(Target { agent, port });
@@ -181,7 +194,7 @@ fn environments_roll_out_roll_back_and_prove_it() {
     let v3 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v3", None);
     release(&server, &prefix, "r1", &v1);
     release(&server, &prefix, "r2", &v2);
-    release(&server, &prefix, "r3", &v3);
+    release_checked_on(&server, &prefix, "r3", &v3, "r3health");
 
     server.cli(&[
         "env",
@@ -238,14 +251,8 @@ fn environments_roll_out_roll_back_and_prove_it() {
         .to_string();
     sse_resume_sees_every_event_once(&server, &r2_id);
 
-    // --- Failed rollout: r3 is unhealthy on qa-2 only (its health label now names a dead
-    // port). qa-1 goes back to r2, qa-3 is never touched. ---
-    server.cli(&[
-        "agents",
-        "label",
-        targets[1].agent.id.as_str(),
-        &format!("health={dead_port}"),
-    ]);
+    // --- Failed rollout: r3 is unhealthy on qa-2 only. qa-1 goes back to r2, qa-3 is never
+    // touched. ---
     let (code, out, err) = deploy_wait(&server, "r3", "qa");
     assert_ne!(code, 0, "r3 must fail: {out}");
     assert!(
@@ -271,12 +278,6 @@ fn environments_roll_out_roll_back_and_prove_it() {
     // The audit log holds the sequence: the deployment, qa-1's r3 result, qa-2's failure, and
     // qa-1's rollback result, in that order.
     audit_shows_the_failed_rollout(&server, &failed);
-    server.cli(&[
-        "agents",
-        "label",
-        targets[1].agent.id.as_str(),
-        &format!("health={}", targets[1].port),
-    ]);
 
     // --- Rollback and pin: back to the previous successful release (r1), pinned. ---
     let (code, out, err) = run(

@@ -59,14 +59,17 @@ async fn create_environment(store: &DynStore, tenant: TenantId, name: &str) -> E
 
 async fn release(store: &DynStore, tenant: TenantId, name: &str) -> ReleaseRef {
     let created = store
-        .create_release(Release {
-            id: ReleaseId::new(),
-            tenant_id: tenant,
-            name: name.to_string(),
-            components: Vec::new(),
-            compose_lock: Some("services: {}\n".to_string()),
-            created_at: now(),
-        })
+        .create_release(
+            Release {
+                id: ReleaseId::new(),
+                tenant_id: tenant,
+                name: name.to_string(),
+                components: Vec::new(),
+                compose_lock: Some("services: {}\n".to_string()),
+                created_at: now(),
+            },
+            operator(),
+        )
         .await
         .expect("create release");
     ReleaseRef {
