@@ -593,7 +593,8 @@ fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
     let cleanup = Cleanup::new(&fixtures::unique("berth-e2e"));
     let prefix = cleanup.prefix.clone();
     let tmp = tempdir();
-    let server = Server::start(&tmp.path().join("data"), &[]);
+    // A lost delivery is noticed when its lease (the task timeout plus this grace) ends.
+    let server = Server::start(&tmp.path().join("data"), &["--lease-grace-secs", "1"]);
     let port = free_port();
     let health = free_port();
     let mut agent = target(
@@ -617,7 +618,9 @@ fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
         "--selector",
         "env=k",
         "--health-timeout",
-        "120",
+        "15",
+        "--task-timeout",
+        "20",
     ]);
     let id = server.cli(&["deploy", "r1", "--env", "k"])["id"]
         .as_str()

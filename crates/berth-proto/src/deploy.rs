@@ -67,6 +67,14 @@ pub struct RolloutPolicy {
     /// Seconds a target has to become healthy; overrides each component's health-check timeout.
     #[serde(default = "sixty")]
     pub health_timeout_secs: u64,
+    /// Seconds one target's task may take in all (pull, start, health), like Nomad's
+    /// `progress_deadline`; also its delivery lease, so a lost agent is noticed after it.
+    #[serde(default = "ten_minutes")]
+    pub task_timeout_secs: u64,
+}
+
+fn ten_minutes() -> u64 {
+    600
 }
 
 fn one() -> u32 {
@@ -86,6 +94,7 @@ impl Default for RolloutPolicy {
             stop_on_failure: true,
             auto_rollback: true,
             health_timeout_secs: 60,
+            task_timeout_secs: 600,
         }
     }
 }

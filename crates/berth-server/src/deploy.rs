@@ -42,8 +42,6 @@ use crate::SharedState;
 const ACTIVE_PAGE: u32 = 200;
 /// A pass also runs this often without any event, for steps that wait on time alone.
 const IDLE_PASS: Duration = Duration::from_secs(1);
-/// Seconds a deploy task may take beyond its health timeout: pulling and starting.
-const PULL_AND_START_SECS: u64 = 300;
 
 pub const DEPLOY: &str = "deploy";
 pub const ROLLBACK: &str = "rollback";
@@ -649,7 +647,7 @@ async fn create_tasks(
             payload,
             credentials_sealed: None,
             variables: Default::default(),
-            timeout_seconds: (policy.health_timeout_secs + PULL_AND_START_SECS) as u32,
+            timeout_seconds: u32::try_from(policy.task_timeout_secs).unwrap_or(u32::MAX),
             priority: 0,
             side_effects: true,
             idempotency_key: Some(deployment_task_key(

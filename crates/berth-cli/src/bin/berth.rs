@@ -138,6 +138,10 @@ enum EnvCommand {
         /// Seconds a target has to become healthy.
         #[arg(long, default_value_t = 60)]
         health_timeout: u64,
+        /// Seconds one target's task may take in all (pull, start, health); also how long a
+        /// lost agent holds its target before read-back.
+        #[arg(long, default_value_t = 600)]
+        task_timeout: u64,
         /// A release must have succeeded in this environment first.
         #[arg(long)]
         promote_from: Option<String>,
@@ -648,6 +652,7 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
             no_stop_on_failure,
             no_auto_rollback,
             health_timeout,
+            task_timeout,
             promote_from,
             approvals,
             auto_heal,
@@ -663,6 +668,7 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
                         stop_on_failure: !no_stop_on_failure,
                         auto_rollback: !no_auto_rollback,
                         health_timeout_secs: health_timeout,
+                        task_timeout_secs: task_timeout,
                     },
                     promote_from,
                     approvals,

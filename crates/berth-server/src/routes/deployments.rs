@@ -27,6 +27,8 @@ use crate::SharedState;
 
 /// Seconds a health check may be given at most.
 const MAX_HEALTH_TIMEOUT_SECS: u64 = 3600;
+/// A deploy task's longest timeout: a day, as for any task.
+const MAX_TASK_TIMEOUT_SECS: u64 = 86_400;
 
 fn invalid(detail: impl Into<String>) -> ApiError {
     ApiError::unprocessable(codes::INVALID_REQUEST, detail)
@@ -149,6 +151,12 @@ pub async fn create_environment(
     if !(1..=MAX_HEALTH_TIMEOUT_SECS).contains(&policy.health_timeout_secs) {
         return Err(invalid(format!(
             "policy.healthTimeoutSecs must be 1..={MAX_HEALTH_TIMEOUT_SECS}"
+        )));
+    }
+    if !(policy.health_timeout_secs..=MAX_TASK_TIMEOUT_SECS).contains(&policy.task_timeout_secs) {
+        return Err(invalid(format!(
+            "policy.taskTimeoutSecs must be at least healthTimeoutSecs and at most \
+             {MAX_TASK_TIMEOUT_SECS}"
         )));
     }
     let drift_interval_secs = req

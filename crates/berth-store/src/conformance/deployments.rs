@@ -36,6 +36,7 @@ fn environment(tenant: TenantId, name: &str, tier: Tier) -> Environment {
             stop_on_failure: true,
             auto_rollback: false,
             health_timeout_secs: 45,
+            task_timeout_secs: 300,
         },
         promote_from: (tier == Tier::Prod).then(|| "staging".to_string()),
         approvals: tier.default_approvals(),
