@@ -190,13 +190,7 @@ pub async fn list(
             }
         },
     };
-    let after = match &query.cursor {
-        None => None,
-        Some(c) => Some(
-            c.parse::<AgentId>()
-                .map_err(|_| ApiError::bad_request(codes::INVALID_REQUEST, "invalid cursor"))?,
-        ),
-    };
+    let after: Option<AgentId> = crate::extract::cursor(query.cursor.as_deref())?;
     let limit = query.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE);
     let filter = AgentFilter {
         status: query.status,

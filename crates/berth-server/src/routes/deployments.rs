@@ -580,6 +580,7 @@ pub async fn plan(
 /// The tenant's deployments, oldest first, optionally of one environment.
 #[utoipa::path(get, path = "/api/v1/deployments", tag = "deployments", params(ListDeployments), security(("bearer" = [])),
     responses((status = 200, body = DeploymentList),
+        (status = 400, body = ErrorBody, description = "INVALID_REQUEST: a cursor that is not a deployment id"),
         (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND")))]
 pub async fn list(
     State(state): State<SharedState>,
@@ -591,13 +592,7 @@ pub async fn list(
         Some(name) => Some(environment(&state, &caller, name).await?.id),
         None => None,
     };
-    let after = match &query.cursor {
-        Some(c) => Some(DeploymentId(
-            c.parse()
-                .map_err(|_| invalid("cursor is not a deployment id"))?,
-        )),
-        None => None,
-    };
+    let after: Option<DeploymentId> = crate::extract::cursor(query.cursor.as_deref())?;
     let limit = query.limit.unwrap_or(100).clamp(1, 500);
     let page = state
         .store

@@ -232,13 +232,7 @@ pub async fn list(
     ApiQuery(query): ApiQuery<ListReleases>,
 ) -> ApiResult<Json<ReleaseList>> {
     caller.can_read()?;
-    let after = match &query.cursor {
-        None => None,
-        Some(c) => Some(
-            c.parse::<ReleaseId>()
-                .map_err(|_| ApiError::bad_request(codes::INVALID_REQUEST, "invalid cursor"))?,
-        ),
-    };
+    let after: Option<ReleaseId> = crate::extract::cursor(query.cursor.as_deref())?;
     let page = state
         .store
         .list_releases(

@@ -315,13 +315,7 @@ pub async fn list(
     ApiQuery(query): ApiQuery<ListTasks>,
 ) -> ApiResult<Json<TaskList>> {
     caller.can_read()?;
-    let after = match &query.cursor {
-        None => None,
-        Some(c) => Some(
-            c.parse::<TaskId>()
-                .map_err(|_| ApiError::bad_request(codes::INVALID_REQUEST, "invalid cursor"))?,
-        ),
-    };
+    let after: Option<TaskId> = crate::extract::cursor(query.cursor.as_deref())?;
     let filter = TaskFilter {
         state: query.state,
         agent_id: query.agent_id,
