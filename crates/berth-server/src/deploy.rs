@@ -414,9 +414,17 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
         detail: d.detail.clone(),
     };
     if d.rolling_back {
+        // Every target the rollback covers, a deleted agent's (no tasks, failed) included.
         let rolling: Vec<&DeploymentTarget> = targets
             .iter()
-            .filter(|t| !t.rollback_tasks.is_empty())
+            .filter(|t| {
+                matches!(
+                    t.phase,
+                    TargetPhase::RollingBack
+                        | TargetPhase::RolledBack
+                        | TargetPhase::RollbackFailed
+                )
+            })
             .collect();
         if rolling.iter().all(|t| {
             matches!(
