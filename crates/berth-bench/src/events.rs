@@ -135,7 +135,8 @@ async fn run_case(
     after: u64,
 ) -> anyhow::Result<Case> {
     // Opened before any create: once `events` returns, the server has subscribed this stream
-    // to commits, so nothing created afterwards can be missed.
+    // to commits, so nothing created afterwards can be missed. Each `Client` has its own
+    // connection pool, so each stream its own connection.
     let lifetime = Duration::from_secs(args.duration_secs + args.drain_secs + 60);
     let mut opening = JoinSet::new();
     for _ in 0..clients {
@@ -144,17 +145,15 @@ async fn run_case(
             let stream = client
                 .events(&EventQuery::default(), Some(after), lifetime)
                 .await?;
-            anyhow::Ok((client, stream))
+            anyhow::Ok(stream)
         });
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     let seen = Arc::new(AtomicU64::new(0));
     let mut readers = JoinSet::new();
     while let Some(opened) = opening.join_next().await {
-        // The client is kept with its stream: dropping it would not close the connection, but
-        // it keeps "one client, one connection" literal.
-        let (client, stream) = opened.context("opening task panicked")??;
-        readers.spawn(read(client, stream, after, stop_rx.clone(), seen.clone()));
+        let stream = opened.context("opening task panicked")??;
+        readers.spawn(read(stream, after, stop_rx.clone(), seen.clone()));
     }
 
     let cpu_from = CpuTimes::now();
@@ -230,7 +229,6 @@ async fn run_case(
 }
 
 async fn read(
-    _client: Client,
     mut stream: EventStream,
     after: u64,
     mut stop: watch::Receiver<bool>,
