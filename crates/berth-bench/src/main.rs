@@ -5,6 +5,7 @@
 //! The last line of every run is `SUMMARY {json}`, which `scripts/bench-heartbeats.sh`
 //! collects.
 
+mod events;
 mod fleet;
 mod stats;
 mod tasks;
@@ -52,6 +53,9 @@ enum Command {
     Tasks(tasks::TasksArgs),
     /// Result-signature verification per second on one thread (JCS + ECDSA P-256).
     Verify(tasks::VerifyArgs),
+    /// Event delivery over SSE: N clients follow `/api/v1/events` while tasks are created at
+    /// a steady rate; latency from commit to each client, against a baseline of fewer clients.
+    Events(events::EventsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -121,6 +125,7 @@ fn main() -> anyhow::Result<()> {
             Command::Throughput(args) => throughput(args).await,
             Command::Tasks(args) => tasks::tasks(args).await,
             Command::Verify(args) => tasks::verify(&args),
+            Command::Events(args) => events::events(args).await,
         }
     })
 }

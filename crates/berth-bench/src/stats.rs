@@ -13,6 +13,7 @@ pub struct Latencies {
     pub count: usize,
     pub p50_us: u64,
     pub p90_us: u64,
+    pub p95_us: u64,
     pub p99_us: u64,
     pub max_us: u64,
 }
@@ -31,6 +32,7 @@ impl Latencies {
             count: samples.len(),
             p50_us: rank(50.0),
             p90_us: rank(90.0),
+            p95_us: rank(95.0),
             p99_us: rank(99.0),
             max_us: samples[samples.len() - 1],
         }
@@ -41,6 +43,7 @@ impl Latencies {
             "count": self.count,
             "p50_ms": ms(self.p50_us),
             "p90_ms": ms(self.p90_us),
+            "p95_ms": ms(self.p95_us),
             "p99_ms": ms(self.p99_us),
             "max_ms": ms(self.max_us),
         })
@@ -51,10 +54,11 @@ impl fmt::Display for Latencies {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "n={} p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms",
+            "n={} p50={:.2} ms p90={:.2} ms p95={:.2} ms p99={:.2} ms max={:.2} ms",
             self.count,
             ms(self.p50_us),
             ms(self.p90_us),
+            ms(self.p95_us),
             ms(self.p99_us),
             ms(self.max_us)
         )
@@ -63,6 +67,12 @@ impl fmt::Display for Latencies {
 
 fn ms(us: u64) -> f64 {
     (us as f64 / 1000.0 * 100.0).round() / 100.0
+}
+
+/// The median of repeated measurements (the upper one of an even count); NaN for none.
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 pub fn micros(d: Duration) -> u64 {
@@ -304,12 +314,14 @@ mod tests {
     fn percentiles_use_nearest_rank() {
         let l = Latencies::from_micros((1..=100).rev().collect());
         assert_eq!(
-            (l.count, l.p50_us, l.p90_us, l.p99_us, l.max_us),
-            (100, 50, 90, 99, 100)
+            (l.count, l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.max_us),
+            (100, 50, 90, 95, 99, 100)
         );
         let one = Latencies::from_micros(vec![7]);
         assert_eq!((one.p50_us, one.p99_us, one.max_us), (7, 7, 7));
         assert_eq!(Latencies::from_micros(Vec::new()).count, 0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert!(median(Vec::new()).is_nan());
     }
 
     #[test]

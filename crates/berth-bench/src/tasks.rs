@@ -443,7 +443,7 @@ async fn idle_poll_loop(
     }
 }
 
-fn create_request(agent: AgentId) -> CreateTask {
+pub(crate) fn create_request(agent: AgentId) -> CreateTask {
     CreateTask {
         task_type: "inspect".into(),
         agent_id: Some(agent),
@@ -818,13 +818,7 @@ pub fn verify(args: &VerifyArgs) -> anyhow::Result<()> {
             rates.push(n as f64 / started.elapsed().as_secs_f64());
         }
     }
-    let medians: Vec<f64> = rates
-        .into_iter()
-        .map(|mut r| {
-            r.sort_by(f64::total_cmp);
-            r[r.len() / 2]
-        })
-        .collect();
+    let medians: Vec<f64> = rates.into_iter().map(crate::stats::median).collect();
     let [full, server, jcs, verify_only, verifier_only, from_cert] = medians[..] else {
         unreachable!("one median per measurement");
     };
