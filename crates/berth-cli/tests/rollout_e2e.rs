@@ -580,10 +580,10 @@ fn serve_ok(port: u16) {
     });
 }
 
-/// The agent dies while its target is health-checking: the task becomes `unknown` when the
-/// restarted agent takes a new session, its read-back finds no sticker, and the deployment holds
-/// in `running` with the target `unknown` (never counted as success) until an operator retries
-/// the task, which then succeeds and lets the deployment finish.
+/// The agent dies while its target is health-checking: the task becomes `unknown` when its lease
+/// ends, its read-back finds no sticker, and the deployment holds in `running` with the target
+/// `unknown` (never counted as success) until an operator retries the task, which then succeeds
+/// and lets the deployment finish. Then, with `autoHeal`, a container removed by hand comes back.
 #[test]
 fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
     let Some(env) = fixtures::env("an_agent_killed_mid_wave_holds_the_deployment_on_unknown")
@@ -621,6 +621,9 @@ fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
         "15",
         "--task-timeout",
         "20",
+        "--auto-heal",
+        "--drift-interval",
+        "2s",
     ]);
     let id = server.cli(&["deploy", "r1", "--env", "k"])["id"]
         .as_str()
@@ -664,5 +667,24 @@ fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
         d["state"] == "succeeded"
     });
     assert_eq!(target_of(&done, "k1")["phase"], "succeeded");
+    wait_serving(port, "k");
+
+    // `autoHeal`: a container removed by hand is put back by a `heal` deployment of the
+    // current release.
+    let (ok, out) = fixtures::docker(&["rm", "-f", &format!("{prefix}-k1")]);
+    assert!(ok, "{out}");
+    let healed = wait_for(ROLLOUT, "a heal deployment to succeed", || {
+        let list = server.cli(&["deployment", "ls", "--env", "k"]);
+        match list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["kind"] == "heal")
+        {
+            Some(d) if d["state"] == "succeeded" => Ok(d.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(healed["release"], "r1");
     wait_serving(port, "k");
 }
