@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
 use berth_exec::{
-    Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck, Outcome, SshExecutor,
-    Task,
+    Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck, Outcome,
+    SshExecutor, Task,
 };
 use berth_proto::headers::{GENERATION_HEADER, KNOWN_CANCELLATIONS_HEADER};
 use berth_proto::kind::TaskKind;

@@ -80,8 +80,7 @@ fn ssh_deploy_through_a_server_and_an_agent() {
         "<h1>v1</h1>\n"
     );
     let sticker: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join(".berth-sticker.json")).unwrap())
-            .unwrap();
+        serde_json::from_slice(&std::fs::read(dir.join(".berth-sticker.json")).unwrap()).unwrap();
     assert_eq!(sticker["releaseId"], "site-r1");
     assert_eq!(sticker["taskId"], task["id"], "{sticker:#}");
     assert!(!dir.join(".berth-backup").exists());

@@ -222,9 +222,7 @@ async fn deploy(run: &mut Run<'_>, p: &SshDeployPayload) -> Result<String, ExecE
     run.output("host", t.host.clone());
     run.output("deployDirectory", plan.dir.clone());
     let stop = run.stop.clone();
-    let remote = stop
-        .guard(Remote::connect(t, &plan, &mut run.log))
-        .await?;
+    let remote = stop.guard(Remote::connect(t, &plan, &mut run.log)).await?;
     let result = steps(run, &remote, p, &plan).await;
     remote.close(&mut run.log).await;
     result
@@ -261,8 +259,7 @@ async fn steps(
             .await;
         let rolled_back = match restored {
             Ok(r) if r.success() => {
-                run.log
-                    .line(format!("{dir}: restored from {BACKUP_DIR}"));
+                run.log.line(format!("{dir}: restored from {BACKUP_DIR}"));
                 true
             }
             Ok(r) => {
@@ -328,8 +325,11 @@ async fn apply(
         stop.guard(remote.upload(&path, a.content.as_bytes(), mode))
             .await?;
         bytes += a.content.len();
-        run.log
-            .line(format!("uploaded {:?} ({} bytes, mode {mode:o})", a.name, a.content.len()));
+        run.log.line(format!(
+            "uploaded {:?} ({} bytes, mode {mode:o})",
+            a.name,
+            a.content.len()
+        ));
     }
     run.metrics.upload_duration_ms = Some(millis_since(started));
     run.output("uploadedBytes", bytes);
@@ -377,7 +377,11 @@ async fn apply(
     let path = format!("{dir}/{STICKER_FILE}");
     stop.guard(remote.upload(&tmp, &json, 0o644)).await?;
     let moved = remote
-        .exec(&command_line(&["mv", "-f", "--", &tmp, &path]), STEP_TIMEOUT, &stop)
+        .exec(
+            &command_line(&["mv", "-f", "--", &tmp, &path]),
+            STEP_TIMEOUT,
+            &stop,
+        )
         .await?;
     if !moved.success() {
         return Err(ExecError::Ssh(format!(
@@ -466,13 +470,14 @@ async fn health_check(
             .saturating_duration_since(Instant::now())
             .max(Duration::from_secs(1));
         let attempt = match (h.kind, http) {
-            (SshHealthCheckKind::Http, Some(target)) => stop
-                .guard(async {
+            (SshHealthCheckKind::Http, Some(target)) => {
+                stop.guard(async {
                     Ok(probe::http_get(target, left.min(Duration::from_secs(5)))
                         .await
                         .map(|s| format!("HTTP {s}")))
                 })
-                .await?,
+                .await?
+            }
             (SshHealthCheckKind::Tcp, _) => {
                 let (host, port) = (
                     h.host.clone().unwrap_or_default(),
@@ -576,7 +581,9 @@ impl client::Handler for PinnedHostKey {
         presented: &PublicKeyOrCertificate,
     ) -> Result<bool, Self::Error> {
         let seen = match presented {
-            PublicKeyOrCertificate::PublicKey { key, .. } if key.key_data() == self.pinned.key_data() => {
+            PublicKeyOrCertificate::PublicKey { key, .. }
+                if key.key_data() == self.pinned.key_data() =>
+            {
                 return Ok(true)
             }
             PublicKeyOrCertificate::PublicKey { key, .. } => fingerprint(key),
@@ -611,10 +618,13 @@ impl Remote {
         };
         let timed_out = || unreachable(format!("no answer within {seconds}s"));
 
-        let tcp = tokio::time::timeout_at(deadline, tokio::net::TcpStream::connect((t.host.as_str(), port)))
-            .await
-            .map_err(|_| timed_out())?
-            .map_err(|e| unreachable(e.to_string()))?;
+        let tcp = tokio::time::timeout_at(
+            deadline,
+            tokio::net::TcpStream::connect((t.host.as_str(), port)),
+        )
+        .await
+        .map_err(|_| timed_out())?
+        .map_err(|e| unreachable(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
 
         // Offer only the pinned key's algorithm family, so the server presents that key.
@@ -631,7 +641,11 @@ impl Remote {
             keepalive_interval: Some(Duration::from_secs(15)),
             keepalive_max: 4,
             preferred: russh::Preferred {
-                key: if keys.is_empty() { preferred.key.clone() } else { Cow::Owned(keys) },
+                key: if keys.is_empty() {
+                    preferred.key.clone()
+                } else {
+                    Cow::Owned(keys)
+                },
                 ..preferred
             },
             ..Default::default()
@@ -641,10 +655,12 @@ impl Remote {
             pinned: plan.pinned.clone(),
             refused: refused.clone(),
         };
-        let handshake =
-            tokio::time::timeout_at(deadline, client::connect_stream(Arc::new(config), tcp, handler))
-                .await
-                .map_err(|_| timed_out())?;
+        let handshake = tokio::time::timeout_at(
+            deadline,
+            client::connect_stream(Arc::new(config), tcp, handler),
+        )
+        .await
+        .map_err(|_| timed_out())?;
         let mut handle = match handshake {
             Ok(h) => h,
             Err(e) => {
@@ -750,7 +766,9 @@ impl Remote {
             let _ = channel.close().await;
         }
         let start = output.len().saturating_sub(MAX_OUTPUT);
-        done.output = String::from_utf8_lossy(&output[start..]).trim_end().to_string();
+        done.output = String::from_utf8_lossy(&output[start..])
+            .trim_end()
+            .to_string();
         match stopped {
             Some(e) => Err(e),
             None => Ok(done),
@@ -845,7 +863,10 @@ mod tests {
             "'mkdir' '-p' '--' '/srv/a b'"
         );
         let nasty = "x'; touch /tmp/pwn; echo '$(id) `id` \\ \" \n;|&<>*?~#";
-        assert_eq!(shell_words(&command_line(&[nasty, "b"])), format!("<{nasty}><b>"));
+        assert_eq!(
+            shell_words(&command_line(&[nasty, "b"])),
+            format!("<{nasty}><b>")
+        );
     }
 
     #[test]
@@ -861,7 +882,8 @@ mod tests {
 
     #[test]
     fn host_key_pins_parse_and_must_name_their_own_algorithm() {
-        let line = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEurclYvUHl3FBdASRMaprhB9Vn1t45AFUujJ907m2wd";
+        let line =
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEurclYvUHl3FBdASRMaprhB9Vn1t45AFUujJ907m2wd";
         assert!(parse_host_key(line).is_ok());
         assert!(parse_host_key(&format!("{line} a comment")).is_ok());
         let lying = line.replace("ssh-ed25519", "ecdsa-sha2-nistp256");

@@ -128,7 +128,10 @@ async fn happy_path_uploads_runs_checks_and_writes_the_sticker() {
     )
     .await;
     assert_success(&o);
-    assert_eq!(std::fs::read_to_string(dir.join("served.txt")).unwrap(), "v2\n");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("served.txt")).unwrap(),
+        "v2\n"
+    );
     assert_eq!(
         std::fs::metadata(dir.join("deploy.sh")).unwrap().mode() & 0o777,
         0o755
@@ -144,7 +147,10 @@ async fn happy_path_uploads_runs_checks_and_writes_the_sticker() {
         serde_json::from_slice(&std::fs::read(dir.join(".berth-sticker.json")).unwrap()).unwrap();
     assert_eq!(sticker["name"], "app");
     assert_eq!(sticker["releaseId"], "r2");
-    assert_eq!(sticker["extra"]["deployDirectory"], dir.display().to_string());
+    assert_eq!(
+        sticker["extra"]["deployDirectory"],
+        dir.display().to_string()
+    );
     let m = &o.metrics;
     assert!(
         m.upload_duration_ms.is_some()
@@ -181,7 +187,11 @@ async fn a_failing_deploy_script_restores_the_backup_byte_for_byte() {
     assert_eq!(o.outputs["rolledBack"], json!(true), "{:?}", o.outputs);
     assert!(o.message.contains("exit status 3"), "{}", o.message);
     assert!(o.logs.contains("boom"), "{}", o.logs);
-    assert_eq!(snapshot(&dir), before, "the deploy directory is not as it was");
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "the deploy directory is not as it was"
+    );
 }
 
 #[tokio::test]
@@ -313,19 +323,30 @@ async fn hostile_names_do_nothing_outside_the_deploy_directory() {
     assert_success(&o);
     assert_eq!(std::fs::read_to_string(&canary).unwrap(), "alive");
     // The names were taken literally: the directory and the file exist under them.
-    assert_eq!(std::fs::read_to_string(dir.join(&artifact)).unwrap(), "payload");
+    assert_eq!(
+        std::fs::read_to_string(dir.join(&artifact)).unwrap(),
+        "payload"
+    );
     assert!(dir.join(".berth-sticker.json").exists());
     let entries: Vec<String> = std::fs::read_dir(root.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(entries.len(), 2, "only the canary and the deploy dir: {entries:?}");
+    assert_eq!(
+        entries.len(),
+        2,
+        "only the canary and the deploy dir: {entries:?}"
+    );
     let mut deployed: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     deployed.sort();
-    let mut expected = vec![artifact.clone(), "deploy.sh".into(), ".berth-sticker.json".into()];
+    let mut expected = vec![
+        artifact.clone(),
+        "deploy.sh".into(),
+        ".berth-sticker.json".into(),
+    ];
     expected.sort();
     assert_eq!(deployed, expected);
     let home = std::path::PathBuf::from(format!("/home/{}", env.user));
@@ -333,7 +354,10 @@ async fn hostile_names_do_nothing_outside_the_deploy_directory() {
 
     // A name that leaves the directory is refused before anything is touched.
     for (field, bad) in [
-        ("artifacts", json!([{"name": format!("../../{}", "pwned"), "content": "x"}])),
+        (
+            "artifacts",
+            json!([{"name": format!("../../{}", "pwned"), "content": "x"}]),
+        ),
         ("deployDirectory", json!(format!("{r}/../{}", "pwned"))),
     ] {
         let mut p = payload(&env, &root.path().join("ok"), json!({}));

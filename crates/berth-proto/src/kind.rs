@@ -161,13 +161,7 @@ impl TaskKind {
             // The sticker is written into the remote deploy directory, where the agent's
             // `read-sticker` cannot see it yet: a lost `ssh.deploy` stays `unknown` until a
             // read-back over SSH exists.
-            TaskKind::SshDeploy => kind(
-                "ssh.deploy",
-                true,
-                SSH,
-                &[],
-                parses::<SshDeployPayload>,
-            ),
+            TaskKind::SshDeploy => kind("ssh.deploy", true, SSH, &[], parses::<SshDeployPayload>),
         }
     }
 

@@ -175,13 +175,19 @@ impl CheckPayload for SshDeployPayload {
         let t = &self.target;
         if t.host.is_empty() || t.host.len() > 253 || !t.host.bytes().all(|b| b.is_ascii_graphic())
         {
-            return Err(format!("target.host {:?} is invalid: 1-253 printable ASCII characters, no spaces", short(&t.host)));
+            return Err(format!(
+                "target.host {:?} is invalid: 1-253 printable ASCII characters, no spaces",
+                short(&t.host)
+            ));
         }
         if t.port == Some(0) {
             return Err("target.port must be 1-65535".into());
         }
         if t.user.is_empty() || t.user.len() > 64 || !t.user.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!("target.user {:?} is invalid: 1-64 printable ASCII characters, no spaces", short(&t.user)));
+            return Err(format!(
+                "target.user {:?} is invalid: 1-64 printable ASCII characters, no spaces",
+                short(&t.user)
+            ));
         }
         if !valid_host_key_line(&t.host_key) {
             return Err(format!(
@@ -207,7 +213,10 @@ impl CheckPayload for SshDeployPayload {
                 FILE_NAME_RULE,
             )?;
             if !names.insert(a.name.as_str()) {
-                return Err(format!("artifacts[{i}].name {:?} is not unique", short(&a.name)));
+                return Err(format!(
+                    "artifacts[{i}].name {:?} is not unique",
+                    short(&a.name)
+                ));
             }
         }
         for (field, command) in [
@@ -227,9 +236,7 @@ impl CheckPayload for SshDeployPayload {
                 SshHealthCheckKind::Tcp if h.host.is_none() || h.port.is_none() => {
                     return Err("healthCheck of type tcp needs a host and a port".into())
                 }
-                SshHealthCheckKind::Command => {
-                    check_command("healthCheck", &h.command, Some(1))?
-                }
+                SshHealthCheckKind::Command => check_command("healthCheck", &h.command, Some(1))?,
                 _ => {}
             }
         }
@@ -658,7 +665,7 @@ mod tests {
             "target": {"host": "10.0.0.5", "port": 2222, "user": "deploy",
                        "hostKey": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEurclYv comment"},
             "deployDirectory": "/srv/it's; $(x) `y`\nz",
-            "artifacts": [{"name": "app v1; $(rm -rf /) 'q'", "content": "x", "executable": true}],
+            "artifacts": [{"name": "app v1; $(rm -rf ~) 'q'", "content": "x", "executable": true}],
             "script": {"command": ["./deploy.sh"], "timeout": 60},
             "hooks": {"preDeploy": {"command": ["true"]}},
             "healthCheck": {"type": "command", "command": ["test", "-f", "app"]},
@@ -670,19 +677,55 @@ mod tests {
             TaskKind::SshDeploy.check_payload(&p)
         };
         for (pointer, bad, field) in [
-            ("/deployDirectory", serde_json::json!("srv/app"), "deployDirectory"),
-            ("/deployDirectory", serde_json::json!("/srv/../etc"), "deployDirectory"),
-            ("/artifacts/0/name", serde_json::json!("../x"), "artifacts[0].name"),
-            ("/artifacts/0/name", serde_json::json!(".."), "artifacts[0].name"),
-            ("/artifacts/0/name", serde_json::json!(".berth-backup"), "artifacts[0].name"),
-            ("/artifacts/0/name", serde_json::json!("a\u{0}b"), "artifacts[0].name"),
-            ("/target/hostKey", serde_json::json!("AAAA"), "target.hostKey"),
-            ("/target/hostKey", serde_json::json!("ssh-ed25519 AA;AA"), "target.hostKey"),
+            (
+                "/deployDirectory",
+                serde_json::json!("srv/app"),
+                "deployDirectory",
+            ),
+            (
+                "/deployDirectory",
+                serde_json::json!("/srv/../etc"),
+                "deployDirectory",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!("../x"),
+                "artifacts[0].name",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!(".."),
+                "artifacts[0].name",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!(".berth-backup"),
+                "artifacts[0].name",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!("a\u{0}b"),
+                "artifacts[0].name",
+            ),
+            (
+                "/target/hostKey",
+                serde_json::json!("AAAA"),
+                "target.hostKey",
+            ),
+            (
+                "/target/hostKey",
+                serde_json::json!("ssh-ed25519 AA;AA"),
+                "target.hostKey",
+            ),
             ("/target/host", serde_json::json!("a b"), "target.host"),
             ("/target/user", serde_json::json!(""), "target.user"),
             ("/sticker/name", serde_json::json!("../s"), "sticker.name"),
             ("/script/command", serde_json::json!([]), "script.command"),
-            ("/healthCheck/command", serde_json::json!([]), "healthCheck.command"),
+            (
+                "/healthCheck/command",
+                serde_json::json!([]),
+                "healthCheck.command",
+            ),
         ] {
             let err = with(pointer, bad).unwrap_err();
             assert!(err.starts_with(field), "{pointer}: {err}");
