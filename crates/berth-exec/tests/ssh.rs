@@ -23,12 +23,18 @@ use serde_json::{json, Value};
 const OTHER_HOST_KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIG+Cwkx+Rk+oHFmybj/rgsw5LcYZbwdaZpDKIwH2VvKn";
 
+/// Another secret of the task, which the happy path's hook prints on the target.
+const TOKEN: &str = "tok-3f9a1c77e2";
+
 async fn deploy(env: &SshEnv, payload: Value) -> Outcome {
+    deploy_with_key(payload, env.private_key.trim()).await
+}
+
+async fn deploy_with_key(payload: Value, key: &str) -> Outcome {
     let mut t = task("ssh.deploy", payload);
-    t.credentials.insert(
-        CREDENTIAL_SSH_PRIVATE_KEY.into(),
-        env.private_key.trim().to_string(),
-    );
+    t.credentials
+        .insert(CREDENTIAL_SSH_PRIVATE_KEY.into(), key.to_string());
+    t.credentials.insert("deployToken".into(), TOKEN.into());
     let outcome = SshExecutor.execute(&t).await;
     assert!(
         !outcome.logs.contains("PRIVATE KEY") && !outcome.message.contains("PRIVATE KEY"),
@@ -121,7 +127,7 @@ async fn happy_path_uploads_runs_checks_and_writes_the_sticker() {
             &dir,
             json!({
                 "hooks": {"preDeploy": {"command": ["touch", "pre-ran"]},
-                          "postDeploy": {"command": ["sh", "-c", "test -f served.txt && touch post-ran"]}},
+                          "postDeploy": {"command": ["sh", "-c", format!("test -f served.txt && touch post-ran && echo token {TOKEN}")]}},
                 "healthCheck": {"type": "command", "command": ["grep", "-q", "v2", "served.txt"], "timeout": 10}
             }),
         ),
@@ -143,6 +149,12 @@ async fn happy_path_uploads_runs_checks_and_writes_the_sticker() {
     assert!(dir.join("pre-ran").exists() && dir.join("post-ran").exists());
     assert!(!dir.join(".berth-backup").exists(), "the backup is removed");
     assert!(o.logs.contains("deploying now"), "{}", o.logs);
+    // The target's output is redacted like everything else.
+    assert!(
+        o.logs.contains("token ***") && !o.logs.contains(TOKEN),
+        "{}",
+        o.logs
+    );
     let sticker: Value =
         serde_json::from_slice(&std::fs::read(dir.join(".berth-sticker.json")).unwrap()).unwrap();
     assert_eq!(sticker["name"], "app");
@@ -273,6 +285,28 @@ async fn a_host_key_that_is_not_the_pin_is_refused_before_authentication() {
     assert!(o.message.contains("nothing was sent"), "{}", o.message);
     assert!(!o.logs.contains("authenticated"), "{}", o.logs);
     assert!(!dir.exists(), "something ran on the target");
+}
+
+#[tokio::test]
+async fn a_key_the_target_does_not_know_is_refused() {
+    let Some(env) = ssh::env("a_key_the_target_does_not_know_is_refused") else {
+        return;
+    };
+    let keys = tempfile::tempdir().unwrap();
+    let path = keys.path().join("id");
+    let made = std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&path)
+        .status()
+        .expect("ssh-keygen (openssh-client)");
+    assert!(made.success());
+    let stranger = std::fs::read_to_string(&path).unwrap();
+    let root = env.tempdir();
+    let dir = root.path().join("app");
+    let o = deploy_with_key(payload(&env, &dir, json!({})), stranger.trim()).await;
+    assert_failed(&o, error_types::SSH_AUTH_FAILED);
+    assert!(!o.retriable);
+    assert!(!dir.exists());
 }
 
 #[tokio::test]

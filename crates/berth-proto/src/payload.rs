@@ -498,9 +498,10 @@ pub struct SshDeployPayload {
     pub sticker: WriteStickerPayload,
 }
 
-/// Where `ssh.deploy` connects, and the host key it must find there.
+/// Where `ssh.deploy` connects, and the host key it must find there. Unknown fields are refused:
+/// a `privateKey` or `password` put here would be stored in the task row in plain text.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SshTarget {
     pub host: String,
     /// Default 22.
@@ -732,6 +733,9 @@ mod tests {
         }
         assert!(with("/target/port", serde_json::json!(0)).is_err());
         // The private key is a credential, never a payload field.
+        let mut leaky = ok.clone();
+        leaky["target"]["privateKey"] = serde_json::json!("-----BEGIN OPENSSH PRIVATE KEY-----");
+        assert!(TaskKind::SshDeploy.check_payload(&leaky).is_err());
         assert!(TaskKind::SshDeploy
             .check_payload(&serde_json::json!({"deployDirectory": "/srv/app"}))
             .is_err());
