@@ -7,6 +7,7 @@
 #   BERTH_TEST_SSH_KEY       the client's private key file (OpenSSH format, 0600, root's)
 #   BERTH_TEST_SSH_HOST_KEY  the server's public host key line, `ssh-ed25519 AAAA…`, to pin
 #   BERTH_TEST_SSH_WORKDIR   a directory the user owns, where tests make their deploy directories
+#   BERTH_TEST_SSH_LOG       sshd's log (LogLevel VERBOSE): what each client connection did
 #
 # Idempotent: an sshd this script started and that still answers is left running. It never
 # stops, reconfigures or reuses an sshd it did not start: a foreign process on the port is an error.
@@ -128,3 +129,4 @@ echo "export BERTH_TEST_SSH_USER=$USER_NAME"
 echo "export BERTH_TEST_SSH_KEY=$ROOT/client/id_ed25519"
 echo "export BERTH_TEST_SSH_HOST_KEY='$HOST_KEY'"
 echo "export BERTH_TEST_SSH_WORKDIR=$ROOT/work"
+echo "export BERTH_TEST_SSH_LOG=$ROOT/sshd.log"

@@ -1,8 +1,9 @@
 //! `ssh.deploy` against the real sshd of `scripts/sshd.sh` (Debian's openssh-server on
 //! 127.0.0.1:55022, user `berth-ssh-test`): the happy path, a failing deploy script and a failing
 //! health check that both restore the deploy directory byte for byte, a host key that is not the
-//! pinned one, an sshd that is not there, and injection through the deploy directory and an
-//! artifact name. Each test deploys into its own temp dir below the user's work dir, removed on
+//! pinned one (through a relay, so sshd's log shows the connection ended before any
+//! authentication request), a key the target does not know, an sshd that is not there, and
+//! injection through the deploy directory and an artifact name. Each test deploys into its own temp dir below the user's work dir, removed on
 //! drop. Without the `BERTH_TEST_SSH_*` variables a test prints SKIP, except under `CI=true` or
 //! `BERTH_REQUIRE_SERVICES=1`, where it fails.
 
@@ -268,6 +269,41 @@ async fn a_failing_health_check_restores_the_target() {
     assert_eq!(snapshot(&dir), before);
 }
 
+/// Relays one connection from a loopback listener to the sshd. Returns the listener's port and,
+/// once the connection ends, the local port of the relay's own connection to sshd: the port
+/// sshd's log names that connection by.
+async fn relay(env: &SshEnv) -> (u16, tokio::task::JoinHandle<u16>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (host, sshd) = (env.host.clone(), env.port);
+    let relayed = tokio::spawn(async move {
+        let (mut inbound, _) = listener.accept().await.unwrap();
+        let mut outbound = tokio::net::TcpStream::connect((host.as_str(), sshd))
+            .await
+            .unwrap();
+        let local = outbound.local_addr().unwrap().port();
+        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+        local
+    });
+    (port, relayed)
+}
+
+/// sshd's log of the connection from `port`, once it logged the connection's end.
+async fn sshd_log_of(env: &SshEnv, port: u16) -> Vec<String> {
+    let mut lines = Vec::new();
+    for _ in 0..100 {
+        lines = env.log_of_connection(port);
+        if lines
+            .iter()
+            .any(|l| l.starts_with("Connection closed") || l.starts_with("Disconnected"))
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    lines
+}
+
 #[tokio::test]
 async fn a_host_key_that_is_not_the_pin_is_refused_before_authentication() {
     let Some(env) = ssh::env("a_host_key_that_is_not_the_pin_is_refused_before_authentication")
@@ -277,7 +313,22 @@ async fn a_host_key_that_is_not_the_pin_is_refused_before_authentication() {
     assert_ne!(env.host_key, OTHER_HOST_KEY, "regenerate OTHER_HOST_KEY");
     let root = env.tempdir();
     let dir = root.path().join("app");
+
+    // Control: with the right pin, sshd logs the connection's authentication.
+    let (port, relayed) = relay(&env).await;
     let mut p = payload(&env, &dir, json!({}));
+    p["target"]["port"] = json!(port);
+    assert_success(&deploy(&env, p).await);
+    let seen = sshd_log_of(&env, relayed.await.unwrap()).await;
+    assert!(
+        seen.iter().any(|l| l.starts_with("Accepted publickey")),
+        "{seen:#?}"
+    );
+
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (port, relayed) = relay(&env).await;
+    let mut p = payload(&env, &dir, json!({}));
+    p["target"]["port"] = json!(port);
     p["target"]["hostKey"] = json!(OTHER_HOST_KEY);
     let o = deploy(&env, p).await;
     assert_failed(&o, error_types::HOST_KEY_MISMATCH);
@@ -285,6 +336,18 @@ async fn a_host_key_that_is_not_the_pin_is_refused_before_authentication() {
     assert!(o.message.contains("nothing was sent"), "{}", o.message);
     assert!(!o.logs.contains("authenticated"), "{}", o.logs);
     assert!(!dir.exists(), "something ran on the target");
+    // sshd saw the connection end before any authentication request.
+    let seen = sshd_log_of(&env, relayed.await.unwrap()).await;
+    assert!(
+        seen.iter().any(|l| l.starts_with("Connection from")),
+        "{seen:#?}"
+    );
+    assert!(
+        !seen
+            .iter()
+            .any(|l| l.contains("publickey") || l.contains("Accepted") || l.contains("Failed")),
+        "{seen:#?}"
+    );
 }
 
 #[tokio::test]

@@ -17,18 +17,21 @@ pub struct SshEnv {
     pub host_key: String,
     /// Owned by `user`; tests make their deploy directories below it.
     pub workdir: PathBuf,
+    /// sshd's log, `LogLevel VERBOSE`: each connection's client port and authentication.
+    pub log: PathBuf,
 }
 
 /// The sshd, or `None` (SKIP; a failure when services are required).
 pub fn env(test: &str) -> Option<SshEnv> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let (Some(host), Some(port), Some(user), Some(key), Some(host_key), Some(workdir)) = (
+    let (Some(host), Some(port), Some(user), Some(key), Some(host_key), Some(workdir), Some(log)) = (
         var("BERTH_TEST_SSH_HOST"),
         var("BERTH_TEST_SSH_PORT").and_then(|p| p.parse().ok()),
         var("BERTH_TEST_SSH_USER"),
         var("BERTH_TEST_SSH_KEY"),
         var("BERTH_TEST_SSH_HOST_KEY"),
         var("BERTH_TEST_SSH_WORKDIR"),
+        var("BERTH_TEST_SSH_LOG"),
     ) else {
         return require_service(
             test,
@@ -49,6 +52,7 @@ pub fn env(test: &str) -> Option<SshEnv> {
         private_key,
         host_key,
         workdir: PathBuf::from(workdir),
+        log: PathBuf::from(log),
     })
 }
 
@@ -64,6 +68,22 @@ impl SshEnv {
         let owner = std::fs::metadata(&self.workdir).expect("the sshd work dir");
         chown(dir.path(), owner.uid(), owner.gid());
         dir
+    }
+
+    /// What sshd logged about the client connection from local port `port`.
+    pub fn log_of_connection(&self, port: u16) -> Vec<String> {
+        let needle = format!(" port {port}");
+        // ` port 4996` must not match ` port 49964`.
+        let names_it = |line: &str| {
+            line.match_indices(&needle)
+                .any(|(i, _)| !line[i + needle.len()..].starts_with(|c: char| c.is_ascii_digit()))
+        };
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| names_it(l))
+            .map(str::to_string)
+            .collect()
     }
 
     /// The payload's `target`.
