@@ -251,8 +251,7 @@ async fn steps(
     run.log
         .line(format!("{dir}: contents backed up to {BACKUP_DIR}"));
 
-    let result = apply(run, remote, p, plan).await;
-    if result.is_err() {
+    if let Err(failed) = apply(run, remote, p, plan).await {
         let restore = Stop::cleanup(RESTORE_BUDGET);
         let restored = remote
             .exec(&script_line(RESTORE, &[dir]), STEP_TIMEOUT, &restore)
@@ -278,7 +277,7 @@ async fn steps(
             }
         };
         run.output("rolledBack", rolled_back);
-        return result.map(|_| String::new());
+        return Err(failed);
     }
 
     let removed = remote
