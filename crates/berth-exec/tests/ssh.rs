@@ -372,6 +372,34 @@ async fn a_key_the_target_does_not_know_is_refused() {
     assert!(!dir.exists());
 }
 
+struct Fenced;
+
+#[async_trait::async_trait]
+impl berth_exec::LeaseCheck for Fenced {
+    async fn confirm(&self) -> Result<(), String> {
+        Err("FENCED".into())
+    }
+}
+
+#[tokio::test]
+async fn without_its_lease_nothing_changes_on_the_target() {
+    let Some(env) = ssh::env("without_its_lease_nothing_changes_on_the_target") else {
+        return;
+    };
+    let root = env.tempdir();
+    let dir = root.path().join("app");
+    let mut t = task("ssh.deploy", payload(&env, &dir, json!({})));
+    t.credentials.insert(
+        CREDENTIAL_SSH_PRIVATE_KEY.into(),
+        env.private_key.trim().to_string(),
+    );
+    t.lease = berth_exec::Lease::new(std::sync::Arc::new(Fenced));
+    let o = SshExecutor.execute(&t).await;
+    assert_failed(&o, error_types::LEASE_LOST);
+    assert!(o.retriable, "not journaled: a later delivery runs it");
+    assert!(!dir.exists(), "the target changed without a lease");
+}
+
 #[tokio::test]
 async fn an_sshd_that_is_not_there_is_a_retriable_failure() {
     let Some(env) = ssh::env("an_sshd_that_is_not_there_is_a_retriable_failure") else {
