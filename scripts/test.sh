@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
-# and two local image registries with busybox-static for test images, all from Debian's
+# two local image registries with busybox-static for test images, and an sshd, all from Debian's
 # packages, all project-owned), checks formatting and lints, then runs every test, and last the
 # contract test (scripts/schemathesis.sh: schemathesis from PyPI against a live server).
 # Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup), python3 with venv and a
@@ -35,6 +35,10 @@ say "PostgreSQL for tests: ${BERTH_TEST_POSTGRES_URL%%@*}@…"
 registry_env="$(bash scripts/registry.sh)"
 eval "$(grep '^export ' <<<"$registry_env")"
 say "registries for tests: $BERTH_TEST_REGISTRY, $BERTH_TEST_AUTH_REGISTRY (auth)"
+# sshd on 127.0.0.1:55022 for the ssh.deploy tests; exports BERTH_TEST_SSH_*.
+sshd_env="$(bash scripts/sshd.sh)"
+eval "$(grep '^export ' <<<"$sshd_env")"
+say "sshd for tests: $BERTH_TEST_SSH_USER@$BERTH_TEST_SSH_HOST:$BERTH_TEST_SSH_PORT"
 docker version --format 'Docker engine {{.Server.Version}}' >&2 || { say "the Docker engine is not reachable"; exit 1; }
 
 # Every service above is provisioned, so a test that finds one missing fails instead of printing

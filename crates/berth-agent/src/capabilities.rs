@@ -1,5 +1,6 @@
-//! What this host can do: a reachable Docker engine (asked for its version over its Unix socket)
-//! and a compose tool (`docker compose` v2, else `docker-compose` v1). Commands run as argument
+//! What this host can do: a reachable Docker engine (asked for its version over its Unix socket),
+//! a compose tool (`docker compose` v2, else `docker-compose` v1), and `ssh`, which every agent
+//! has (its SSH client is built in). Commands run as argument
 //! vectors with a timeout, never through a shell.
 
 use std::path::PathBuf;
@@ -70,10 +71,21 @@ async fn engine_version(socket: &std::path::Path) -> std::io::Result<String> {
         .ok_or_else(|| std::io::Error::other("no Version in /version"))
 }
 
-/// Docker and compose, probed together.
+/// Docker and compose, probed together, and `ssh`.
 pub async fn detect() -> Vec<Capability> {
     let (docker, compose) = tokio::join!(docker(), compose());
-    docker.into_iter().chain(compose).collect()
+    docker.into_iter().chain(compose).chain([ssh()]).collect()
+}
+
+/// `ssh.deploy` needs nothing on this host: the executor's SSH client (russh) is part of the
+/// agent, so the capability is always there; whether a target answers is each task's business.
+pub fn ssh() -> Capability {
+    Capability {
+        name: capability::SSH.into(),
+        version: Some("russh 0.65".into()),
+        healthy: true,
+        detail: Some("agentless targets over SSH (ssh.deploy)".into()),
+    }
 }
 
 /// `docker compose` (v2) when present, else `docker-compose` (v1).

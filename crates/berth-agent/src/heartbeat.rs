@@ -61,6 +61,7 @@ impl Heartbeats<'_> {
                 .await
                 .into_iter()
                 .chain(compose.clone())
+                .chain([capabilities::ssh()])
                 .collect();
             self.capabilities.set(detected.clone());
             let status = if detected.iter().all(|c| c.healthy) {

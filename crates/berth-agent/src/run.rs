@@ -63,7 +63,13 @@ pub async fn run(
         _ = &mut shutdown => return Ok(()),
         d = async { tokio::join!(capabilities::docker(), capabilities::compose()) } => d,
     };
-    let capabilities = Capabilities::new(docker.into_iter().chain(compose.clone()).collect());
+    let capabilities = Capabilities::new(
+        docker
+            .into_iter()
+            .chain(compose.clone())
+            .chain([capabilities::ssh()])
+            .collect(),
+    );
 
     // Held until this function returns: the proof to the next process of this installation.
     let installation = Installation::claim(&state);

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
 use berth_exec::{
-    Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck, Outcome, Task,
+    Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck, Outcome,
+    SshExecutor, Task,
 };
 use berth_proto::headers::{GENERATION_HEADER, KNOWN_CANCELLATIONS_HEADER};
 use berth_proto::kind::TaskKind;
@@ -97,6 +98,7 @@ impl Runner {
             Arc::new(ExecuteCommand {
                 allowed: config.allow_commands.clone(),
             }),
+            Arc::new(SshExecutor),
         ];
         let executors = executors
             .into_iter()

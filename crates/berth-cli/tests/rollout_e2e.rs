@@ -51,7 +51,8 @@ fn docker_agent(state_dir: &Path, args: &[&str]) -> std::process::Command {
 }
 
 struct Target {
-    agent: Agent,
+    /// Runs while the target is in use; dropped (killed) with it.
+    _agent: Agent,
     port: u16,
 }
 
@@ -175,7 +176,10 @@ fn environments_roll_out_roll_back_and_prove_it() {
             format!("r3health={r3_health}"),
         ];
         let agent = target(&server, tmp.path(), name, &labels);
-        targets.push(Target { agent, port });
+        targets.push(Target {
+            _agent: agent,
+            port,
+        });
     }
     let prod_port = free_port();
     let _prod = target(

@@ -4,7 +4,7 @@
 
 use berth_proto::result::error_types;
 
-/// A failed step of `docker.run`, `rollback` or `compose.up`.
+/// A failed step of `docker.run`, `rollback`, `compose.up` or `ssh.deploy`.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     #[error("{0}")]
@@ -63,6 +63,20 @@ pub enum ExecError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the host key of {target} is not the pinned one (pinned {pinned}, presented {presented}); nothing was sent")]
+    HostKeyMismatch {
+        target: String,
+        pinned: String,
+        presented: String,
+    },
+    #[error("sshd at {target} unreachable: {detail}")]
+    SshUnreachable { target: String, detail: String },
+    #[error("{0}")]
+    SshAuthFailed(String),
+    #[error("{0}")]
+    Ssh(String),
+    #[error("{0}")]
+    DeployScriptFailed(String),
     #[error("the delivery's lease no longer holds, so nothing irreversible was done: {0}")]
     LeaseLost(String),
     #[error("the task was cancelled")]
@@ -97,6 +111,11 @@ impl ExecError {
             ExecError::ComposeUnavailable(_) => "COMPOSE_UNAVAILABLE",
             ExecError::Compose { .. } => "COMPOSE_FAILED",
             ExecError::Io { .. } => "IO_ERROR",
+            ExecError::HostKeyMismatch { .. } => error_types::HOST_KEY_MISMATCH,
+            ExecError::SshUnreachable { .. } => error_types::SSH_UNREACHABLE,
+            ExecError::SshAuthFailed(_) => error_types::SSH_AUTH_FAILED,
+            ExecError::Ssh(_) => error_types::SSH_FAILED,
+            ExecError::DeployScriptFailed(_) => error_types::DEPLOY_SCRIPT_FAILED,
             ExecError::LeaseLost(_) => error_types::LEASE_LOST,
             ExecError::Cancelled => error_types::CANCELLED,
             ExecError::TimedOut => error_types::TIMEOUT,
@@ -110,6 +129,8 @@ impl ExecError {
             ExecError::DockerUnavailable(_)
                 | ExecError::RegistryUnavailable { .. }
                 | ExecError::PullFailed { .. }
+                // Nothing was changed on the target: the connection never opened.
+                | ExecError::SshUnreachable { .. }
                 // Not journaled: a later delivery of the task runs it for real.
                 | ExecError::LeaseLost(_)
         )

@@ -25,6 +25,7 @@ mod process;
 pub mod redact;
 mod reference;
 mod run;
+pub mod ssh;
 pub mod sticker;
 
 pub use builtin::Capabilities;
@@ -35,6 +36,7 @@ pub use engine::{
     LABEL_DEPLOYED_AT, LABEL_DIGEST, LABEL_IMAGE, LABEL_RELEASE_ID, LABEL_RELEASE_NAME,
 };
 pub use error::ExecError;
+pub use ssh::{SshExecutor, CREDENTIAL_SSH_PRIVATE_KEY};
 
 /// One delivery of a task, as the executor sees it.
 #[derive(Debug, Clone)]

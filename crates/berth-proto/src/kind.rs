@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::payload::{
     CheckPayload, CommandPayload, DeployTaskPayload, HealthCheckPayload, InspectPayload,
-    ReadStickerPayload, RollbackTaskPayload, WriteStickerPayload,
+    ReadStickerPayload, RollbackTaskPayload, SshDeployPayload, WriteStickerPayload,
 };
 
 /// Seed 000's capability strings, as agents report them and `requiredCapability` names them.
@@ -39,6 +39,8 @@ pub enum TaskKind {
     ComposeUp,
     #[serde(rename = "rollback")]
     Rollback,
+    #[serde(rename = "ssh.deploy")]
+    SshDeploy,
 }
 
 /// What one task kind means. See [`TaskKind::spec`].
@@ -75,7 +77,7 @@ fn parses<T: DeserializeOwned + CheckPayload>(payload: &serde_json::Value) -> Re
 }
 
 impl TaskKind {
-    pub const ALL: [TaskKind; 8] = [
+    pub const ALL: [TaskKind; 9] = [
         TaskKind::HealthCheck,
         TaskKind::Inspect,
         TaskKind::ReadSticker,
@@ -84,11 +86,12 @@ impl TaskKind {
         TaskKind::DockerRun,
         TaskKind::ComposeUp,
         TaskKind::Rollback,
+        TaskKind::SshDeploy,
     ];
 
     /// The table.
     pub const fn spec(self) -> KindSpec {
-        use capability::{AGENT, COMPOSE, DOCKER};
+        use capability::{AGENT, COMPOSE, DOCKER, SSH};
         const fn kind(
             name: &'static str,
             side_effects: bool,
@@ -155,6 +158,10 @@ impl TaskKind {
                 &["/containerName", "/config/containerName"],
                 parses::<RollbackTaskPayload>,
             ),
+            // The sticker is written into the remote deploy directory, where the agent's
+            // `read-sticker` cannot see it yet: a lost `ssh.deploy` stays `unknown` until a
+            // read-back over SSH exists.
+            TaskKind::SshDeploy => kind("ssh.deploy", true, SSH, &[], parses::<SshDeployPayload>),
         }
     }
 
@@ -219,7 +226,7 @@ mod tests {
     #[test]
     fn the_table() {
         // (kind, side effects, capability, payload with a sticker, the sticker read back)
-        let rows: [(TaskKind, bool, &str, serde_json::Value, Option<&str>); 8] = [
+        let rows: [(TaskKind, bool, &str, serde_json::Value, Option<&str>); 9] = [
             (
                 TaskKind::HealthCheck,
                 false,
@@ -269,6 +276,14 @@ mod tests {
                 "docker",
                 json!({"config": {"containerName": "web"}}),
                 Some("web"),
+            ),
+            (
+                TaskKind::SshDeploy,
+                true,
+                "ssh",
+                json!({"target": {"host": "h", "user": "u", "hostKey": "ssh-ed25519 AAAA"},
+                       "deployDirectory": "/srv/app", "sticker": {"name": "app"}}),
+                None,
             ),
         ];
         for (kind, side_effects, capability, payload, sticker) in rows {
@@ -355,5 +370,7 @@ mod tests {
         assert!(!TaskKind::DockerRun.runs_on(&["compose"]));
         assert!(TaskKind::DockerRun.runs_on(&["compose", "docker"]));
         assert!(TaskKind::ComposeUp.runs_on(&["compose"]));
+        assert!(!TaskKind::SshDeploy.runs_on(&["docker"]));
+        assert!(TaskKind::SshDeploy.runs_on(&["ssh"]));
     }
 }

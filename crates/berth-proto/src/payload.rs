@@ -56,6 +56,38 @@ pub fn valid_directory(dir: &str) -> bool {
             .all(|c| !c.is_empty() && c != "." && c != "..")
 }
 
+/// A plain file name inside a directory: 1-255 bytes, no `/` or NUL, not `.` or `..`, and not
+/// one of berth's own `.berth-*` names there (the `ssh.deploy` backup and sticker). Anything else
+/// (spaces, quotes, `;`, newlines) is allowed: such names travel over SFTP or as single-quoted
+/// arguments, never through a shell line.
+pub fn valid_file_name(name: &str) -> bool {
+    (1..=255).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && !name.starts_with(".berth-")
+        && !name.contains(['/', '\0'])
+}
+
+/// An OpenSSH public key line as a host key pin: `<algorithm> <base64>` (a trailing comment is
+/// allowed), for the algorithms an sshd offers as host keys. The executor decodes the key itself.
+pub fn valid_host_key_line(line: &str) -> bool {
+    let mut parts = line.split_ascii_whitespace();
+    let (Some(algorithm), Some(key)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    matches!(
+        algorithm,
+        "ssh-ed25519"
+            | "ecdsa-sha2-nistp256"
+            | "ecdsa-sha2-nistp384"
+            | "ecdsa-sha2-nistp521"
+            | "ssh-rsa"
+    ) && key.len() >= 4
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='))
+}
+
 /// The checks a payload type makes after it decodes: names and paths. Absent optional fields
 /// pass; the executor says when it needs them.
 pub trait CheckPayload {
@@ -83,6 +115,8 @@ const STICKER_RULE: &str = "1-128 of A-Z a-z 0-9 . _ -, not starting with a dot"
 const CONTAINER_RULE: &str = "1-100 of A-Z a-z 0-9 _ . -, starting with a letter or digit";
 const PROJECT_RULE: &str = "1-64 of a-z 0-9 _ -, starting with a letter or digit";
 const DIRECTORY_RULE: &str = "an absolute path other than /, without . or .. components";
+const FILE_NAME_RULE: &str =
+    "a plain file name: 1-255 bytes, no / or NUL, not . or .., not berth's own .berth-*";
 
 impl CheckPayload for HealthCheckPayload {}
 impl CheckPayload for InspectPayload {}
@@ -134,6 +168,102 @@ impl CheckPayload for RollbackTaskPayload {
         )?;
         self.deploy.check()
     }
+}
+
+impl CheckPayload for SshDeployPayload {
+    fn check(&self) -> Result<(), String> {
+        let t = &self.target;
+        if t.host.is_empty() || t.host.len() > 253 || !t.host.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(format!(
+                "target.host {:?} is invalid: 1-253 printable ASCII characters, no spaces",
+                short(&t.host)
+            ));
+        }
+        if t.port == Some(0) {
+            return Err("target.port must be 1-65535".into());
+        }
+        if t.user.is_empty() || t.user.len() > 64 || !t.user.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "target.user {:?} is invalid: 1-64 printable ASCII characters, no spaces",
+                short(&t.user)
+            ));
+        }
+        if !valid_host_key_line(&t.host_key) {
+            return Err(format!(
+                "target.hostKey {:?} is invalid: an OpenSSH public key line, `ssh-ed25519 AAAA…`",
+                short(&t.host_key)
+            ));
+        }
+        if t.connect_timeout == Some(0) {
+            return Err("target.connectTimeout must be at least 1 second".into());
+        }
+        check_field(
+            "deployDirectory",
+            Some(&self.deploy_directory),
+            valid_directory,
+            DIRECTORY_RULE,
+        )?;
+        let mut names = std::collections::BTreeSet::new();
+        for (i, a) in self.artifacts.iter().enumerate() {
+            check_field(
+                &format!("artifacts[{i}].name"),
+                Some(&a.name),
+                valid_file_name,
+                FILE_NAME_RULE,
+            )?;
+            if !names.insert(a.name.as_str()) {
+                return Err(format!(
+                    "artifacts[{i}].name {:?} is not unique",
+                    short(&a.name)
+                ));
+            }
+        }
+        for (field, command) in [
+            ("script", &self.script),
+            ("hooks.preDeploy", &self.hooks.pre_deploy),
+            ("hooks.postDeploy", &self.hooks.post_deploy),
+        ] {
+            if let Some(c) = command {
+                check_command(field, &c.command, c.timeout)?;
+            }
+        }
+        if let Some(h) = &self.health_check {
+            match h.kind {
+                SshHealthCheckKind::Http if h.url.is_none() => {
+                    return Err("healthCheck of type http needs a url".into())
+                }
+                SshHealthCheckKind::Tcp if h.host.is_none() || h.port.is_none() => {
+                    return Err("healthCheck of type tcp needs a host and a port".into())
+                }
+                SshHealthCheckKind::Command => check_command("healthCheck", &h.command, Some(1))?,
+                _ => {}
+            }
+        }
+        check_field(
+            "sticker.name",
+            Some(&self.sticker.name),
+            valid_sticker_name,
+            STICKER_RULE,
+        )
+    }
+}
+
+fn short(v: &str) -> String {
+    v.chars().take(64).collect()
+}
+
+fn check_command(field: &str, argv: &[String], timeout: Option<u64>) -> Result<(), String> {
+    if argv.first().is_none_or(|p| p.is_empty()) {
+        return Err(format!("{field}.command needs a program"));
+    }
+    if argv.iter().any(|a| a.contains('\0')) {
+        return Err(format!("{field}.command contains a NUL byte"));
+    }
+    if timeout == Some(0) {
+        return Err(format!("{field}.timeout must be at least 1 second"));
+    }
+    Ok(())
 }
 
 /// `health-check`: one probe from the agent's host.
@@ -341,6 +471,95 @@ pub struct ArtifactReference {
 /// The artifact type of a compose lock file.
 pub const ARTIFACT_COMPOSE_LOCK: &str = "compose_lock";
 
+/// `ssh.deploy` (seed 000's `SSHRemoteExecutor.deploy`): an agent deploys to a host that runs no
+/// agent, over one SSH connection. The target's private key is not here: it arrives in the task's
+/// sealed credentials (`sshPrivateKey`). Unknown fields are ignored, as in the other deployment
+/// payloads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SshDeployPayload {
+    pub target: SshTarget,
+    /// Absolute; created when missing. Its contents are backed up before anything changes and
+    /// restored when the script or the health check fails.
+    pub deploy_directory: String,
+    /// Written into the deploy directory over SFTP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifacts: Vec<SshArtifact>,
+    /// The deploy script: an argument vector run on the target, in the deploy directory, under
+    /// its timeout (e.g. `["./deploy.sh"]` for an executable artifact).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub script: Option<HookConfig>,
+    /// Run on the target, in the deploy directory, before and after the script.
+    #[serde(default)]
+    pub hooks: DeployHooks,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<SshHealthCheck>,
+    /// Written as `.berth-sticker.json` into the deploy directory once the deployment is healthy.
+    pub sticker: WriteStickerPayload,
+}
+
+/// Where `ssh.deploy` connects, and the host key it must find there. Unknown fields are refused:
+/// a `privateKey` or `password` put here would be stored in the task row in plain text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SshTarget {
+    pub host: String,
+    /// Default 22.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    pub user: String,
+    /// The pinned host key, an OpenSSH public key line (`ssh-ed25519 AAAA…`). Any other key is
+    /// refused before authentication: unknown hosts are never trusted.
+    pub host_key: String,
+    /// Seconds for the TCP connect, key exchange and authentication together; default 15.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_timeout: Option<u64>,
+}
+
+/// A file shipped inside the payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SshArtifact {
+    /// A plain file name ([`valid_file_name`]), written inside the deploy directory.
+    pub name: String,
+    pub content: String,
+    /// Mode 0755 instead of 0644.
+    #[serde(default)]
+    pub executable: bool,
+}
+
+/// How `ssh.deploy` proves the deployment healthy: a probe from the agent, or a command on the
+/// target that exits 0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SshHealthCheck {
+    #[serde(rename = "type")]
+    pub kind: SshHealthCheckKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// `command`: the argument vector run on the target, in the deploy directory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// Seconds to wait for health in total; default 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+    /// Seconds between checks; default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SshHealthCheckKind {
+    Http,
+    Tcp,
+    Command,
+}
+
 /// One container carrying berth labels, as the agent's `inspect` task reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -438,5 +657,87 @@ mod tests {
         .unwrap();
         assert_eq!(r.container_name.as_deref(), Some("web"));
         assert_eq!(r.deploy.image.as_deref(), Some("x/web"));
+    }
+
+    #[test]
+    fn ssh_deploy_payloads() {
+        use crate::kind::TaskKind;
+        let ok = serde_json::json!({
+            "target": {"host": "10.0.0.5", "port": 2222, "user": "deploy",
+                       "hostKey": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEurclYv comment"},
+            "deployDirectory": "/srv/it's; $(x) `y`\nz",
+            "artifacts": [{"name": "app v1; $(rm -rf ~) 'q'", "content": "x", "executable": true}],
+            "script": {"command": ["./deploy.sh"], "timeout": 60},
+            "hooks": {"preDeploy": {"command": ["true"]}},
+            "healthCheck": {"type": "command", "command": ["test", "-f", "app"]},
+            "sticker": {"name": "app", "releaseId": "r1"}});
+        assert_eq!(TaskKind::SshDeploy.check_payload(&ok), Ok(()));
+        let with = |pointer: &str, value: serde_json::Value| {
+            let mut p = ok.clone();
+            *p.pointer_mut(pointer).unwrap() = value;
+            TaskKind::SshDeploy.check_payload(&p)
+        };
+        for (pointer, bad, field) in [
+            (
+                "/deployDirectory",
+                serde_json::json!("srv/app"),
+                "deployDirectory",
+            ),
+            (
+                "/deployDirectory",
+                serde_json::json!("/srv/../etc"),
+                "deployDirectory",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!("../x"),
+                "artifacts[0].name",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!(".."),
+                "artifacts[0].name",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!(".berth-backup"),
+                "artifacts[0].name",
+            ),
+            (
+                "/artifacts/0/name",
+                serde_json::json!("a\u{0}b"),
+                "artifacts[0].name",
+            ),
+            (
+                "/target/hostKey",
+                serde_json::json!("AAAA"),
+                "target.hostKey",
+            ),
+            (
+                "/target/hostKey",
+                serde_json::json!("ssh-ed25519 AA;AA"),
+                "target.hostKey",
+            ),
+            ("/target/host", serde_json::json!("a b"), "target.host"),
+            ("/target/user", serde_json::json!(""), "target.user"),
+            ("/sticker/name", serde_json::json!("../s"), "sticker.name"),
+            ("/script/command", serde_json::json!([]), "script.command"),
+            (
+                "/healthCheck/command",
+                serde_json::json!([]),
+                "healthCheck.command",
+            ),
+        ] {
+            let err = with(pointer, bad).unwrap_err();
+            assert!(err.starts_with(field), "{pointer}: {err}");
+        }
+        assert!(with("/target/port", serde_json::json!(0)).is_err());
+        // The private key is a credential, never a payload field.
+        let mut leaky = ok.clone();
+        leaky["target"]["privateKey"] = serde_json::json!("-----BEGIN OPENSSH PRIVATE KEY-----");
+        assert!(TaskKind::SshDeploy.check_payload(&leaky).is_err());
+        assert!(TaskKind::SshDeploy
+            .check_payload(&serde_json::json!({"deployDirectory": "/srv/app"}))
+            .is_err());
     }
 }

@@ -30,6 +30,17 @@ pub mod error_types {
     /// it, or its `expiresAt` passed), so the step was not taken. Retriable: the agent does not
     /// journal it, and a later delivery runs the task for real.
     pub const LEASE_LOST: &str = "LEASE_LOST";
+    /// `ssh.deploy`: the target's host key is not the pinned one; nothing was sent to it.
+    pub const HOST_KEY_MISMATCH: &str = "HOST_KEY_MISMATCH";
+    /// `ssh.deploy`: the target's sshd could not be reached (refused, timed out). Retriable.
+    pub const SSH_UNREACHABLE: &str = "SSH_UNREACHABLE";
+    /// `ssh.deploy`: the target refused the key of the `sshPrivateKey` credential.
+    pub const SSH_AUTH_FAILED: &str = "SSH_AUTH_FAILED";
+    /// `ssh.deploy`: the connection failed after it was established (a channel, SFTP, a drop).
+    pub const SSH_FAILED: &str = "SSH_FAILED";
+    /// `ssh.deploy`: the deploy script exited non-zero or ran past its timeout; the deploy
+    /// directory was restored from its backup.
+    pub const DEPLOY_SCRIPT_FAILED: &str = "DEPLOY_SCRIPT_FAILED";
 }
 
 /// Durations of the phases of a deployment, in milliseconds (DESIGN "Executors").
@@ -39,6 +50,9 @@ pub mod error_types {
 pub struct TaskMetrics {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pull_duration_ms: Option<u64>,
+    /// `ssh.deploy`: sending the artifacts over SFTP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upload_duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deploy_duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
