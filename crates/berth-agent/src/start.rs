@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use berth_exec::LeaseCheck;
 use berth_proto::headers::GENERATION_HEADER;
-use berth_proto::transport::{AgentTaskAssignment, StartTask};
+use berth_proto::transport::{AgentTaskAssignment, ProgressPhase, StartTask};
 use berth_proto::AgentId;
 use time::OffsetDateTime;
 
@@ -39,6 +39,7 @@ impl DeliveryLease {
                 agent_id,
                 task_id: a.task_id,
                 assignment_id: a.assignment_id,
+                phase: None,
             },
             expires_at: a.expires_at,
         }
@@ -58,7 +59,7 @@ pub(crate) fn check_expiry(expires_at: OffsetDateTime) -> Result<(), String> {
 
 #[async_trait::async_trait]
 impl LeaseCheck for DeliveryLease {
-    async fn confirm(&self) -> Result<(), String> {
+    async fn confirm(&self, phase: Option<ProgressPhase>) -> Result<(), String> {
         check_expiry(self.expires_at)?;
         // Retries while the server is unreachable, but never past the lease: a yes after it
         // could not be acted on.
@@ -67,8 +68,12 @@ impl LeaseCheck for DeliveryLease {
             .unwrap_or(Duration::ZERO);
         let headers = [(GENERATION_HEADER, self.generation.as_str())];
         let headers = &headers;
+        let request = &StartTask {
+            phase,
+            ..self.request.clone()
+        };
         with_link_retries("task start", budget, &self.link, |link| async move {
-            link.client.send_with(&self.request, headers, None).await
+            link.client.send_with(request, headers, None).await
         })
         .await
         .map_err(|e| format!("the server did not confirm the lease: {e}"))?;

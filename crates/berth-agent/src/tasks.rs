@@ -278,7 +278,7 @@ impl Shared {
         }
         let lease = self.lease(a);
         let refused = match &lease {
-            Some(lease) => lease.confirm().await,
+            Some(lease) => lease.confirm(None).await,
             None => check_expiry(a.expires_at),
         };
         if let Err(why) = refused {

@@ -254,6 +254,30 @@ fn environments_roll_out_roll_back_and_prove_it() {
         .unwrap()
         .to_string();
     sse_resume_sees_every_event_once(&server, &r2_id);
+    // Each target went through the steps its agent reported, in order. A pass sees each
+    // state it runs on, so a step shorter than a pass may not show; the order always holds.
+    let order = [
+        "queued",
+        "deploying",
+        "pulling",
+        "starting",
+        "health",
+        "succeeded",
+    ];
+    for target in ["qa-1", "qa-2", "qa-3"] {
+        let phases = target_phases(&server, &r2_id, target);
+        let ranks: Vec<usize> = phases
+            .iter()
+            .map(|p| order.iter().position(|o| o == p).expect("a known phase"))
+            .collect();
+        assert!(
+            ranks.windows(2).all(|w| w[0] < w[1])
+                && phases.first().map(String::as_str) == Some("queued")
+                && phases.last().map(String::as_str) == Some("succeeded")
+                && phases.iter().any(|p| p == "health"),
+            "{target}'s phases: {phases:?}"
+        );
+    }
 
     // --- Failed rollout: r3 is unhealthy on qa-2 only. qa-1 goes back to r2, qa-3 is never
     // touched. ---
@@ -438,6 +462,42 @@ fn sse_resume_sees_every_event_once(server: &Server, deployment: &str) {
     let rest = read(first.last().copied(), usize::MAX);
     let resumed: Vec<u64> = first.into_iter().chain(rest).collect();
     assert_eq!(resumed, all, "resume lost or repeated events");
+}
+
+/// The phases one target's `deployment.target` events carried, in order.
+fn target_phases(server: &Server, deployment: &str, target: &str) -> Vec<String> {
+    let agent = server.cli(&["deployment", "show", deployment])["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["agentName"] == target)
+        .unwrap()["agentId"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = server.api();
+    let query = EventQuery {
+        deployment: Some(deployment.parse().unwrap()),
+        follow: Some(false),
+        ..EventQuery::default()
+    };
+    rt.block_on(async {
+        let mut stream = client
+            .events(&query, None, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let mut phases = Vec::new();
+        while let Some(e) = stream.next().await.unwrap() {
+            if e.kind == "deployment.target" && e.data["agentId"] == agent.as_str() {
+                phases.push(e.data["phase"].as_str().unwrap().to_string());
+            }
+        }
+        phases
+    })
 }
 
 fn audit_shows_the_failed_rollout(server: &Server, failed: &Value) {

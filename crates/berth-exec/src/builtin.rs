@@ -116,7 +116,7 @@ impl Executor for Stickers {
             written_at: time::OffsetDateTime::now_utc(),
             extra: p.extra,
         };
-        if let Err(e) = task.lease.confirm().await {
+        if let Err(e) = task.lease.confirm(None).await {
             return lease_lost(e);
         }
         match self.0.write(&sticker) {
@@ -269,7 +269,7 @@ impl Executor for ExecuteCommand {
                 false,
             );
         }
-        if let Err(e) = task.lease.confirm().await {
+        if let Err(e) = task.lease.confirm(None).await {
             return lease_lost(e);
         }
         let mut command = tokio::process::Command::new(program);
@@ -351,7 +351,10 @@ mod tests {
 
     #[async_trait::async_trait]
     impl crate::LeaseCheck for Fenced {
-        async fn confirm(&self) -> Result<(), String> {
+        async fn confirm(
+            &self,
+            _: Option<berth_proto::transport::ProgressPhase>,
+        ) -> Result<(), String> {
             Err("FENCED".into())
         }
     }

@@ -10,6 +10,7 @@
 //!
 //! Payload values reach the engine only as API fields, never through a shell.
 
+use berth_proto::transport::ProgressPhase;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -432,6 +433,7 @@ impl DockerExecutor {
         let docker = run.stop.guard(self.engine.docker()).await?;
 
         // 1. Pull and verify: nothing running is touched before this passed.
+        run.enter(ProgressPhase::Pulling).await?;
         run.log.line(format!(
             "pulling {reference}{}",
             if credentials.is_some() {
@@ -487,7 +489,8 @@ impl DockerExecutor {
             )
             .await?;
         }
-        run.confirm_lease("the container swap").await?;
+        run.enter(ProgressPhase::Starting).await?;
+        run.log.line("lease confirmed before the container swap");
 
         // 3.–7. Everything from here on is undone on failure.
         let deploy_started = Instant::now();
@@ -641,6 +644,7 @@ impl DockerExecutor {
         let health_started = Instant::now();
         let healthy = match &plan.health {
             Some(check) => {
+                run.enter(ProgressPhase::Health).await?;
                 run.log
                     .line(format!("waiting for health ({:?})", check.kind));
                 engine::wait_container_healthy(docker, &id, check, &stop, &mut run.log).await

@@ -5,6 +5,7 @@
 //! retriable). Commands run as argument vectors, never through a shell, and every log line that
 //! leaves an executor has the task's credential values redacted.
 
+use berth_proto::transport::ProgressPhase;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,8 +64,9 @@ pub struct Task {
 /// Whether a delivery's lease still holds: the agent asks its server (the start handshake).
 #[async_trait::async_trait]
 pub trait LeaseCheck: Send + Sync {
-    /// `Err` with the reason once the lease is gone or cannot be confirmed.
-    async fn confirm(&self) -> Result<(), String>;
+    /// `Err` with the reason once the lease is gone or cannot be confirmed. `phase`: the step
+    /// the executor is about to take, recorded by the server for those who follow the task.
+    async fn confirm(&self, phase: Option<ProgressPhase>) -> Result<(), String>;
 }
 
 /// The lease of one delivery, as executors see it.
@@ -82,11 +84,11 @@ impl Lease {
         Lease(None)
     }
 
-    /// `Err(LeaseLost)` unless the lease still holds.
-    pub async fn confirm(&self) -> Result<(), ExecError> {
+    /// `Err(LeaseLost)` unless the lease still holds; `phase` is reported with the question.
+    pub async fn confirm(&self, phase: Option<ProgressPhase>) -> Result<(), ExecError> {
         match &self.0 {
             None => Ok(()),
-            Some(check) => check.confirm().await.map_err(ExecError::LeaseLost),
+            Some(check) => check.confirm(phase).await.map_err(ExecError::LeaseLost),
         }
     }
 }

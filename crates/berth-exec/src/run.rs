@@ -138,9 +138,19 @@ impl<'t> Run<'t> {
     /// must still hold (see [`crate::Lease`]).
     pub async fn confirm_lease(&mut self, step: &str) -> Result<(), ExecError> {
         self.stop.check()?;
-        self.task.lease.confirm().await?;
+        self.task.lease.confirm(None).await?;
         self.log.line(format!("lease confirmed before {step}"));
         Ok(())
+    }
+
+    /// Reports the step a deployment is entering (`pulling`, `starting`, `health`) with a
+    /// confirmation of the lease: a delivery that lost it stops here.
+    pub async fn enter(
+        &mut self,
+        phase: berth_proto::transport::ProgressPhase,
+    ) -> Result<(), ExecError> {
+        self.stop.check()?;
+        self.task.lease.confirm(Some(phase)).await
     }
 
     pub fn output(&mut self, key: &str, value: impl Into<serde_json::Value>) {

@@ -376,7 +376,10 @@ struct Fenced;
 
 #[async_trait::async_trait]
 impl berth_exec::LeaseCheck for Fenced {
-    async fn confirm(&self) -> Result<(), String> {
+    async fn confirm(
+        &self,
+        _phase: Option<berth_proto::transport::ProgressPhase>,
+    ) -> Result<(), String> {
         Err("FENCED".into())
     }
 }

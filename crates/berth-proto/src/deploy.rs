@@ -428,9 +428,14 @@ pub enum TargetPhase {
     Waiting,
     /// Its tasks are queued for the agent.
     Queued,
-    /// The agent confirmed it started (the start handshake): it is pulling, starting and
-    /// health-checking.
+    /// The agent confirmed it started (the start handshake) and reported no step yet.
     Deploying,
+    /// Pulling the release's images.
+    Pulling,
+    /// Replacing the container.
+    Starting,
+    /// Waiting for the health check.
+    Health,
     /// Every task succeeded (a verified result or a read-back).
     Succeeded,
     /// A task failed; the error code says why.
@@ -447,10 +452,13 @@ pub enum TargetPhase {
 }
 
 impl TargetPhase {
-    pub const ALL: [TargetPhase; 10] = [
+    pub const ALL: [TargetPhase; 13] = [
         TargetPhase::Waiting,
         TargetPhase::Queued,
         TargetPhase::Deploying,
+        TargetPhase::Pulling,
+        TargetPhase::Starting,
+        TargetPhase::Health,
         TargetPhase::Succeeded,
         TargetPhase::Failed,
         TargetPhase::Unknown,
@@ -465,6 +473,9 @@ impl TargetPhase {
             TargetPhase::Waiting => "waiting",
             TargetPhase::Queued => "queued",
             TargetPhase::Deploying => "deploying",
+            TargetPhase::Pulling => "pulling",
+            TargetPhase::Starting => "starting",
+            TargetPhase::Health => "health",
             TargetPhase::Succeeded => "succeeded",
             TargetPhase::Failed => "failed",
             TargetPhase::Unknown => "unknown",
@@ -477,6 +488,17 @@ impl TargetPhase {
 
     pub fn parse(s: &str) -> Option<TargetPhase> {
         Self::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+
+    /// The agent is at work on the target (started, whatever step it reported).
+    pub fn is_working(self) -> bool {
+        matches!(
+            self,
+            TargetPhase::Deploying
+                | TargetPhase::Pulling
+                | TargetPhase::Starting
+                | TargetPhase::Health
+        )
     }
 }
 

@@ -197,6 +197,9 @@ pub struct AttemptView {
     )]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub started_at: Option<OffsetDateTime>,
+    /// The step the agent last reported (`pulling`, `starting`, `health`), if it reports any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<crate::transport::ProgressPhase>,
     #[serde(
         default,
         with = "crate::rfc3339::option",

@@ -174,6 +174,40 @@ pub struct StartTask {
     #[serde(skip)]
     pub task_id: TaskId,
     pub assignment_id: AssignmentId,
+    /// The step the delivery is about to take, when it reports one: recorded on the delivery
+    /// (`AttemptView::phase`), so a deployment can show it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ProgressPhase>,
+}
+
+/// What a deploying executor is doing, as it reports it through the start handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ProgressPhase {
+    Pulling,
+    Starting,
+    Health,
+}
+
+impl ProgressPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressPhase::Pulling => "pulling",
+            ProgressPhase::Starting => "starting",
+            ProgressPhase::Health => "health",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ProgressPhase> {
+        [
+            ProgressPhase::Pulling,
+            ProgressPhase::Starting,
+            ProgressPhase::Health,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == s)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -27,6 +27,7 @@ use berth_proto::deploy::{DeploymentKind, DeploymentState, RolloutPolicy, Target
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
 use berth_proto::release::Component;
+use berth_proto::transport::ProgressPhase;
 use berth_proto::{AgentId, DeploymentId, TaskId, TenantId};
 use berth_store::{
     deployment_task_key, Agent, AgentFilter, CreateTaskOutcome, Deployment, DeploymentDetail,
@@ -264,6 +265,8 @@ struct Snapshot {
     error_code: Option<String>,
     /// A delivery was confirmed started (the agent is working on the target).
     started: bool,
+    /// The step the current delivery last reported.
+    phase: Option<ProgressPhase>,
 }
 
 /// A target's phase from its tasks: deploy tasks, or rollback tasks once it has some.
@@ -323,7 +326,20 @@ fn phase_of(
         .iter()
         .any(|s| s.started || s.state == TaskState::Succeeded)
     {
-        return (working, None);
+        if rolling_back {
+            return (working, None);
+        }
+        let step = snaps
+            .iter()
+            .find(|s| s.state == TaskState::Leased)
+            .and_then(|s| s.phase);
+        let phase = match step {
+            Some(ProgressPhase::Pulling) => TargetPhase::Pulling,
+            Some(ProgressPhase::Starting) => TargetPhase::Starting,
+            Some(ProgressPhase::Health) => TargetPhase::Health,
+            None => working,
+        };
+        return (phase, None);
     }
     let queued = if rolling_back {
         TargetPhase::RollingBack
@@ -350,16 +366,18 @@ async fn snapshots(
         .collect();
     for id in ids {
         if let Some((task, attempts)) = state.store.get_task(tenant, id).await? {
-            let started = task.state == TaskState::Leased
-                && attempts.iter().any(|a| {
-                    Some(a.assignment_id) == task.current_assignment && a.started_at.is_some()
-                });
+            let current = attempts
+                .iter()
+                .find(|a| Some(a.assignment_id) == task.current_assignment);
+            let started =
+                task.state == TaskState::Leased && current.is_some_and(|a| a.started_at.is_some());
             out.insert(
                 id,
                 Snapshot {
                     state: task.state,
                     error_code: task.error_code,
                     started,
+                    phase: current.and_then(|a| a.phase),
                 },
             );
         }
@@ -398,7 +416,7 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
             ) {
                 t.finished_at = Some(now);
             }
-            if phase == TargetPhase::Deploying && t.started_at.is_none() {
+            if phase.is_working() && t.started_at.is_none() {
                 t.started_at = Some(now);
             }
             t.phase = phase;
@@ -777,6 +795,7 @@ mod tests {
             state,
             error_code: code.map(Into::into),
             started,
+            phase: None,
         }
     }
 
@@ -793,6 +812,23 @@ mod tests {
         assert_eq!(
             phase(snap(Leased, None, true), snap(Pending, None, false)),
             TargetPhase::Deploying
+        );
+        // The step the agent reported shows.
+        let pulling = Snapshot {
+            phase: Some(ProgressPhase::Pulling),
+            ..snap(Leased, None, true)
+        };
+        assert_eq!(
+            phase(pulling, snap(Pending, None, false)),
+            TargetPhase::Pulling
+        );
+        let health = Snapshot {
+            phase: Some(ProgressPhase::Health),
+            ..snap(Leased, None, true)
+        };
+        assert_eq!(
+            phase(snap(Succeeded, None, false), health),
+            TargetPhase::Health
         );
         assert_eq!(
             phase(snap(Succeeded, None, false), snap(Succeeded, None, false)),

@@ -458,6 +458,7 @@ mod tests {
             error_code: None,
             start_handshake: false,
             started_at: None,
+            phase: None,
         }
     }
 

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use berth_proto::admin::Role;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
+use berth_proto::transport::ProgressPhase;
 use berth_proto::{
     AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, TaskId, TenantId, TokenId,
 };
@@ -48,7 +49,7 @@ pub(crate) use task_columns;
 macro_rules! attempt_columns {
     () => {
         "assignment_id, task_id, agent_id, generation, state, assigned_at, lease_expires_at, \
-         finished_at, envelope, error_code, start_handshake, started_at"
+         finished_at, envelope, error_code, start_handshake, started_at, phase"
     };
 }
 pub(crate) use attempt_columns;
@@ -246,6 +247,12 @@ pub(crate) fn read_attempt(row: &impl ColumnReader) -> Result<Attempt, StoreErro
         error_code: row.text_opt("error_code")?,
         start_handshake: row.flag("start_handshake")?,
         started_at: row.time_opt("started_at")?,
+        phase: match row.text_opt("phase")? {
+            None => None,
+            Some(p) => Some(ProgressPhase::parse(&p).ok_or_else(|| {
+                StoreError::Corrupt(format!("task_attempts.phase: unknown phase {p:?}"))
+            })?),
+        },
     })
 }
 

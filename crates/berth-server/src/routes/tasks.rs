@@ -49,6 +49,7 @@ pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
                 assigned_at: a.assigned_at,
                 lease_expires_at: a.lease_expires_at,
                 started_at: a.started_at,
+                phase: a.phase,
                 finished_at: a.finished_at,
                 error_code: a.error_code,
                 result: a.envelope,

@@ -520,6 +520,7 @@ pub async fn start_task(
             certificate_fingerprint: peer.fingerprint.to_string(),
             task_id,
             assignment_id: req.assignment_id,
+            phase: req.phase,
             now: state.config.clock.now(),
         })
         .await?;

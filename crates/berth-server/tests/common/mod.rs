@@ -291,6 +291,7 @@ impl TestAgent {
             agent_id: self.id,
             task_id: task,
             assignment_id: assignment,
+            phase: None,
         };
         self.client
             .send_with(&request, &[(GENERATION_HEADER, &g)], None)

@@ -60,7 +60,7 @@ CREATE TABLE deployment_targets (
     environment_id   UUID           NOT NULL,
     agent_name       TEXT           NOT NULL,
     wave             BIGINT         NOT NULL CHECK (wave >= 0),
-    phase            TEXT           NOT NULL CHECK (phase IN ('waiting', 'queued', 'deploying',
+    phase            TEXT           NOT NULL CHECK (phase IN ('waiting', 'queued', 'deploying', 'pulling', 'starting', 'health',
                                         'succeeded', 'failed', 'unknown', 'rolling_back',
                                         'rolled_back', 'rollback_failed', 'skipped')),
     -- [task id, …]
@@ -157,3 +157,23 @@ CREATE TRIGGER events_drift_new AFTER INSERT ON target_observations FOR EACH ROW
 CREATE TRIGGER events_drift AFTER UPDATE ON target_observations FOR EACH ROW
     WHEN (OLD.drift IS DISTINCT FROM NEW.drift)
     EXECUTE FUNCTION events_drift();
+
+-- What a deploying delivery reports it is doing (berth_proto::transport::ProgressPhase), through
+-- the start handshake; a change is an event, so a deployment's followers see it at once.
+ALTER TABLE task_attempts ADD COLUMN phase TEXT
+    CHECK (phase IS NULL OR phase IN ('pulling', 'starting', 'health'));
+
+CREATE FUNCTION events_task_progress() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO events (tenant_id, kind, task_id, agent_id, data, created_at)
+    SELECT t.tenant_id, 'task.progress', NEW.task_id, NEW.agent_id,
+           jsonb_build_object('taskId', NEW.task_id, 'agentId', NEW.agent_id,
+                              'assignmentId', NEW.assignment_id, 'phase', NEW.phase),
+           now()
+    FROM tasks t WHERE t.id = NEW.task_id;
+    RETURN NULL;
+END $$;
+
+CREATE TRIGGER events_task_progress AFTER UPDATE ON task_attempts FOR EACH ROW
+    WHEN (OLD.phase IS DISTINCT FROM NEW.phase)
+    EXECUTE FUNCTION events_task_progress();

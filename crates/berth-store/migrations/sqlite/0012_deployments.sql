@@ -59,7 +59,7 @@ CREATE TABLE deployment_targets (
     environment_id   TEXT    NOT NULL,
     agent_name       TEXT    NOT NULL,
     wave             INTEGER NOT NULL CHECK (wave >= 0),
-    phase            TEXT    NOT NULL CHECK (phase IN ('waiting', 'queued', 'deploying',
+    phase            TEXT    NOT NULL CHECK (phase IN ('waiting', 'queued', 'deploying', 'pulling', 'starting', 'health',
                          'succeeded', 'failed', 'unknown', 'rolling_back', 'rolled_back',
                          'rollback_failed', 'skipped')),
     -- [task id, …]
@@ -158,4 +158,20 @@ BEGIN
             json_object('environmentId', NEW.environment_id, 'agentId', NEW.agent_id,
                         'drift', NEW.drift, 'runningRelease', NEW.running_release),
             COALESCE(NEW.verified_at, CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)));
+END;
+
+-- What a deploying delivery reports it is doing (berth_proto::transport::ProgressPhase), through
+-- the start handshake; a change is an event, so a deployment's followers see it at once.
+ALTER TABLE task_attempts ADD COLUMN phase TEXT
+    CHECK (phase IS NULL OR phase IN ('pulling', 'starting', 'health'));
+
+CREATE TRIGGER events_task_progress AFTER UPDATE OF phase ON task_attempts
+WHEN OLD.phase IS NOT NEW.phase
+BEGIN
+    INSERT INTO events (tenant_id, kind, task_id, agent_id, data, created_at)
+    SELECT t.tenant_id, 'task.progress', NEW.task_id, NEW.agent_id,
+           json_object('taskId', NEW.task_id, 'agentId', NEW.agent_id,
+                       'assignmentId', NEW.assignment_id, 'phase', NEW.phase),
+           CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)
+    FROM tasks t WHERE t.id = NEW.task_id;
 END;

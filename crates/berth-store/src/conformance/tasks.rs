@@ -146,6 +146,7 @@ pub async fn task_claim_order(store: &DynStore) {
             error_code: None,
             start_handshake: false,
             started_at: None,
+            phase: None,
         }
     );
     assert_eq!(task_now(store, &task).await, (task.clone(), vec![attempt]));
@@ -627,6 +628,7 @@ pub async fn task_start_handshake(store: &DynStore) {
         certificate_fingerprint: fingerprint,
         task_id: attempt.task_id,
         assignment_id: attempt.assignment_id,
+        phase: None,
         now: at,
     };
     let started = |outcome| match outcome {
@@ -701,6 +703,28 @@ pub async fn task_start_handshake(store: &DynStore) {
         .await,
     );
     assert_eq!(again.started_at, Some(millis(at)), "the first start counts");
+    // A start may report the step it is about to take: the last report is kept, a start
+    // without one leaves it, and a refused start records nothing.
+    use berth_proto::transport::ProgressPhase;
+    let pulling = started(
+        ask(StartAttempt {
+            phase: Some(ProgressPhase::Pulling),
+            ..start(&second, generation, bound(agent), at)
+        })
+        .await,
+    );
+    assert_eq!(pulling.phase, Some(ProgressPhase::Pulling));
+    assert_eq!(pulling.started_at, Some(millis(at)));
+    assert_eq!(
+        ask(StartAttempt {
+            phase: Some(ProgressPhase::Health),
+            ..start(&second, generation + 1, bound(agent), at)
+        })
+        .await,
+        StartOutcome::Fenced
+    );
+    let kept = started(ask(start(&second, generation, bound(agent), at)).await);
+    assert_eq!(kept.phase, Some(ProgressPhase::Pulling));
     // At the deadline itself the start still counts.
     let edge = started(
         ask(start(

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use berth_proto::audit::AuditActor;
+use berth_proto::transport::ProgressPhase;
 use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
 use time::OffsetDateTime;
 
@@ -127,6 +128,8 @@ pub struct Attempt {
     pub start_handshake: bool,
     /// When the agent's start was confirmed; from then on the delivery may have had effects.
     pub started_at: Option<OffsetDateTime>,
+    /// The step the agent last reported through a start.
+    pub phase: Option<ProgressPhase>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -206,6 +209,9 @@ pub struct StartAttempt {
     pub certificate_fingerprint: String,
     pub task_id: TaskId,
     pub assignment_id: AssignmentId,
+    /// The step the agent reports it is about to take; recorded on the attempt (the last one
+    /// wins), `None` leaves it as it is.
+    pub phase: Option<ProgressPhase>,
     pub now: OffsetDateTime,
 }
 

@@ -371,12 +371,13 @@ impl TaskStore for PostgresStore {
             _ => return Ok(StartOutcome::Fenced),
         };
         let row = sqlx::query(concat!(
-            "UPDATE task_attempts SET started_at = COALESCE(started_at, $2) \
-             WHERE assignment_id = $1 RETURNING ",
+            "UPDATE task_attempts SET started_at = COALESCE(started_at, $2), \
+             phase = COALESCE($3, phase) WHERE assignment_id = $1 RETURNING ",
             attempt_columns!()
         ))
         .bind(attempt.assignment_id.0)
         .bind(now)
+        .bind(start.phase.map(|p| p.as_str()))
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error(OP))?;

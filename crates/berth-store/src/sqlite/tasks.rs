@@ -426,11 +426,15 @@ impl TaskStore for SqliteStore {
                     Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => tx
                         .one(
                             concat!(
-                                "UPDATE task_attempts SET started_at = COALESCE(started_at, ?2) \
-                                 WHERE assignment_id = ?1 RETURNING ",
+                                "UPDATE task_attempts SET started_at = COALESCE(started_at, ?2), \
+                                 phase = COALESCE(?3, phase) WHERE assignment_id = ?1 RETURNING ",
                                 attempt_columns!()
                             ),
-                            params![id_text(attempt.assignment_id.0), unix_millis(now)],
+                            params![
+                                id_text(attempt.assignment_id.0),
+                                unix_millis(now),
+                                start.phase.map(|p| p.as_str()),
+                            ],
                             |row| rows::read_attempt(row),
                         )
                         .map(StartOutcome::Started),
