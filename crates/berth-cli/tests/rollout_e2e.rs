@@ -274,7 +274,9 @@ fn environments_roll_out_roll_back_and_prove_it() {
             ranks.windows(2).all(|w| w[0] < w[1])
                 && phases.first().map(String::as_str) == Some("queued")
                 && phases.last().map(String::as_str) == Some("succeeded")
-                && phases.iter().any(|p| p == "health"),
+                && phases
+                    .iter()
+                    .any(|p| ["pulling", "starting", "health"].contains(&p.as_str())),
             "{target}'s phases: {phases:?}"
         );
     }
@@ -693,14 +695,14 @@ fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
         .as_str()
         .unwrap()
         .to_string();
-    let d = wait_deployment(&server, &id, "k1 to start deploying", |d| {
-        target_of(d, "k1")["phase"] == "deploying"
+    let d = wait_deployment(&server, &id, "k1 to wait for its health check", |d| {
+        target_of(d, "k1")["phase"] == "health"
     });
     let task = target_of(&d, "k1")["tasks"][0]
         .as_str()
         .unwrap()
         .to_string();
-    // Let it reach the health wait (the container is created first), then kill it.
+    // The container is up and the agent waits for health: kill it there.
     wait_for(ROLLOUT, "the container to serve", || {
         http_body(port).ok_or_else(|| "not yet".to_string())
     });
