@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Builds the Debian packages `berth` (server and CLI) and `berth-agent` with cargo-deb into
+# <target>/debian/, then checks them: dpkg-deb lists the binaries, units, defaults files, man
+# pages and completions (and not the other package's), the control data asks for the user the
+# unit runs as, and the binaries extracted into a throwaway root run. Nothing is installed on this
+# machine. A release build, so it is not part of `cargo test` (tests/packaging.rs covers the
+# cheap parts: unit verification, completions, man pages); scripts/test.sh runs it last.
+# Idempotent; installs cargo-deb (cargo install, into ~/.cargo/bin) when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { echo "package.sh: $*" >&2; }
+fail() { say "FAIL: $*"; exit 1; }
+
+command -v dpkg-deb >/dev/null || fail "dpkg-deb is missing: run this on Debian"
+command -v cargo-deb >/dev/null || cargo install cargo-deb --locked >&2
+
+target="$(cargo metadata --no-deps --format-version 1 | grep -o '"target_directory":"[^"]*"' | cut -d'"' -f4)"
+release="$target/release"
+
+say "cargo build --release (berth, berth-agent)"
+cargo build --release --locked -p berth-cli --bins
+
+# Man pages and completions come from the binaries themselves (clap_mangen, clap_complete), so
+# they always match the flags; the package metadata (crates/berth-cli/Cargo.toml) picks them up
+# from target/release/pkg/.
+for bin in berth berth-agent; do
+    out="$release/pkg/$bin"
+    rm -rf "$out"
+    mkdir -p "$out/completions"
+    "$release/$bin" man --out "$out/man"
+    "$release/$bin" completions bash >"$out/completions/$bin.bash"
+    "$release/$bin" completions zsh >"$out/completions/_$bin"
+    "$release/$bin" completions fish >"$out/completions/$bin.fish"
+done
+
+debs="$target/debian"
+rm -f "$debs"/berth_*.deb "$debs"/berth-agent_*.deb
+say "cargo deb (berth, and the agent variant: berth-agent)"
+cargo deb -p berth-cli --no-build --output "$debs/" >&2
+cargo deb -p berth-cli --no-build --variant agent --output "$debs/" >&2
+
+check() { # check DEB NAME OTHER: the contents and control data of package NAME
+    local deb="$1" name="$2" other="$3" contents control
+    contents="$(dpkg-deb --contents "$deb" | awk '{print $NF}')"
+    for path in \
+        "./usr/bin/$name" \
+        "./usr/lib/systemd/system/$name.service" \
+        "./etc/default/$name" \
+        "./usr/share/man/man1/$name.1.gz" \
+        "./usr/share/bash-completion/completions/$name" \
+        "./usr/share/zsh/vendor-completions/_$name" \
+        "./usr/share/fish/vendor_completions.d/$name.fish"; do
+        grep -qxF "$path" <<<"$contents" || fail "$deb lacks $path"
+    done
+    if grep -qxF "./usr/bin/$other" <<<"$contents" || grep -qF "/$other.service" <<<"$contents"; then
+        fail "$deb also holds $other's files"
+    fi
+    control="$(dpkg-deb --field "$deb" Package Depends)"
+    grep -qx "Package: $name" <<<"$control" || fail "$deb is not package $name"
+    grep -q '^Depends:.*adduser' <<<"$control" || fail "$deb does not depend on adduser"
+    local tmp
+    tmp="$(mktemp -d)"
+    dpkg-deb --ctrl-tarfile "$deb" | tar -x -C "$tmp"
+    grep -q "adduser --system --group --home /var/lib/$name" "$tmp/postinst" || fail "$deb's postinst creates no user $name"
+    grep -qx "/etc/default/$name" "$tmp/conffiles" || fail "/etc/default/$name is not a conffile"
+    rm -rf "$tmp"
+    say "$(basename "$deb"): $(wc -l <<<"$contents") entries, $(du -k "$deb" | cut -f1) KiB"
+}
+berth_deb="$(ls "$debs"/berth_*.deb)"
+agent_deb="$(ls "$debs"/berth-agent_*.deb)"
+check "$berth_deb" berth berth-agent
+check "$agent_deb" berth-agent berth
+dpkg-deb --contents "$berth_deb" | grep -q 'man1/berth-server.1.gz' || fail "no man page per subcommand"
+
+# A throwaway root, never this machine's /: the extracted programs run and show their man page.
+root="$(mktemp -d)"
+trap 'rm -rf "$root"' EXIT
+dpkg-deb -x "$berth_deb" "$root"
+dpkg-deb -x "$agent_deb" "$root"
+"$root/usr/bin/berth" --version >&2
+"$root/usr/bin/berth-agent" --version >&2
+if command -v systemd-analyze >/dev/null; then
+    # The units as installed, with ExecStart resolved in the throwaway root.
+    mkdir -p "$root/verify"
+    for unit in berth berth-agent; do
+        sed "s#ExecStart=/usr/bin/#ExecStart=$root/usr/bin/#" "$root/usr/lib/systemd/system/$unit.service" >"$root/verify/$unit.service"
+    done
+    warnings="$(systemd-analyze verify --man=no "$root/verify/berth.service" "$root/verify/berth-agent.service" 2>&1)" \
+        || fail "systemd-analyze verify: $warnings"
+    [ -z "$warnings" ] || fail "systemd-analyze verify warned: $warnings"
+fi
+say "OK: $berth_deb $agent_deb"
+echo "$berth_deb"
+echo "$agent_deb"
