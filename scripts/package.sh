@@ -29,6 +29,8 @@ for bin in berth berth-agent; do
     rm -rf "$out"
     mkdir -p "$out/completions"
     "$release/$bin" man --out "$out/man"
+    # Debian policy compresses man pages; cargo-deb does not for files under target/release.
+    gzip -9n "$out"/man/*.1
     "$release/$bin" completions bash >"$out/completions/$bin.bash"
     "$release/$bin" completions zsh >"$out/completions/_$bin"
     "$release/$bin" completions fish >"$out/completions/$bin.fish"
@@ -71,7 +73,7 @@ berth_deb="$(ls "$debs"/berth_*.deb)"
 agent_deb="$(ls "$debs"/berth-agent_*.deb)"
 check "$berth_deb" berth berth-agent
 check "$agent_deb" berth-agent berth
-dpkg-deb --contents "$berth_deb" | grep -q 'man1/berth-server.1.gz' || fail "no man page per subcommand"
+grep -q 'man1/berth-server.1.gz$' <<<"$(dpkg-deb --contents "$berth_deb")" || fail "no man page per subcommand"
 
 # A throwaway root, never this machine's /: the extracted programs run and show their man page.
 root="$(mktemp -d)"
