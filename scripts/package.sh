@@ -2,8 +2,9 @@
 # Builds the Debian packages `berth` (server and CLI) and `berth-agent` with cargo-deb into
 # <target>/debian/, then checks them: dpkg-deb lists the binaries, units, defaults files, man
 # pages and completions (and not the other package's), the control data asks for the user the
-# unit runs as, and the binaries extracted into a throwaway root run. Nothing is installed on this
-# machine. A release build, so it is not part of `cargo test` (tests/packaging.rs covers the
+# unit runs as, the installed units pass `systemd-analyze verify`, and both packages install,
+# reconfigure and remove cleanly in a throwaway root (an overlay of /). Nothing is installed on
+# this machine. A release build, so it is not part of `cargo test` (tests/packaging.rs covers the
 # cheap parts: unit verification, completions, man pages); scripts/test.sh runs it last.
 # Idempotent; installs cargo-deb (cargo install, into ~/.cargo/bin) when it is missing.
 set -euo pipefail
@@ -92,6 +93,44 @@ if command -v systemd-analyze >/dev/null; then
         || fail "systemd-analyze verify: $warnings"
     [ -z "$warnings" ] || fail "systemd-analyze verify warned: $warnings"
 fi
+# Install, reconfigure (the maintainer scripts again: idempotent) and remove both packages in a
+# throwaway root: an overlay of / whose writes go to a tmpfs directory, in a mount namespace of
+# its own, so this machine's system is never touched. Needs root (overlayfs, chroot).
+install_check() {
+    local t
+    t="$(mktemp -d -p /dev/shm)"
+    mkdir -p "$t/upper/debs" "$t/work" "$t/merged"
+    cp "$berth_deb" "$agent_deb" "$t/upper/debs/"
+    unshare --mount --propagation private sh -eu -c '
+        t="$1"; m="$t/merged"
+        mount -t overlay overlay -o "lowerdir=/,upperdir=$t/upper,workdir=$t/work" "$m"
+        mount -t proc proc "$m/proc"
+        mount -t tmpfs tmpfs "$m/run"
+        in_root() { chroot "$m" "$@"; }
+        in_root sh -c "dpkg -i /debs/*.deb" >/dev/null
+        in_root dpkg-reconfigure berth berth-agent
+        for user in berth berth-agent; do
+            [ "$(in_root getent passwd "$user" | cut -d: -f7)" = /usr/sbin/nologin ]
+            [ "$(in_root grep -c "^$user:" /etc/passwd)" = 1 ]
+        done
+        [ "$(in_root stat -c "%U %a" /var/lib/berth-agent)" = "berth-agent 700" ]
+        in_root berth --version >/dev/null
+        in_root berth-agent --version >/dev/null
+        in_root test -f /etc/default/berth -a -f /usr/lib/systemd/system/berth-agent.service
+        in_root dpkg -r berth berth-agent >/dev/null
+        in_root test ! -e /usr/bin/berth
+    ' sh "$t" || { rm -rf "$t"; fail "installing the packages into a throwaway root"; }
+    rm -rf "$t"
+    say "installed, reconfigured and removed both packages in a throwaway root"
+}
+if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null; then
+    install_check
+elif [ "${CI:-}" = true ] || [ "${BERTH_REQUIRE_SERVICES:-}" = 1 ]; then
+    fail "the install check needs root and unshare (CI=true or BERTH_REQUIRE_SERVICES=1)"
+else
+    say "SKIP install check: needs root and unshare"
+fi
+
 say "OK: $berth_deb $agent_deb"
 echo "$berth_deb"
 echo "$agent_deb"
