@@ -21,6 +21,10 @@ apt_install() {
 }
 command -v curl >/dev/null || apt_install curl
 command -v ip >/dev/null || apt_install iproute2
+# systemd-analyze: tests/packaging.rs verifies the systemd units; dpkg-deb builds and reads the
+# packages in scripts/package.sh (which installs cargo-deb itself).
+command -v systemd-analyze >/dev/null || apt_install systemd
+command -v dpkg-deb >/dev/null || apt_install dpkg
 
 # python3 with venv: schemathesis.sh installs its pinned schemathesis into a venv of its own.
 python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3 python3-venv
@@ -56,3 +60,6 @@ cargo test --workspace --locked
 
 say "schemathesis against a live server (scripts/schemathesis.sh)"
 bash scripts/schemathesis.sh
+
+say "Debian packages (scripts/package.sh: a release build, then checks of the .deb files)"
+bash scripts/package.sh

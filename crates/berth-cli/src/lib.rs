@@ -73,6 +73,7 @@ pub fn default_agent_name() -> String {
 pub mod audit;
 pub mod deploy;
 pub mod dev;
+pub mod docs;
 pub mod output;
 
 /// `90`, `90s`, `30m`, `1h`, `7d`.

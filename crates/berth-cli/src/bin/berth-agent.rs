@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use berth_agent::{AgentConfig, AgentError, RegisterOptions};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 #[derive(Parser, Debug)]
 #[command(name = "berth-agent", version, about = "The berth agent")]
@@ -59,6 +59,9 @@ struct Args {
     /// Tasks run at once.
     #[arg(long, default_value_t = 8)]
     max_concurrent_tasks: usize,
+    /// Without a subcommand the agent runs; the subcommands only print documentation.
+    #[command(subcommand)]
+    docs: Option<berth_cli::docs::DocsCommand>,
 }
 
 fn main() -> ExitCode {
@@ -70,6 +73,15 @@ fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { 78 } else { 0 });
         }
     };
+    if let Some(docs) = args.docs {
+        return match berth_cli::docs::run(Args::command(), docs) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("berth-agent: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     // One thread keeps the idle agent small; it does little but wait on the network.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -25,7 +25,7 @@ use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListRelease
 use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, DeploymentId, TaskId};
 use berth_server::{Server, ServerConfig};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -113,6 +113,8 @@ enum Command {
     /// Deployments: show, list, approve, cancel, wait.
     #[command(subcommand)]
     Deployment(DeploymentCommand),
+    #[command(flatten)]
+    Docs(berth_cli::docs::DocsCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -437,6 +439,7 @@ fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     let out = cli.output;
     match cli.command {
+        Command::Docs(docs) => Ok(berth_cli::docs::run(Cli::command(), docs)?),
         Command::Server(args) => serve(args.config()?).await,
         Command::Dev(args) => {
             berth_cli::dev::run(args.data_dir, args.listen, args.heartbeat_interval_secs).await
