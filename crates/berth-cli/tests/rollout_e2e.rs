@@ -423,6 +423,34 @@ fn environments_roll_out_roll_back_and_prove_it() {
             .len(),
         5
     );
+
+    // --- Cancel: a running deployment stops after its running wave. ---
+    let running = server.cli(&["deploy", "r1", "--env", "qa"]);
+    let id = running["id"].as_str().unwrap().to_string();
+    wait_deployment(&server, &id, "wave 0 to start", |d| {
+        !matches!(
+            target_of(d, "qa-1")["phase"].as_str(),
+            Some("waiting" | "queued")
+        )
+    });
+    let cancelling = server.cli(&["deployment", "cancel", &id]);
+    assert_eq!(cancelling["cancelRequested"], true, "{cancelling}");
+    let cancelled = wait_deployment(&server, &id, "the deployment to stop", |d| {
+        d["state"] != "running"
+    });
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    assert_eq!(target_of(&cancelled, "qa-1")["phase"], "succeeded");
+    for later in ["qa-2", "qa-3"] {
+        assert_eq!(
+            target_of(&cancelled, later)["phase"],
+            "skipped",
+            "{cancelled}"
+        );
+    }
+    wait_serving(targets[0].port, "v1");
+    wait_serving(targets[1].port, "v2");
+    // A cancelled deployment does not become the environment's release.
+    assert_eq!(server.cli(&["env", "show", "qa"])["currentRelease"], "r2");
     drop(targets);
 }
 
