@@ -36,15 +36,7 @@ AGENT_PID=""
 cleanup() {
     stop_pid "$AGENT_PID"
     stop_server
-    local ids
-    ids=$(docker ps -aq --filter "name=$PREFIX" 2>/dev/null || true)
-    [ -z "$ids" ] || docker rm -f $ids >/dev/null 2>&1 || true
-    docker images --digests --format '{{.Repository}} {{.Tag}} {{.Digest}}' 2>/dev/null |
-        while read -r repo tag digest; do
-            case "$repo" in *"$PREFIX"*) ;; *) continue ;; esac
-            [ "$tag" = "<none>" ] || docker rmi "$repo:$tag" >/dev/null 2>&1 || true
-            [ "$digest" = "<none>" ] || docker rmi "$repo@$digest" >/dev/null 2>&1 || true
-        done
+    remove_docker_objects "$PREFIX"
     rm -rf "$WORK"
 }
 trap cleanup EXIT

@@ -74,6 +74,20 @@ stop_pid() {
     wait "$pid" 2>/dev/null || true
 }
 
+# remove_docker_objects PREFIX: every container and local image whose name holds PREFIX (a
+# bench's own berth-e2e-bench-<random>), and nothing else.
+remove_docker_objects() {
+    local prefix=$1 ids
+    ids=$(docker ps -aq --filter "name=$prefix" 2>/dev/null || true)
+    [ -z "$ids" ] || docker rm -f $ids >/dev/null 2>&1 || true
+    docker images --digests --format '{{.Repository}} {{.Tag}} {{.Digest}}' 2>/dev/null |
+        while read -r repo tag digest; do
+            case "$repo" in *"$prefix"*) ;; *) continue ;; esac
+            [ "$tag" = "<none>" ] || docker rmi "$repo:$tag" >/dev/null 2>&1 || true
+            [ "$digest" = "<none>" ] || docker rmi "$repo@$digest" >/dev/null 2>&1 || true
+        done
+}
+
 stop_server() {
     stop_pid "$SERVER_PID"
     SERVER_PID=""
