@@ -3,9 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use berth_exec::Capabilities;
 use berth_client::ClientError;
 use berth_crypto::AgentKey;
+use berth_exec::Capabilities;
 use berth_proto::agent::{AgentStatus, Capability, Heartbeat};
 use berth_proto::headers::GENERATION_HEADER;
 use berth_proto::transport::ALG_ECDSA_SHA256;
@@ -132,7 +132,12 @@ mod tests {
         let key = AgentKey::generate().unwrap();
         let agent = AgentId(uuid::Uuid::new_v4());
         let cert = ca
-            .sign_agent_csr(&key.csr_pem("a").unwrap(), agent.0, now, time::Duration::days(1))
+            .sign_agent_csr(
+                &key.csr_pem("a").unwrap(),
+                agent.0,
+                now,
+                time::Duration::days(1),
+            )
             .unwrap();
         let heartbeat = Heartbeat {
             agent_id: agent,
@@ -165,11 +170,17 @@ mod tests {
             ("sequence", serde_json::json!(4)),
             ("generation", serde_json::json!(8)),
             ("signatureAlgorithm", serde_json::json!("rsa-sha256")),
-            ("capabilities", serde_json::json!([{"name": "docker", "healthy": true}])),
+            (
+                "capabilities",
+                serde_json::json!([{"name": "docker", "healthy": true}]),
+            ),
         ] {
             let mut changed = sent.clone();
             changed[member] = value;
-            assert!(!verifies(&changed), "{member} is not covered by the signature");
+            assert!(
+                !verifies(&changed),
+                "{member} is not covered by the signature"
+            );
         }
         // Another agent's key does not make this agent's signature.
         let other = AgentKey::generate().unwrap();

@@ -1506,8 +1506,16 @@ async fn unsigned_forged_and_replayed_heartbeats_are_refused_and_change_nothing(
                 "diskTotalBytes": 0}, "capabilities": []}),
             (422, "SIGNATURE_MISSING"),
         ),
-        ("tampered after signing", tampered, (422, "SIGNATURE_INVALID")),
-        ("algorithm swapped", algorithm_swapped, (422, "SIGNATURE_INVALID")),
+        (
+            "tampered after signing",
+            tampered,
+            (422, "SIGNATURE_INVALID"),
+        ),
+        (
+            "algorithm swapped",
+            algorithm_swapped,
+            (422, "SIGNATURE_INVALID"),
+        ),
         ("not base64", not_base64, (422, "SIGNATURE_INVALID")),
         (
             "another agent's key",
@@ -1584,8 +1592,7 @@ async fn the_legacy_unsigned_complete_is_refused_and_records_nothing() {
     let agent = server.agent("legacy").await;
     let other = server.agent("someone-else").await;
     let generation = agent.session().await;
-    let t = create(&server, task(agent.id, "inspect", json!({})))
-        .await;
+    let t = create(&server, task(agent.id, "inspect", json!({}))).await;
     let a = assignment(&agent, generation).await;
     assert_eq!(a.task_id, t.id);
     let before = show(&server, &t).await;
@@ -1611,17 +1618,29 @@ async fn the_legacy_unsigned_complete_is_refused_and_records_nothing() {
         }
     };
     let (status, body) = post(Some(agent.identity())).await;
-    assert_eq!((status, body["code"].as_str()), (422, Some("SIGNED_RESULT_REQUIRED")));
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (422, Some("SIGNED_RESULT_REQUIRED"))
+    );
     let endpoint = format!(
         "/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
         agent.id, t.id
     );
-    assert!(body["detail"].as_str().unwrap().contains(&endpoint), "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains(&endpoint),
+        "{body}"
+    );
     // Without the agent's certificate, or with another agent's, the usual refusals.
     let (status, body) = post(None).await;
-    assert_eq!((status, body["code"].as_str()), (401, Some("CLIENT_CERT_REQUIRED")));
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (401, Some("CLIENT_CERT_REQUIRED"))
+    );
     let (status, body) = post(Some(other.identity())).await;
-    assert_eq!((status, body["code"].as_str()), (403, Some("CERT_BINDING_MISMATCH")));
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (403, Some("CERT_BINDING_MISMATCH"))
+    );
     let after = show(&server, &t).await;
     assert_eq!(after.state, TaskState::Leased);
     assert_eq!(
@@ -1631,7 +1650,10 @@ async fn the_legacy_unsigned_complete_is_refused_and_records_nothing() {
     );
     // The signed path still takes the result.
     let envelope = agent.sign(agent.envelope(a.assignment_id, ok(t.id)));
-    agent.submit(generation, envelope).await.expect("signed result");
+    agent
+        .submit(generation, envelope)
+        .await
+        .expect("signed result");
     assert_eq!(show(&server, &t).await.state, TaskState::Succeeded);
     server.stop().await;
 }

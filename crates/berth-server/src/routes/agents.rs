@@ -326,9 +326,8 @@ pub async fn heartbeat(
         refused(codes::HEARTBEAT_REPLAYED, detail.clone());
         return Err(ApiError::conflict(codes::HEARTBEAT_REPLAYED, detail));
     }
-    let sequence = i64::try_from(req.sequence).map_err(|_| {
-        ApiError::unprocessable(codes::INVALID_REQUEST, "sequence is above 2^63-1")
-    })?;
+    let sequence = i64::try_from(req.sequence)
+        .map_err(|_| ApiError::unprocessable(codes::INVALID_REQUEST, "sequence is above 2^63-1"))?;
     if matches!(req.status, AgentStatus::Offline | AgentStatus::Registered) {
         return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,

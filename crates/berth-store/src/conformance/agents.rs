@@ -1302,7 +1302,10 @@ pub async fn heartbeat_replay(store: &DynStore) {
 
     let applied = beat(5, AgentStatus::Online, t + Duration::seconds(1));
     assert_eq!(
-        store.record_heartbeats(&[applied]).await.expect("heartbeat"),
+        store
+            .record_heartbeats(&[applied])
+            .await
+            .expect("heartbeat"),
         vec![Applied]
     );
     let before = state(&read().await);
