@@ -1528,6 +1528,12 @@ async fn unsigned_forged_and_replayed_heartbeats_are_refused_and_change_nothing(
             (422, "SIGNATURE_INVALID"),
         ),
         (
+            // Stored as a signed 64-bit integer: above it is refused, never wrapped.
+            "sequence above 2^63-1",
+            signed(body(u64::MAX, generation), &agent.key),
+            (422, "INVALID_REQUEST"),
+        ),
+        (
             "signed for an earlier generation",
             signed(body(seq, generation - 1), &agent.key),
             (409, "HEARTBEAT_REPLAYED"),
