@@ -3,9 +3,12 @@
 
 use std::time::{Duration, Instant};
 
+use berth_client::ClientError;
+use berth_crypto::AgentKey;
 use berth_exec::Capabilities;
 use berth_proto::agent::{AgentStatus, Capability, Heartbeat};
 use berth_proto::headers::GENERATION_HEADER;
+use berth_proto::transport::ALG_ECDSA_SHA256;
 use time::OffsetDateTime;
 
 use crate::capabilities;
@@ -40,6 +43,11 @@ impl Heartbeats<'_> {
         let mut sampler = Sampler::default();
         let mut compose = self.compose;
         let mut compose_probed = Instant::now();
+        // The heartbeat sequence. Nothing is persisted: the server compares it only within this
+        // process's session generation, which the server increments in the same transaction
+        // that grants a session. A restarted agent (after a crash too) holds a new generation,
+        // so starting again at 1 can never repeat a (generation, sequence) the server applied.
+        let mut sequence: u64 = 0;
         loop {
             if renewal_due(&identity.file, OffsetDateTime::now_utc()) {
                 let client = self.link.current().client;
@@ -74,15 +82,110 @@ impl Heartbeats<'_> {
                 status,
                 resource_usage: sampler.sample(&self.config.state_dir),
                 capabilities: detected,
+                generation: self.generation,
+                sequence: 0,
+                signature_algorithm: ALG_ECDSA_SHA256.into(),
+                signature: None,
             };
-            let client = self.link.current().client;
+            let Link { client, key } = self.link.current();
             let headers = [(GENERATION_HEADER, generation_header.as_str())];
             let sent = with_retries("heartbeat", self.config.retry_budget, || {
-                client.send_with(&heartbeat, &headers, None)
+                // Every attempt is a new heartbeat: one whose answer was lost may have been
+                // applied, and sending its sequence again would be refused as a replay.
+                sequence += 1;
+                let signed = signed(&heartbeat, sequence, &key);
+                let client = &client;
+                let headers = &headers;
+                async move { client.send_with(&signed?, headers, None).await }
             })
             .await?;
             let interval = Duration::from_secs(sent.heartbeat_interval_seconds.max(1));
             tokio::time::sleep(interval).await;
         }
+    }
+}
+
+/// `heartbeat` with `sequence`, signed with `key`.
+fn signed(heartbeat: &Heartbeat, sequence: u64, key: &AgentKey) -> Result<Heartbeat, ClientError> {
+    let mut heartbeat = Heartbeat {
+        sequence,
+        signature: None,
+        ..heartbeat.clone()
+    };
+    heartbeat.signature = Some(
+        crate::link::signature("the heartbeat", heartbeat.signing_input(), key)
+            .map_err(ClientError::Config)?,
+    );
+    Ok(heartbeat)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+    use berth_proto::agent::ResourceUsage;
+    use berth_proto::AgentId;
+
+    #[test]
+    fn a_heartbeat_is_signed_over_its_jcs_with_the_sequence_and_the_algorithm() {
+        let now = OffsetDateTime::now_utc();
+        let ca = berth_crypto::Ca::generate("test CA", now).unwrap();
+        let key = AgentKey::generate().unwrap();
+        let agent = AgentId(uuid::Uuid::new_v4());
+        let cert = ca
+            .sign_agent_csr(
+                &key.csr_pem("a").unwrap(),
+                agent.0,
+                now,
+                time::Duration::days(1),
+            )
+            .unwrap();
+        let heartbeat = Heartbeat {
+            agent_id: agent,
+            status: AgentStatus::Online,
+            resource_usage: ResourceUsage::default(),
+            capabilities: vec![],
+            generation: 7,
+            sequence: 0,
+            signature_algorithm: ALG_ECDSA_SHA256.into(),
+            signature: None,
+        };
+        let sent = serde_json::to_value(signed(&heartbeat, 3, &key).unwrap()).unwrap();
+        assert_eq!(sent["sequence"], 3);
+        assert_eq!(sent["generation"], 7);
+        let verifies = |body: &serde_json::Value| {
+            let signature = base64::engine::general_purpose::STANDARD
+                .decode(body["signature"].as_str().unwrap())
+                .unwrap();
+            berth_crypto::verify_with_cert(
+                &cert.cert_der,
+                ALG_ECDSA_SHA256,
+                &berth_proto::transport::signing_input(body).unwrap(),
+                &signature,
+            )
+            .is_ok()
+        };
+        assert!(verifies(&sent));
+        // Every signed member is covered: the sequence, the algorithm, the capability refresh.
+        for (member, value) in [
+            ("sequence", serde_json::json!(4)),
+            ("generation", serde_json::json!(8)),
+            ("signatureAlgorithm", serde_json::json!("rsa-sha256")),
+            (
+                "capabilities",
+                serde_json::json!([{"name": "docker", "healthy": true}]),
+            ),
+        ] {
+            let mut changed = sent.clone();
+            changed[member] = value;
+            assert!(
+                !verifies(&changed),
+                "{member} is not covered by the signature"
+            );
+        }
+        // Another agent's key does not make this agent's signature.
+        let other = AgentKey::generate().unwrap();
+        let forged = serde_json::to_value(signed(&heartbeat, 3, &other).unwrap()).unwrap();
+        assert!(!verifies(&forged));
     }
 }

@@ -39,6 +39,19 @@ fn mtls_client(server: &str, identity: &Identity) -> Result<Client, AgentError> 
     )
 }
 
+/// The `signature` of a signed body (a result, a heartbeat): standard base64 of the key's
+/// signature over `input`, the body's JCS without `signature` (its `signing_input`). `what`
+/// names the body in the error.
+pub(crate) fn signature(
+    what: &str,
+    input: Result<Vec<u8>, serde_json::Error>,
+    key: &AgentKey,
+) -> Result<String, String> {
+    let input = input.map_err(|e| format!("canonicalizing {what}: {e}"))?;
+    key.sign_base64(&input)
+        .map_err(|e| format!("signing {what}: {e}"))
+}
+
 /// The client and signing key in use; replaced together when the certificate is renewed, so a
 /// result is always signed with the key of the certificate its connection presents.
 #[derive(Clone)]

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use base64::Engine;
 use berth_crypto::AgentKey;
 use berth_exec::Outcome;
 use berth_proto::result::TaskResult;
@@ -74,19 +73,18 @@ pub(crate) fn sign(
         signature: None,
         ..envelope.clone()
     };
-    let input = envelope
-        .signing_input()
-        .map_err(|e| format!("canonicalizing the envelope: {e}"))?;
-    let signature = key
-        .sign(&input)
-        .map_err(|e| format!("signing the result: {e}"))?;
-    envelope.signature = Some(base64::engine::general_purpose::STANDARD.encode(signature));
+    envelope.signature = Some(crate::link::signature(
+        "the result",
+        envelope.signing_input(),
+        key,
+    )?);
     Ok(envelope)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine;
     use berth_proto::result::error_types;
     use berth_proto::transport::signing_input;
     use berth_proto::{AssignmentId, TaskId};

@@ -11,7 +11,7 @@ use anyhow::Context;
 use berth_client::{Client, ClientConfig, Identity, Trust};
 use berth_crypto::AgentKey;
 use berth_proto::admin::CreateAgentToken;
-use berth_proto::agent::{Capability, RegisterAgent};
+use berth_proto::agent::{Capability, Heartbeat, RegisterAgent};
 use berth_proto::AgentId;
 use tokio::task::JoinSet;
 
@@ -208,4 +208,20 @@ pub fn capabilities() -> Vec<Capability> {
         healthy: true,
         detail: None,
     }]
+}
+
+/// `template` with `sequence`, signed with `key` as berth-agent signs every heartbeat (the
+/// server refuses unsigned ones and sequences it has seen in the session's generation).
+pub fn signed_heartbeat(
+    template: &Heartbeat,
+    sequence: u64,
+    key: &AgentKey,
+) -> anyhow::Result<Heartbeat> {
+    let mut heartbeat = Heartbeat {
+        sequence,
+        signature: None,
+        ..template.clone()
+    };
+    heartbeat.signature = Some(key.sign_base64(&heartbeat.signing_input()?)?);
+    Ok(heartbeat)
 }

@@ -176,7 +176,8 @@ async fn setup(common: &Common, agents: usize) -> anyhow::Result<(Target, Fleet,
     Ok((target, fleet, rss_before))
 }
 
-fn heartbeat_for(agent: AgentId) -> Heartbeat {
+/// The heartbeat an agent sends under `generation`, before its sequence and signature.
+fn heartbeat_for(agent: AgentId, generation: i64) -> Heartbeat {
     Heartbeat {
         agent_id: agent,
         status: AgentStatus::Online,
@@ -189,12 +190,23 @@ fn heartbeat_for(agent: AgentId) -> Heartbeat {
             disk_total_bytes: 107_374_182_400,
         },
         capabilities: fleet::capabilities(),
+        generation,
+        sequence: 0,
+        signature_algorithm: berth_proto::transport::ALG_ECDSA_SHA256.into(),
+        signature: None,
     }
 }
 
 /// Sends one heartbeat under the agent's session generation; `Err` carries a short
 /// description for the error tally.
-async fn beat(client: &Client, heartbeat: &Heartbeat, generation: &str) -> Result<(), String> {
+async fn beat(
+    client: &Client,
+    heartbeat: &anyhow::Result<Heartbeat>,
+    generation: &str,
+) -> Result<(), String> {
+    let heartbeat = heartbeat
+        .as_ref()
+        .map_err(|e| format!("signing the heartbeat: {e:#}"))?;
     let headers = [(berth_proto::transport::GENERATION_HEADER, generation)];
     match client.send_with(heartbeat, &headers, None).await {
         Ok(r) if r.acknowledged => Ok(()),
@@ -351,14 +363,21 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
     let workers = tasks::sessions(&fleet.agents, args.common.concurrency_register).await?;
     for agent in workers.iter() {
         let phase = interval.mul_f64(berth_crypto::random_unit());
-        let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent.id));
-        let generation = agent.generation.to_string();
+        let (client, template) = (
+            agent.client.clone(),
+            heartbeat_for(agent.id, agent.generation),
+        );
+        let (key, generation) = (agent.key.clone(), agent.generation.to_string());
         let (done, failed) = (done.clone(), failed.clone());
         tasks.spawn(async move {
             let mut report = AgentReport::default();
             let mut scheduled = start + phase;
+            let mut sequence = 0;
             while scheduled < end {
                 sleep_until(scheduled).await;
+                // Signed before the clock starts: the latency is the server's answer.
+                sequence += 1;
+                let heartbeat = fleet::signed_heartbeat(&template, sequence, &key);
                 let sent = TokioInstant::now();
                 let sent_ms = if keep_timeline { unix_millis() } else { 0 };
                 report.max_lag_us = report.max_lag_us.max(micros(sent - scheduled));
@@ -479,12 +498,18 @@ async fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let mut tasks = JoinSet::new();
     let workers = tasks::sessions(&fleet.agents, args.common.concurrency_register).await?;
     for agent in workers.iter() {
-        let (client, heartbeat) = (agent.client.clone(), heartbeat_for(agent.id));
-        let generation = agent.generation.to_string();
+        let (client, template) = (
+            agent.client.clone(),
+            heartbeat_for(agent.id, agent.generation),
+        );
+        let (key, generation) = (agent.key.clone(), agent.generation.to_string());
         let (done, failed) = (done.clone(), failed.clone());
         tasks.spawn(async move {
             let mut report = AgentReport::default();
+            let mut sequence = 0;
             loop {
+                sequence += 1;
+                let heartbeat = fleet::signed_heartbeat(&template, sequence, &key);
                 let sent = TokioInstant::now();
                 if sent >= end {
                     break;

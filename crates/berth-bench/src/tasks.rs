@@ -369,6 +369,10 @@ fn heartbeat_body(w: &Worker) -> berth_proto::agent::Heartbeat {
             disk_total_bytes: 107_374_182_400,
         },
         capabilities: crate::fleet::capabilities(),
+        generation: w.generation,
+        sequence: 0,
+        signature_algorithm: transport::ALG_ECDSA_SHA256.into(),
+        signature: None,
     }
 }
 
@@ -390,8 +394,19 @@ async fn heartbeat_loop(
             _ = stop.wait_for(|s| *s) => return,
             _ = sleep_until(scheduled) => {}
         }
+        // n + 1: the sequence starts at 1 and rises with every heartbeat of this session.
+        let signed = match crate::fleet::signed_heartbeat(&body, n + 1, &w.key) {
+            Ok(signed) => signed,
+            Err(e) => {
+                errors
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(format!("signing the heartbeat: {e:#}"));
+                return;
+            }
+        };
         let sent = Instant::now();
-        match w.client.send_with(&body, &headers, None).await {
+        match w.client.send_with(&signed, &headers, None).await {
             Ok(r) if r.acknowledged => {
                 if n > 0 {
                     let took = micros(sent.elapsed());

@@ -63,6 +63,13 @@ impl AgentKey {
             .map_err(|_| CryptoError::Signing("ecdsa p-256 signing failed"))
     }
 
+    /// [`AgentKey::sign`] as standard base64: the `signature` member of every signed body an
+    /// agent sends (a task result, a heartbeat), over that body's signing input.
+    pub fn sign_base64(&self, message: &[u8]) -> Result<String> {
+        use base64::Engine;
+        Ok(base64::engine::general_purpose::STANDARD.encode(self.sign(message)?))
+    }
+
     /// Whether `cert_der` certifies this key, so the agent never stores a certificate it cannot
     /// use.
     pub fn matches_cert(&self, cert_der: &[u8]) -> Result<bool> {

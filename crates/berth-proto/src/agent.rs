@@ -321,7 +321,10 @@ impl Request for DeleteAgent {
     }
 }
 
-/// `POST /api/v1/agents/{id}/heartbeat` (mTLS).
+/// `POST /api/v1/agents/{id}/heartbeat` (mTLS), signed like a task result: the signature covers
+/// the RFC 8785 (JCS) canonical JSON of this object without `signature`, exactly as sent (see
+/// [`crate::transport::signing_input`]), so the capability refresh and the sequence are signed
+/// with the algorithm. An unsigned heartbeat is refused (`SIGNATURE_MISSING`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -332,6 +335,25 @@ pub struct Heartbeat {
     pub status: AgentStatus,
     pub resource_usage: ResourceUsage,
     pub capabilities: Vec<Capability>,
+    /// The session generation this heartbeat is for; it must equal `X-Berth-Generation`, so a
+    /// signed heartbeat cannot be replayed into a later session.
+    pub generation: i64,
+    /// Strictly increasing within a generation (the agent starts at 1 with each session); the
+    /// server refuses one not above the last it applied (`HEARTBEAT_REPLAYED`). At most
+    /// `i64::MAX`.
+    pub sequence: u64,
+    /// `ecdsa-sha256` or `rsa-sha256`.
+    pub signature_algorithm: String,
+    /// Standard base64 of the signature over the heartbeat's signing input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+impl Heartbeat {
+    /// The bytes its signature covers (see [`crate::transport::signing_input`]).
+    pub fn signing_input(&self) -> Result<Vec<u8>, serde_json::Error> {
+        crate::transport::signing_input(&serde_json::to_value(self)?)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -70,6 +70,12 @@ pub mod codes {
     pub const TRANSPORT_DISABLED: &str = "TRANSPORT_DISABLED";
     pub const SIGNATURE_MISSING: &str = "SIGNATURE_MISSING";
     pub const SIGNATURE_INVALID: &str = "SIGNATURE_INVALID";
+    /// A signed heartbeat whose sequence is not above the last one applied in its generation,
+    /// or whose signed generation is not the session's: a replay. Nothing was changed.
+    pub const HEARTBEAT_REPLAYED: &str = "HEARTBEAT_REPLAYED";
+    /// The seed's unsigned `complete` call: results are taken only signed, at the result
+    /// endpoint the detail names. Nothing was recorded.
+    pub const SIGNED_RESULT_REQUIRED: &str = "SIGNED_RESULT_REQUIRED";
     pub const UNSUPPORTED_SIGNATURE_ALGORITHM: &str = "UNSUPPORTED_SIGNATURE_ALGORITHM";
     pub const UNSUPPORTED_CONTRACT_VERSION: &str = "UNSUPPORTED_CONTRACT_VERSION";
     pub const TASK_ID_MISMATCH: &str = "TASK_ID_MISMATCH";

@@ -297,7 +297,8 @@ impl Serialize for SubmitResult {
     }
 }
 
-pub(crate) fn result_path(agent: AgentId, task: TaskId) -> String {
+/// Where the signed result of `task` goes.
+pub fn result_path(agent: AgentId, task: TaskId) -> String {
     format!("{}/tasks/{task}/result", agent_runtime(agent))
 }
 

@@ -36,6 +36,10 @@ fn heartbeat(agent: AgentId, status: AgentStatus) -> Heartbeat {
             disk_total_bytes: 20 << 30,
         },
         capabilities: vec![],
+        generation: 0,
+        sequence: 0,
+        signature_algorithm: berth_proto::transport::ALG_ECDSA_SHA256.into(),
+        signature: None,
     }
 }
 
@@ -59,16 +63,27 @@ async fn renew(
     client.send_with(&request, &headers, None).await
 }
 
+/// Sends a heartbeat signed with `key` (the key of `client`'s certificate) under `generation`,
+/// with a sequence above every one sent before.
 async fn beat(
     client: &berth_client::Client,
+    key: &AgentKey,
     agent: AgentId,
     generation: i64,
     status: AgentStatus,
 ) -> Result<berth_proto::agent::HeartbeatResponse, ClientError> {
     let g = generation.to_string();
+    let heartbeat = common::sign_heartbeat(
+        Heartbeat {
+            generation,
+            sequence: common::next_sequence(),
+            ..heartbeat(agent, status)
+        },
+        key,
+    );
     client
         .send_with(
-            &heartbeat(agent, status),
+            &heartbeat,
             &[(berth_proto::transport::GENERATION_HEADER, &g)],
             None,
         )
@@ -206,9 +221,15 @@ async fn csr_identity_claims_are_ignored() {
             key_pem: key.serialize_pem(),
         }),
     );
-    let err = beat(&impostor, victim.id, 0, AgentStatus::Online)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &impostor,
+        &AgentKey::generate().unwrap(),
+        victim.id,
+        0,
+        AgentStatus::Online,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
     server.stop().await;
 }
@@ -291,7 +312,7 @@ async fn agent_routes_need_the_bound_certificate() {
         .unwrap_err();
     assert_eq!(code(&err), (401, "CLIENT_CERT_REQUIRED".into()));
     // A's certificate on B's path.
-    let err = beat(&a.client, b.id, ga, AgentStatus::Online)
+    let err = beat(&a.client, &a.key, b.id, ga, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
@@ -306,7 +327,7 @@ async fn agent_routes_need_the_bound_certificate() {
     assert_eq!(code(&err), (403, "CERT_BINDING_MISMATCH".into()));
 
     // A's own path works; then A is deleted and its certificate is refused on the next call.
-    beat(&a.client, a.id, ga, AgentStatus::Online)
+    beat(&a.client, &a.key, a.id, ga, AgentStatus::Online)
         .await
         .expect("own heartbeat");
     server
@@ -314,13 +335,13 @@ async fn agent_routes_need_the_bound_certificate() {
         .send(&DeleteAgent { id: a.id })
         .await
         .unwrap();
-    let err = beat(&a.client, a.id, ga, AgentStatus::Online)
+    let err = beat(&a.client, &a.key, a.id, ga, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
     let err = a.client.send(&IssueAgentJwt::default()).await.unwrap_err();
     assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
-    beat(&b.client, b.id, gb, AgentStatus::Online)
+    beat(&b.client, &b.key, b.id, gb, AgentStatus::Online)
         .await
         .expect("B unaffected");
     server.stop().await;
@@ -337,9 +358,15 @@ async fn renewal_rotates_the_binding_at_once() {
         .expect("renewal");
     // The old certificate stops working, named so that a request in flight across the renewal
     // is sent again with the new one rather than taken for a revocation.
-    let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Online,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(code(&err), (401, "CERTIFICATE_SUPERSEDED".into()));
     let err = agent
         .client
@@ -354,7 +381,7 @@ async fn renewal_rotates_the_binding_at_once() {
             key_pem: new_key.to_pem(),
         }),
     );
-    beat(&fresh, agent.id, generation, AgentStatus::Online)
+    beat(&fresh, &new_key, agent.id, generation, AgentStatus::Online)
         .await
         .expect("the new one works");
     let shown = server
@@ -376,11 +403,17 @@ async fn renewal_rotates_the_binding_at_once() {
     )
     .await
     .expect("second renewal");
-    let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Online,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(code(&err), (401, "AGENT_REVOKED".into()));
-    let err = beat(&fresh, agent.id, generation, AgentStatus::Online)
+    let err = beat(&fresh, &new_key, agent.id, generation, AgentStatus::Online)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (401, "CERTIFICATE_SUPERSEDED".into()));
@@ -396,17 +429,29 @@ async fn a_connection_that_outlives_its_client_certificate_is_refused() {
     let agent = server.agent("expiring").await;
     // Opens the connection the agent's client keeps (HTTP/2, pooled).
     let generation = agent.session().await;
-    beat(&agent.client, agent.id, generation, AgentStatus::Online)
-        .await
-        .expect("valid so far");
+    beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Online,
+    )
+    .await
+    .expect("valid so far");
     let der = berth_crypto::cert_pem_to_der(&agent.cert_pem).unwrap();
     let not_after = berth_crypto::cert_not_after(&der).unwrap();
     let left = not_after - time::OffsetDateTime::now_utc() + time::Duration::seconds(1);
     tokio::time::sleep(left.try_into().unwrap_or_default()).await;
 
-    let err = beat(&agent.client, agent.id, generation, AgentStatus::Online)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Online,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(code(&err), (401, "CLIENT_CERT_EXPIRED".into()));
     let err = renew(
         &agent.client,
@@ -423,9 +468,15 @@ async fn a_connection_that_outlives_its_client_certificate_is_refused() {
     );
     // The answers above came over the old connection: a new one is refused in the handshake.
     let fresh = server.client(None, Some(agent.identity()));
-    let err = beat(&fresh, agent.id, generation, AgentStatus::Online)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &fresh,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Online,
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, ClientError::Transport { .. }), "{err:?}");
     server.stop().await;
 }
@@ -550,21 +601,39 @@ async fn heartbeats_drive_status() {
     assert!(admin.send(&online).await.unwrap().items.is_empty());
     let generation = agent.session().await;
     // An agent cannot claim to be merely registered.
-    let err = beat(&agent.client, agent.id, generation, AgentStatus::Registered)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Registered,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));
-    let ack = beat(&agent.client, agent.id, generation, AgentStatus::Degraded)
-        .await
-        .unwrap();
+    let ack = beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Degraded,
+    )
+    .await
+    .unwrap();
     assert!(ack.acknowledged);
     assert_eq!(ack.heartbeat_interval_seconds, 1);
     let shown = admin.send(&GetAgent { id: agent.id }).await.unwrap();
     assert_eq!(shown.status, AgentStatus::Degraded);
     assert_eq!(shown.resource_usage.unwrap().cpu_cores, 2);
-    beat(&agent.client, agent.id, generation, AgentStatus::Online)
-        .await
-        .unwrap();
+    beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Online,
+    )
+    .await
+    .unwrap();
     assert_eq!(admin.send(&online).await.unwrap().items.len(), 1);
     // Silence: offline after three 1 s intervals.
     wait_until(
@@ -575,9 +644,15 @@ async fn heartbeats_drive_status() {
         },
     )
     .await;
-    let err = beat(&agent.client, agent.id, generation, AgentStatus::Offline)
-        .await
-        .unwrap_err();
+    let err = beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        generation,
+        AgentStatus::Offline,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));
     server.stop().await;
 }
@@ -950,9 +1025,15 @@ async fn a_refused_clone_cannot_renew_the_certificate() {
         );
     }
     // The live process still holds a working binding and can renew.
-    beat(&agent.client, agent.id, live, AgentStatus::Online)
-        .await
-        .expect("the live process is not locked out");
+    beat(
+        &agent.client,
+        &agent.key,
+        agent.id,
+        live,
+        AgentStatus::Online,
+    )
+    .await
+    .expect("the live process is not locked out");
     renew(
         &agent.client,
         agent.id,

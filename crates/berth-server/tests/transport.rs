@@ -99,18 +99,28 @@ async fn sessions_fence_stale_and_missing_generations() {
     );
 
     // Every mutating call needs the current generation.
-    let hb = Heartbeat {
-        agent_id: agent.id,
-        status: AgentStatus::Online,
-        resource_usage: ResourceUsage::default(),
-        capabilities: vec![],
+    // Each signed for the generation it is sent under, as a process signs its own.
+    let hb = |generation: i64| {
+        common::sign_heartbeat(
+            Heartbeat {
+                agent_id: agent.id,
+                status: AgentStatus::Online,
+                resource_usage: ResourceUsage::default(),
+                capabilities: vec![],
+                generation,
+                sequence: common::next_sequence(),
+                signature_algorithm: berth_proto::transport::ALG_ECDSA_SHA256.into(),
+                signature: None,
+            },
+            &agent.key,
+        )
     };
-    let err = agent.client.send(&hb).await.unwrap_err();
+    let err = agent.client.send(&hb(first)).await.unwrap_err();
     assert_eq!(code(&err), (409, "FENCED".into()), "missing generation");
     let stale = (first - 1).to_string();
     let err = agent
         .client
-        .send_with(&hb, &[(GENERATION_HEADER, &stale)], None)
+        .send_with(&hb(first - 1), &[(GENERATION_HEADER, &stale)], None)
         .await
         .unwrap_err();
     assert_eq!(code(&err), (409, "FENCED".into()), "stale generation");
@@ -119,7 +129,7 @@ async fn sessions_fence_stale_and_missing_generations() {
     let current = first.to_string();
     agent
         .client
-        .send_with(&hb, &[(GENERATION_HEADER, &current)], None)
+        .send_with(&hb(first), &[(GENERATION_HEADER, &current)], None)
         .await
         .expect("current generation");
     server.stop().await;
@@ -1394,5 +1404,262 @@ async fn journal_keys_are_the_servers_and_clients_cannot_write_internal_keys() {
         .await
         .unwrap_err();
     assert_eq!(code(&err), (422, "IDEMPOTENCY_KEY_RESERVED".into()));
+    server.stop().await;
+}
+
+/// What a heartbeat changes, as an operator sees it.
+async fn heartbeat_state(
+    server: &TestServer,
+    agent: &TestAgent,
+) -> (
+    AgentStatus,
+    Option<time::OffsetDateTime>,
+    Option<ResourceUsage>,
+    serde_json::Value,
+) {
+    let shown = server
+        .admin()
+        .send(&GetAgent { id: agent.id })
+        .await
+        .expect("get agent");
+    (
+        shown.status,
+        shown.last_heartbeat,
+        shown.resource_usage,
+        serde_json::to_value(&shown.capabilities).unwrap(),
+    )
+}
+
+/// Signed heartbeats fail closed: a missing signature, a bad one, one by another agent's key, a
+/// replayed sequence and a body signed for another generation are each refused with their own
+/// code, and none changes the agent's status, last heartbeat, resources or capabilities.
+#[tokio::test]
+async fn unsigned_forged_and_replayed_heartbeats_are_refused_and_change_nothing() {
+    let server = start().await;
+    let agent = server.agent("beater").await;
+    let other = server.agent("other").await;
+    let generation = agent.go_online().await;
+    let g = generation.to_string();
+    // Everything a heartbeat can change, changed: were any of these applied, it would show.
+    let body = |sequence: u64, generation: i64| Heartbeat {
+        agent_id: agent.id,
+        status: AgentStatus::Degraded,
+        resource_usage: ResourceUsage {
+            cpu_percent: 99.0,
+            cpu_cores: 64,
+            ..Default::default()
+        },
+        capabilities: vec![berth_proto::agent::Capability {
+            name: "docker".into(),
+            version: None,
+            healthy: false,
+            detail: Some("forged".into()),
+        }],
+        generation,
+        sequence,
+        signature_algorithm: berth_proto::transport::ALG_ECDSA_SHA256.into(),
+        signature: None,
+    };
+    let send = |heartbeat: serde_json::Value| {
+        let (client, g) = (server.raw(Some(&agent.identity())), g.clone());
+        let path = format!("{}/api/v1/agents/{}/heartbeat", server.url, agent.id);
+        async move {
+            let response = client
+                .post(path)
+                .header(GENERATION_HEADER, g)
+                .json(&heartbeat)
+                .send()
+                .await
+                .expect("send");
+            let status = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.expect("json");
+            (status, body["code"].as_str().unwrap_or("").to_string())
+        }
+    };
+    let signed = |h: Heartbeat, key: &AgentKey| {
+        serde_json::to_value(common::sign_heartbeat(h, key)).unwrap()
+    };
+    let before = heartbeat_state(&server, &agent).await;
+    assert_eq!(before.0, AgentStatus::Online);
+
+    let seq = common::next_sequence();
+    let mut tampered = signed(body(seq, generation), &agent.key);
+    tampered["resourceUsage"]["cpuCores"] = json!(65);
+    let mut algorithm_swapped = signed(body(seq, generation), &agent.key);
+    algorithm_swapped["signatureAlgorithm"] = json!("rsa-sha256");
+    let mut not_base64 = signed(body(seq, generation), &agent.key);
+    not_base64["signature"] = json!("***");
+    let mut empty = signed(body(seq, generation), &agent.key);
+    empty["signature"] = json!("");
+    let cases: Vec<(&str, serde_json::Value, (u16, &str))> = vec![
+        (
+            "unsigned",
+            serde_json::to_value(body(seq, generation)).unwrap(),
+            (422, "SIGNATURE_MISSING"),
+        ),
+        ("empty signature", empty, (422, "SIGNATURE_MISSING")),
+        (
+            // Seed 000's heartbeat as an older agent sends it: no sequence, no signature.
+            "seed-style",
+            json!({"status": "degraded", "resourceUsage": {"cpuPercent": 99.0, "cpuCores": 64,
+                "memoryUsedBytes": 0, "memoryTotalBytes": 0, "diskFreeBytes": 0,
+                "diskTotalBytes": 0}, "capabilities": []}),
+            (422, "SIGNATURE_MISSING"),
+        ),
+        (
+            "tampered after signing",
+            tampered,
+            (422, "SIGNATURE_INVALID"),
+        ),
+        (
+            "algorithm swapped",
+            algorithm_swapped,
+            (422, "SIGNATURE_INVALID"),
+        ),
+        ("not base64", not_base64, (422, "SIGNATURE_INVALID")),
+        (
+            "another agent's key",
+            signed(body(seq, generation), &other.key),
+            (422, "SIGNATURE_INVALID"),
+        ),
+        (
+            "a key nobody holds a certificate for",
+            signed(body(seq, generation), &AgentKey::generate().unwrap()),
+            (422, "SIGNATURE_INVALID"),
+        ),
+        (
+            // Stored as a signed 64-bit integer: above it is refused, never wrapped.
+            "sequence above 2^63-1",
+            signed(body(u64::MAX, generation), &agent.key),
+            (422, "INVALID_REQUEST"),
+        ),
+        (
+            "signed for an earlier generation",
+            signed(body(seq, generation - 1), &agent.key),
+            (409, "HEARTBEAT_REPLAYED"),
+        ),
+    ];
+    for (name, heartbeat, (status, code)) in cases {
+        assert_eq!(send(heartbeat).await, (status, code.to_string()), "{name}");
+        assert_eq!(
+            heartbeat_state(&server, &agent).await,
+            before,
+            "{name} changed the agent"
+        );
+    }
+
+    // A valid heartbeat applies; the same bytes again, and a properly signed lower sequence,
+    // are replays and change nothing (not even the last heartbeat time).
+    let valid = signed(body(seq, generation), &agent.key);
+    assert_eq!(send(valid.clone()).await, (200, String::new()));
+    let applied = heartbeat_state(&server, &agent).await;
+    assert_eq!(applied.0, AgentStatus::Degraded);
+    assert_ne!(applied, before);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut lower = body(seq - 1, generation);
+    lower.status = AgentStatus::Online;
+    for (name, heartbeat) in [("same bytes", valid), ("lower", signed(lower, &agent.key))] {
+        assert_eq!(
+            send(heartbeat).await,
+            (409, "HEARTBEAT_REPLAYED".to_string()),
+            "{name}"
+        );
+        assert_eq!(
+            heartbeat_state(&server, &agent).await,
+            applied,
+            "{name} changed"
+        );
+    }
+    // Concurrent copies of one new heartbeat: exactly one applies.
+    let next = signed(body(common::next_sequence(), generation), &agent.key);
+    let answers = futures_util::future::join_all((0..8).map(|_| send(next.clone()))).await;
+    let ok = answers.iter().filter(|a| a.0 == 200).count();
+    assert_eq!(ok, 1, "{answers:?}");
+    assert!(answers
+        .iter()
+        .all(|a| a.0 == 200 || *a == (409, "HEARTBEAT_REPLAYED".to_string())));
+    // The agent goes on with higher sequences.
+    agent
+        .heartbeat(generation, common::next_sequence())
+        .await
+        .expect("the next heartbeat applies");
+    assert_eq!(
+        heartbeat_state(&server, &agent).await.0,
+        AgentStatus::Online
+    );
+    server.stop().await;
+}
+
+/// Seed 000's unsigned `complete` is refused with `SIGNED_RESULT_REQUIRED`, naming the signed
+/// result endpoint, and records nothing; it still needs the agent's own bound certificate.
+#[tokio::test]
+async fn the_legacy_unsigned_complete_is_refused_and_records_nothing() {
+    let server = start().await;
+    let agent = server.agent("legacy").await;
+    let other = server.agent("someone-else").await;
+    let generation = agent.session().await;
+    let t = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let a = assignment(&agent, generation).await;
+    assert_eq!(a.task_id, t.id);
+    let before = show(&server, &t).await;
+    let path = format!(
+        "{}/api/v1/agents/{}/tasks/{}/complete",
+        server.url, agent.id, t.id
+    );
+    let seed_body = json!({"success": true, "result": {"healthy": true}, "logs": "ok"});
+    let post = |identity: Option<berth_client::Identity>| {
+        let client = server.raw(identity.as_ref());
+        let (path, body) = (path.clone(), seed_body.clone());
+        async move {
+            let response = client
+                .post(path)
+                .header(GENERATION_HEADER, generation.to_string())
+                .json(&body)
+                .send()
+                .await
+                .expect("send");
+            let status = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.expect("json");
+            (status, body)
+        }
+    };
+    let (status, body) = post(Some(agent.identity())).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (422, Some("SIGNED_RESULT_REQUIRED"))
+    );
+    let endpoint = format!(
+        "/api/v1/release-orchestrator/agent-runtime/agents/{}/tasks/{}/result",
+        agent.id, t.id
+    );
+    assert!(
+        body["detail"].as_str().unwrap().contains(&endpoint),
+        "{body}"
+    );
+    // Without the agent's certificate, or with another agent's, the usual refusals.
+    let (status, body) = post(None).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (401, Some("CLIENT_CERT_REQUIRED"))
+    );
+    let (status, body) = post(Some(other.identity())).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (403, Some("CERT_BINDING_MISMATCH"))
+    );
+    let after = show(&server, &t).await;
+    assert_eq!(after.state, TaskState::Leased);
+    assert_eq!(
+        serde_json::to_value(&after.attempts).unwrap(),
+        serde_json::to_value(&before.attempts).unwrap(),
+        "nothing recorded"
+    );
+    // The signed path still takes the result.
+    let envelope = agent.sign(agent.envelope(a.assignment_id, ok(t.id)));
+    agent
+        .submit(generation, envelope)
+        .await
+        .expect("signed result");
+    assert_eq!(show(&server, &t).await.state, TaskState::Succeeded);
     server.stop().await;
 }

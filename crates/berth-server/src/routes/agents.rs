@@ -12,7 +12,7 @@ use berth_proto::agent::{
     RenewCertificateResponse, UpdateAgent,
 };
 use berth_proto::error::codes;
-use berth_proto::{AgentId, ErrorBody};
+use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{
     AgentFilter, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, RebindOutcome,
     RegisterError,
@@ -24,6 +24,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::{validate_labels, validate_name};
 use crate::routes::audit::actor;
+use crate::routes::transport::verify_signature;
 use crate::SharedState;
 
 use berth_proto::headers::REGISTRATION_TOKEN_HEADER;
@@ -280,12 +281,17 @@ pub async fn delete(
     }
 }
 
-/// Heartbeat (mTLS): status, resource usage and capabilities. Committed in a group with
-/// concurrent heartbeats; applied only while the certificate is the agent's binding.
+/// Heartbeat (mTLS): status, resource usage and capabilities, signed with the agent's key like a
+/// result. Committed in a group with concurrent heartbeats; applied only while the certificate is
+/// the agent's binding, the generation current and the sequence above the last one applied.
 #[utoipa::path(post, path = "/api/v1/agents/{id}/heartbeat", tag = "agent-runtime", request_body = Heartbeat,
     security(("agentCertificate" = [])),
     params(("id" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
-    responses((status = 200, body = HeartbeatResponse)))]
+    responses(
+        (status = 200, body = HeartbeatResponse),
+        (status = 409, body = ErrorBody, description = "FENCED: stale generation; HEARTBEAT_REPLAYED: the sequence is not above the last one applied in this generation, or the signed generation is not X-Berth-Generation"),
+        (status = 422, body = ErrorBody, description = "SIGNATURE_MISSING, SIGNATURE_INVALID, UNSUPPORTED_SIGNATURE_ALGORITHM, INVALID_REQUEST"),
+    ))]
 pub async fn heartbeat(
     State(state): State<SharedState>,
     FencedAgent {
@@ -293,8 +299,35 @@ pub async fn heartbeat(
         peer,
         generation,
     }: FencedAgent,
-    ApiJson(req): ApiJson<Heartbeat>,
+    ApiJson(raw): ApiJson<serde_json::Value>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
+    // Nothing in the body is believed before its signature verifies with the connection's
+    // certificate; the store then applies it only while that certificate is the binding.
+    let refused = |code: &'static str, detail: String| {
+        tracing::warn!(agent_id = %id, generation, code, %detail, "heartbeat refused");
+        state.metrics.error("heartbeat_refused");
+    };
+    verify_signature(&raw, "heartbeat", |algorithm, message, signature| {
+        peer.result_verifier()
+            .and_then(|verifier| verifier.verify(algorithm, message, signature))
+            .is_ok()
+    })
+    .map_err(|refusal| {
+        refused(refusal.code, refusal.detail.clone());
+        ApiError::unprocessable(refusal.code, refusal.detail)
+    })?;
+    let req: Heartbeat = serde_json::from_value(raw)
+        .map_err(|e| ApiError::unprocessable(codes::INVALID_REQUEST, e.to_string()))?;
+    if req.generation != generation {
+        let detail = format!(
+            "the heartbeat is signed for generation {}, not this session's {generation}",
+            req.generation
+        );
+        refused(codes::HEARTBEAT_REPLAYED, detail.clone());
+        return Err(ApiError::conflict(codes::HEARTBEAT_REPLAYED, detail));
+    }
+    let sequence = i64::try_from(req.sequence)
+        .map_err(|_| ApiError::unprocessable(codes::INVALID_REQUEST, "sequence is above 2^63-1"))?;
     if matches!(req.status, AgentStatus::Offline | AgentStatus::Registered) {
         return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,
@@ -303,14 +336,16 @@ pub async fn heartbeat(
     }
     validate_capabilities(&req.capabilities)?;
     let now = state.config.clock.now();
-    // The binding is checked inside the heartbeat transaction, so a heartbeat racing a delete
-    // or a renewal cannot resurrect the old certificate.
+    // The binding, the generation and the sequence are checked inside the heartbeat's
+    // transaction, so a heartbeat racing a delete, a renewal or a copy of itself cannot apply
+    // twice or resurrect the old certificate.
     let outcome = state
         .heartbeats
         .record(HeartbeatRecord {
             agent_id: id,
             certificate_fingerprint: peer.fingerprint.to_string(),
             generation,
+            sequence,
             session_expires_at: now + state.config.heartbeat_interval * 3,
             reported_status: req.status,
             resource_usage: req.resource_usage,
@@ -327,6 +362,13 @@ pub async fn heartbeat(
                 "this process's generation is no longer current; another process took over",
             ))
         }
+        HeartbeatOutcome::Replayed => {
+            let detail = format!(
+                "sequence {sequence} is not above the last heartbeat applied in generation {generation}"
+            );
+            refused(codes::HEARTBEAT_REPLAYED, detail.clone());
+            return Err(ApiError::conflict(codes::HEARTBEAT_REPLAYED, detail));
+        }
         HeartbeatOutcome::Revoked => return Err(binding_refused(&state, id, &peer).await),
     }
     Ok(Json(HeartbeatResponse {
@@ -334,6 +376,33 @@ pub async fn heartbeat(
         status: req.status,
         heartbeat_interval_seconds: state.config.heartbeat_interval.as_secs().max(1),
     }))
+}
+
+/// Seed 000's legacy `complete` call (mTLS), whose body `{success, result, logs}` is unsigned:
+/// always refused, and nothing is read or recorded. A result counts only signed, at the result
+/// endpoint the refusal names.
+#[utoipa::path(post, path = "/api/v1/agents/{id}/tasks/{taskId}/complete", tag = "agent-runtime",
+    security(("agentCertificate" = [])),
+    params(("id" = String, Path, format = Uuid), ("taskId" = String, Path, format = Uuid)),
+    responses(
+        (status = 422, body = ErrorBody, description = "SIGNED_RESULT_REQUIRED: send the signed result envelope to the endpoint the detail names"),
+    ))]
+pub async fn legacy_complete(
+    State(state): State<SharedState>,
+    caller: AgentCaller,
+    ApiPath((_, task_id)): ApiPath<(AgentId, TaskId)>,
+) -> ApiResult<StatusCode> {
+    // Like every agent route: only the agent's own, currently bound certificate gets an answer.
+    caller.bound(&state).await?;
+    state.metrics.result_rejected("unsigned_legacy_complete");
+    Err(ApiError::unprocessable(
+        codes::SIGNED_RESULT_REQUIRED,
+        format!(
+            "unsigned results are not accepted: POST the signed agent-task-transport/v1 result \
+             envelope to {}",
+            berth_proto::transport::result_path(caller.id, task_id)
+        ),
+    ))
 }
 
 /// A short-lived ES256 JWT for the calling agent (mTLS).

@@ -38,6 +38,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(agents::list))
         .routes(routes!(agents::get, agents::update, agents::delete))
         .routes(routes!(agents::heartbeat))
+        .routes(routes!(agents::legacy_complete))
         .routes(routes!(agents::renew_certificate))
         .routes(routes!(
             transport::acquire_session,

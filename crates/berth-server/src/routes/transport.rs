@@ -384,6 +384,46 @@ pub(crate) struct VerifiedResult {
     pub attempt: AttemptResult,
 }
 
+/// The signature of a signed body as received (a result, a heartbeat), before anything in it is
+/// believed: `signature` present, `signatureAlgorithm` one berth knows, the signature standard
+/// base64, and `verifies(algorithm, message, signature)` over the JCS of `raw` without
+/// `signature` — so the algorithm is inside the signed bytes. `what` names the body in details.
+pub(crate) fn verify_signature(
+    raw: &serde_json::Value,
+    what: &str,
+    verifies: impl FnOnce(&str, &[u8], &[u8]) -> bool,
+) -> Result<(), Refusal> {
+    let text = |name: &str| raw.get(name).and_then(|v| v.as_str()).unwrap_or_default();
+    let signature = text("signature");
+    if signature.is_empty() {
+        return Err(refuse(
+            "no_signature",
+            codes::SIGNATURE_MISSING,
+            format!("the {what} is not signed"),
+        ));
+    }
+    let algorithm = text("signatureAlgorithm");
+    if algorithm != transport::ALG_ECDSA_SHA256 && algorithm != transport::ALG_RSA_SHA256 {
+        return Err(refuse(
+            "bad_signature",
+            codes::UNSUPPORTED_SIGNATURE_ALGORITHM,
+            format!("signatureAlgorithm {algorithm:?} is not ecdsa-sha256 or rsa-sha256"),
+        ));
+    }
+    let invalid = |detail: String| refuse("bad_signature", codes::SIGNATURE_INVALID, detail);
+    let signature = base64::engine::general_purpose::STANDARD
+        .decode(signature)
+        .map_err(|_| invalid("the signature is not standard base64".into()))?;
+    let signed = transport::signing_input(raw)
+        .map_err(|_| invalid(format!("the {what} has no canonical form")))?;
+    if !verifies(algorithm, &signed, &signature) {
+        return Err(invalid(
+            "the signature does not verify with the agent's certificate".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Everything a result must prove that needs no database, in order: the contract version, a
 /// signature in a known algorithm that `verifies` over the JCS of the received envelope without
 /// `signature`, then — parsed only after that — the ids, and a `resultData` that is seed 000's
@@ -397,33 +437,7 @@ pub(crate) fn verify_result(
 ) -> Result<VerifiedResult, Refusal> {
     let text = |name: &str| raw.get(name).and_then(|v| v.as_str()).unwrap_or_default();
     check_contract(text("contractVersion"))?;
-    let signature = text("signature");
-    if signature.is_empty() {
-        return Err(refuse(
-            "no_signature",
-            codes::SIGNATURE_MISSING,
-            "the result is not signed",
-        ));
-    }
-    let algorithm = text("signatureAlgorithm");
-    if algorithm != transport::ALG_ECDSA_SHA256 && algorithm != transport::ALG_RSA_SHA256 {
-        return Err(refuse(
-            "bad_signature",
-            codes::UNSUPPORTED_SIGNATURE_ALGORITHM,
-            format!("signatureAlgorithm {algorithm:?} is not ecdsa-sha256 or rsa-sha256"),
-        ));
-    }
-    let invalid = |detail: &str| refuse("bad_signature", codes::SIGNATURE_INVALID, detail);
-    let signature = base64::engine::general_purpose::STANDARD
-        .decode(signature)
-        .map_err(|_| invalid("the signature is not standard base64"))?;
-    let signed =
-        transport::signing_input(raw).map_err(|_| invalid("the envelope has no canonical form"))?;
-    if !verifies(algorithm, &signed, &signature) {
-        return Err(invalid(
-            "the signature does not verify with the agent's certificate",
-        ));
-    }
+    verify_signature(raw, "result", verifies)?;
 
     let malformed = |detail: String| refuse("malformed", codes::INVALID_REQUEST, detail);
     let envelope: AgentTaskResultEnvelope =

@@ -182,21 +182,38 @@ impl TestAgent {
     /// the agent reports, so equip after it), which makes a registered agent `online`.
     pub async fn go_online(&self) -> i64 {
         let generation = self.session().await;
+        self.heartbeat(generation, next_sequence())
+            .await
+            .expect("heartbeat");
+        generation
+    }
+
+    /// Sends one signed `online` heartbeat with `sequence` under `generation`.
+    pub async fn heartbeat(
+        &self,
+        generation: i64,
+        sequence: u64,
+    ) -> Result<berth_proto::agent::HeartbeatResponse, berth_client::ClientError> {
         let g = generation.to_string();
         self.client
             .send_with(
-                &berth_proto::agent::Heartbeat {
-                    agent_id: self.id,
-                    status: berth_proto::agent::AgentStatus::Online,
-                    resource_usage: Default::default(),
-                    capabilities: vec![],
-                },
+                &sign_heartbeat(
+                    berth_proto::agent::Heartbeat {
+                        agent_id: self.id,
+                        status: berth_proto::agent::AgentStatus::Online,
+                        resource_usage: Default::default(),
+                        capabilities: vec![],
+                        generation,
+                        sequence,
+                        signature_algorithm: berth_proto::transport::ALG_ECDSA_SHA256.into(),
+                        signature: None,
+                    },
+                    &self.key,
+                ),
                 &[(GENERATION_HEADER, &g)],
                 None,
             )
             .await
-            .expect("heartbeat");
-        generation
     }
 
     /// Polls offering every capability, as an agent on a host with Docker and compose would.
@@ -353,4 +370,24 @@ pub fn sign_with(key: &AgentKey, envelope: &mut serde_json::Value) {
     envelope["signature"] = base64::engine::general_purpose::STANDARD
         .encode(signature)
         .into();
+}
+
+/// A heartbeat sequence above every one this test binary made before (the server compares them
+/// per agent and generation; one counter for all keeps every test's increasing).
+pub fn next_sequence() -> u64 {
+    static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `heartbeat` signed with `key` as berth-agent signs it.
+pub fn sign_heartbeat(
+    mut heartbeat: berth_proto::agent::Heartbeat,
+    key: &AgentKey,
+) -> berth_proto::agent::Heartbeat {
+    heartbeat.signature = None;
+    heartbeat.signature = Some(
+        key.sign_base64(&heartbeat.signing_input().expect("signing input"))
+            .expect("sign"),
+    );
+    heartbeat
 }

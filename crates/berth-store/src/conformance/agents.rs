@@ -1268,3 +1268,114 @@ pub async fn heartbeat_fencing(store: &DynStore) {
         "{probe:?}"
     );
 }
+
+/// A heartbeat applies only with a sequence above the last one applied in its generation; a
+/// refused one changes nothing, and of two concurrent heartbeats with one sequence exactly one
+/// applies. A new generation starts afresh; a stale one is fenced, whatever its sequence.
+pub async fn heartbeat_replay(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("replayed")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let beat = |sequence: i64, status: AgentStatus, at: OffsetDateTime| HeartbeatRecord {
+        generation,
+        sequence,
+        ..heartbeat(&agent, status, at)
+    };
+    let read = || async {
+        store
+            .get_agent(tenant.id, agent.id)
+            .await
+            .expect("get")
+            .expect("exists")
+    };
+    let state = |a: &Agent| {
+        (
+            a.status,
+            a.reported_status,
+            a.last_heartbeat,
+            a.resource_usage.clone(),
+            a.capabilities.clone(),
+            a.updated_at,
+        )
+    };
+
+    let applied = beat(5, AgentStatus::Online, t + Duration::seconds(1));
+    assert_eq!(
+        store
+            .record_heartbeats(&[applied])
+            .await
+            .expect("heartbeat"),
+        vec![Applied]
+    );
+    let before = state(&read().await);
+    assert_eq!(before.2, Some(millis(t + Duration::seconds(1))));
+
+    // The same sequence again, and a lower one, each trying to change everything.
+    for sequence in [5, 4, 0] {
+        let mut replay = beat(sequence, AgentStatus::Degraded, t + Duration::seconds(2));
+        replay.capabilities = vec![capability("ssh")];
+        replay.resource_usage.cpu_percent = 99.0;
+        replay.session_expires_at = t + Duration::hours(1);
+        assert_eq!(
+            store.record_heartbeats(&[replay]).await.expect("heartbeat"),
+            vec![Replayed],
+            "sequence {sequence}"
+        );
+        assert_eq!(state(&read().await), before, "a replay changed the agent");
+    }
+
+    // Within one batch: the first of two with one sequence applies, the second is a replay.
+    let at = t + Duration::seconds(3);
+    assert_eq!(
+        store
+            .record_heartbeats(&[
+                beat(6, AgentStatus::Degraded, at),
+                beat(6, AgentStatus::Online, at + Duration::seconds(1)),
+            ])
+            .await
+            .expect("heartbeats"),
+        vec![Applied, Replayed]
+    );
+    let read_now = read().await;
+    assert_eq!(read_now.reported_status, AgentStatus::Degraded);
+    assert_eq!(read_now.last_heartbeat, Some(millis(at)));
+
+    // Concurrent transactions with one sequence: exactly one applies, every round.
+    for round in 0..10i64 {
+        let sequence = 100 + round;
+        let at = t + Duration::seconds(10 + round);
+        let (a, b) = (
+            [beat(sequence, AgentStatus::Online, at)],
+            [beat(sequence, AgentStatus::Degraded, at)],
+        );
+        let (a, b) = tokio::join!(store.record_heartbeats(&a), store.record_heartbeats(&b));
+        let mut outcomes = vec![a.expect("heartbeat")[0], b.expect("heartbeat")[0]];
+        outcomes.sort_by_key(|o| *o != Applied);
+        assert_eq!(outcomes, vec![Applied, Replayed], "round {round}");
+    }
+
+    // A new generation starts afresh; the old one is fenced even with a higher sequence.
+    let later = t + Duration::hours(2);
+    let next = session(store, &agent, later).await;
+    assert!(next > generation);
+    let fresh = HeartbeatRecord {
+        generation: next,
+        sequence: 1,
+        ..heartbeat(&agent, AgentStatus::Online, later + Duration::seconds(1))
+    };
+    let stale = beat(1_000, AgentStatus::Degraded, later + Duration::seconds(2));
+    assert_eq!(
+        store
+            .record_heartbeats(&[fresh, stale])
+            .await
+            .expect("heartbeats"),
+        vec![Applied, Fenced]
+    );
+    let read_now = read().await;
+    assert_eq!(read_now.reported_status, AgentStatus::Online);
+    assert_eq!(
+        read_now.last_heartbeat,
+        Some(millis(later + Duration::seconds(1)))
+    );
+}

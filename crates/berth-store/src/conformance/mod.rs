@@ -15,7 +15,7 @@ use time::macros::datetime;
 use time::{Duration, OffsetDateTime};
 
 use crate::rows::millis;
-use crate::HeartbeatOutcome::{Applied, Fenced, Revoked};
+use crate::HeartbeatOutcome::{Applied, Fenced, Replayed, Revoked};
 use crate::{
     Agent, AgentFilter, AgentUpdate, Attempt, AttemptResult, AttemptState, CancelOutcome,
     ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome, DynStore, HeartbeatOutcome,
@@ -70,6 +70,7 @@ macro_rules! conformance_cases {
             session_conflict_degrades,
             session_restart_takeover,
             heartbeat_fencing,
+            heartbeat_replay,
             task_create_idempotency,
             task_claim_order,
             task_claim_unrunnable_heads_fail,
@@ -227,12 +228,15 @@ async fn register(store: &DynStore, tenant: TenantId, agent: NewAgent) -> Agent 
         .expect("registration accepted")
 }
 
-/// A heartbeat at generation 0: the generation of an agent that never acquired a session.
+/// A heartbeat at generation 0: the generation of an agent that never acquired a session. Its
+/// sequence is above every one made before, as an agent's are.
 fn heartbeat(agent: &Agent, status: AgentStatus, at: OffsetDateTime) -> HeartbeatRecord {
+    static SEQUENCE: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(1);
     HeartbeatRecord {
         agent_id: agent.id,
         certificate_fingerprint: agent.certificate_fingerprint.clone().expect("bound agent"),
         generation: 0,
+        sequence: SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         session_expires_at: at + Duration::seconds(90),
         reported_status: status,
         resource_usage: usage(),

@@ -81,6 +81,9 @@ pub struct HeartbeatRecord {
     pub certificate_fingerprint: String,
     /// The session generation the agent holds (`X-Berth-Generation`); a stale one is fenced.
     pub generation: i64,
+    /// The signed heartbeat's sequence (0..=i64::MAX). Within `generation` it must be above the
+    /// last one applied, else the heartbeat is `Replayed`; a new generation starts afresh.
+    pub sequence: i64,
     /// The renewed session lease: `session_expires_at` is set to this.
     pub session_expires_at: OffsetDateTime,
     pub reported_status: AgentStatus,
@@ -110,6 +113,8 @@ pub enum HeartbeatOutcome {
     Applied,
     Fenced,
     Revoked,
+    /// Bound and current, but `sequence` is not above the last one applied in this generation.
+    Replayed,
 }
 
 /// The session lease of an agent process (seed 003 fencing).
@@ -190,7 +195,10 @@ pub trait AgentStore: Send + Sync {
     /// Applies a batch of heartbeats in one transaction. Per record: `Revoked` when the agent is
     /// gone or the certificate is no longer its binding, `Fenced` when `generation` is not the
     /// agent's current generation, else `Applied`: sets `status` and `reported_status` to the
-    /// reported status, `last_heartbeat` to `at`, and renews `session_expires_at`.
+    /// reported status, `last_heartbeat` to `at`, and renews `session_expires_at`. `Replayed`
+    /// when `sequence` is not above the last applied in the same generation. The sequence is a
+    /// condition of the update itself, so of two concurrent heartbeats with one sequence exactly
+    /// one applies, and a refused one changes nothing.
     async fn record_heartbeats(&self, batch: &[HeartbeatRecord]) -> Result<Vec<HeartbeatOutcome>>;
 
     /// Marks agents whose last heartbeat is older than `offline_before` (or never came and were

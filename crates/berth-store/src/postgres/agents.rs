@@ -290,8 +290,9 @@ impl AgentStore for PostgresStore {
                  status = CASE WHEN session_conflict_until > $2 THEN 'degraded' ELSE $1 END, \
                  last_heartbeat = $2, \
                  resource_usage = $3, capabilities = $4, updated_at = $2, \
-                 session_expires_at = $7 \
-                 WHERE id = $5 AND certificate_fingerprint = $6 AND generation = $8",
+                 session_expires_at = $7, heartbeat_generation = $8, heartbeat_sequence = $9 \
+                 WHERE id = $5 AND certificate_fingerprint = $6 AND generation = $8 \
+                 AND (heartbeat_generation <> $8 OR heartbeat_sequence < $9)",
             )
             .bind(record.reported_status.as_str())
             .bind(millis(record.at))
@@ -301,6 +302,7 @@ impl AgentStore for PostgresStore {
             .bind(&record.certificate_fingerprint)
             .bind(millis(record.session_expires_at))
             .bind(record.generation)
+            .bind(record.sequence)
             .execute(&mut *tx)
             .await
             .map_err(db_error(OP))?;
@@ -308,18 +310,18 @@ impl AgentStore for PostgresStore {
                 HeartbeatOutcome::Applied
             } else {
                 // Only says why the update was refused.
-                let bound = sqlx::query(
-                    "SELECT 1 AS found FROM agents WHERE id = $1 AND certificate_fingerprint = $2",
+                let generation: Option<i64> = sqlx::query_scalar(
+                    "SELECT generation FROM agents WHERE id = $1 AND certificate_fingerprint = $2",
                 )
                 .bind(record.agent_id.0)
                 .bind(&record.certificate_fingerprint)
                 .fetch_optional(&mut *tx)
                 .await
                 .map_err(db_error(OP))?;
-                if bound.is_some() {
-                    HeartbeatOutcome::Fenced
-                } else {
-                    HeartbeatOutcome::Revoked
+                match generation {
+                    None => HeartbeatOutcome::Revoked,
+                    Some(g) if g != record.generation => HeartbeatOutcome::Fenced,
+                    Some(_) => HeartbeatOutcome::Replayed,
                 }
             };
         }

@@ -306,6 +306,7 @@ impl AgentStore for SqliteStore {
                 record.certificate_fingerprint.clone(),
                 unix_millis(record.session_expires_at),
                 record.generation,
+                record.sequence,
             ));
         }
         let len = batch.len();
@@ -314,8 +315,18 @@ impl AgentStore for SqliteStore {
         self.writer
             .write_unflushed("record heartbeats", move |tx| {
                 let mut outcomes = vec![HeartbeatOutcome::Revoked; len];
-                for (i, status, at, usage, capabilities, agent, fingerprint, session, generation) in
-                    updates
+                for (
+                    i,
+                    status,
+                    at,
+                    usage,
+                    capabilities,
+                    agent,
+                    fingerprint,
+                    session,
+                    generation,
+                    sequence,
+                ) in updates
                 {
                     // Binding and generation are conditions of the update itself.
                     let applied = tx.execute(
@@ -323,8 +334,10 @@ impl AgentStore for SqliteStore {
                          status = CASE WHEN session_conflict_until > ?2 THEN 'degraded' \
                          ELSE ?1 END, \
                          last_heartbeat = ?2, resource_usage = ?3, capabilities = ?4, \
-                         updated_at = ?2, session_expires_at = ?7 \
-                         WHERE id = ?5 AND certificate_fingerprint = ?6 AND generation = ?8",
+                         updated_at = ?2, session_expires_at = ?7, \
+                         heartbeat_generation = ?8, heartbeat_sequence = ?9 \
+                         WHERE id = ?5 AND certificate_fingerprint = ?6 AND generation = ?8 \
+                         AND (heartbeat_generation <> ?8 OR heartbeat_sequence < ?9)",
                         params![
                             status,
                             at,
@@ -333,22 +346,24 @@ impl AgentStore for SqliteStore {
                             agent,
                             fingerprint,
                             session,
-                            generation
+                            generation,
+                            sequence
                         ],
                     )?;
                     outcomes[i] = if applied > 0 {
                         HeartbeatOutcome::Applied
                     } else {
                         // Only says why the update was refused.
-                        let bound = tx.optional(
-                            "SELECT 1 FROM agents WHERE id = ?1 AND certificate_fingerprint = ?2",
+                        let current: Option<i64> = tx.optional(
+                            "SELECT generation FROM agents \
+                             WHERE id = ?1 AND certificate_fingerprint = ?2",
                             params![agent, fingerprint],
-                            |_| Ok(()),
+                            |row| row.int("generation"),
                         )?;
-                        if bound.is_some() {
-                            HeartbeatOutcome::Fenced
-                        } else {
-                            HeartbeatOutcome::Revoked
+                        match current {
+                            None => HeartbeatOutcome::Revoked,
+                            Some(g) if g != generation => HeartbeatOutcome::Fenced,
+                            Some(_) => HeartbeatOutcome::Replayed,
                         }
                     };
                 }
