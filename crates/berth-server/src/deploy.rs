@@ -22,6 +22,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use berth_proto::agent::AgentStatus;
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{DeploymentKind, DeploymentState, RolloutPolicy, TargetPhase};
 use berth_proto::error::ErrorChain;
@@ -80,14 +81,15 @@ pub async fn sweep(state: &SharedState) {
     }
 }
 
-/// Agents of the tenant carrying every selector label, whatever their status, by name.
+/// Agents of the tenant carrying every selector label (and `status`, when given), by name.
 pub(crate) async fn matching_agents(
     state: &SharedState,
     tenant: TenantId,
     selector: &std::collections::BTreeMap<String, String>,
+    status: Option<AgentStatus>,
 ) -> Result<Vec<Agent>, StoreError> {
     let filter = AgentFilter {
-        status: None,
+        status,
         capability: None,
         label: selector.iter().next().map(|(k, v)| (k.clone(), v.clone())),
     };
@@ -109,8 +111,19 @@ pub(crate) async fn matching_agents(
     Ok(agents)
 }
 
-/// Inserts a deployment of `release` into `env` over `agents` (in waves of `maxParallel`, by
-/// name). A deploy waits for the environment's approvals; a rollback or a heal returns to a
+/// `agents` (by name, as [`matching_agents`] gives them) in waves of the policy's `maxParallel`:
+/// what a deployment runs and its plan shows.
+pub(crate) fn waves<'a>(
+    agents: &'a [Agent],
+    policy: &RolloutPolicy,
+) -> impl Iterator<Item = (u32, &'a [Agent])> {
+    agents
+        .chunks(policy.max_parallel.max(1) as usize)
+        .enumerate()
+        .map(|(wave, chunk)| (wave as u32, chunk))
+}
+
+/// Inserts a deployment of `release` into `env` over `agents` (in [`waves`]). A deploy waits for the environment's approvals; a rollback or a heal returns to a
 /// release the environment already ran and waits for none. A rollback pins the environment.
 /// The deployment's rollback release is the environment's current one.
 pub(crate) async fn create(
@@ -127,15 +140,13 @@ pub(crate) async fn create(
         DeploymentKind::Deploy => env.approvals,
         DeploymentKind::Rollback | DeploymentKind::Heal => 0,
     };
-    let per_wave = env.policy.max_parallel.max(1) as usize;
-    let targets = agents
-        .iter()
-        .enumerate()
-        .map(|(i, agent)| DeploymentTarget {
+    let targets = waves(agents, &env.policy)
+        .flat_map(|(wave, chunk)| chunk.iter().map(move |agent| (wave, agent)))
+        .map(|(wave, agent)| DeploymentTarget {
             deployment_id: id,
             agent_id: agent.id,
             agent_name: agent.name.clone(),
-            wave: (i / per_wave) as u32,
+            wave,
             phase: TargetPhase::Waiting,
             tasks: Vec::new(),
             rollback_tasks: Vec::new(),

@@ -85,7 +85,7 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
     };
     let now = state.config.clock.now();
     let period = Duration::from_secs(env.drift_interval_secs.into());
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector).await?;
+    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
     let known: HashMap<AgentId, TargetObservation> = state
         .store
         .target_observations(env.id)
@@ -234,7 +234,7 @@ fn observe(
 
 /// Redeploys the environment's current release, unless a deployment is already running there.
 async fn heal(state: &SharedState, env: &Environment, release: &Release) -> Result<(), StoreError> {
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector).await?;
+    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
     let created = crate::deploy::create(
         state,
         env,

@@ -250,7 +250,7 @@ pub async fn environment_status(
 ) -> ApiResult<Json<EnvironmentStatus>> {
     caller.can_read()?;
     let env = environment(&state, &caller, &name).await?;
-    let agents = crate::deploy::matching_agents(&state, env.tenant_id, &env.selector).await?;
+    let agents = crate::deploy::matching_agents(&state, env.tenant_id, &env.selector, None).await?;
     let observations = state.store.target_observations(env.id).await?;
     let desired = env.current_release.as_ref().map(|r| r.name.clone());
     let targets = agents
@@ -374,7 +374,7 @@ async fn targets(
             release.name
         )));
     }
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector).await?;
+    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
     if agents.is_empty() {
         return Err(ApiError::unprocessable(
             codes::NO_TARGETS,
@@ -392,10 +392,7 @@ async fn targets(
     let kind = TaskKind::DockerRun;
     let unable: Vec<&str> = agents
         .iter()
-        .filter(|a| {
-            let names: Vec<&str> = a.capabilities.iter().map(|c| c.name.as_str()).collect();
-            !kind.runs_on(&names)
-        })
+        .filter(|a| !crate::routes::tasks::can_run(a, kind))
         .map(|a| a.name.as_str())
         .collect();
     if !unable.is_empty() {
@@ -533,12 +530,9 @@ pub async fn plan(
     caller.can_read()?;
     let (env, release, agents) = prepare(&state, &caller, &req).await?;
     let observations = state.store.target_observations(env.id).await?;
-    let per_wave = env.policy.max_parallel.max(1) as usize;
-    let waves = agents
-        .chunks(per_wave)
-        .enumerate()
+    let waves = crate::deploy::waves(&agents, &env.policy)
         .map(|(wave, chunk)| PlanWave {
-            wave: wave as u32,
+            wave,
             targets: chunk
                 .iter()
                 .map(|agent| {

@@ -11,7 +11,7 @@ use berth_proto::kind::TaskKind;
 use berth_proto::task::{AttemptView, CreateTask, ListTasks, TaskList, TaskView};
 use berth_proto::{AgentId, ErrorBody, TaskId, TenantId};
 use berth_store::{
-    AgentFilter, Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task, TaskFilter,
+    Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task, TaskFilter,
 };
 
 use crate::auth::Caller;
@@ -68,7 +68,7 @@ pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
 }
 
 /// Whether the agent reports the capability the task kind needs (seed strings, by name).
-fn can_run(agent: &berth_store::Agent, kind: TaskKind) -> bool {
+pub(crate) fn can_run(agent: &berth_store::Agent, kind: TaskKind) -> bool {
     let names: Vec<&str> = agent.capabilities.iter().map(|c| c.name.as_str()).collect();
     kind.runs_on(&names)
 }
@@ -81,28 +81,16 @@ async fn select_agent(
     selector: &BTreeMap<String, String>,
     kind: TaskKind,
 ) -> ApiResult<AgentId> {
-    let first = selector.iter().next().map(|(k, v)| (k.clone(), v.clone()));
-    let filter = AgentFilter {
-        status: Some(berth_proto::agent::AgentStatus::Online),
-        capability: None,
-        label: first,
-    };
-    let mut candidates = Vec::new();
-    let mut after = None;
-    loop {
-        let page = state.store.list_agents(tenant, &filter, after, 500).await?;
-        candidates.extend(
-            page.items
-                .iter()
-                .filter(|a| selector.iter().all(|(k, v)| a.labels.get(k) == Some(v)))
-                .filter(|a| can_run(a, kind))
-                .map(|a| a.id),
-        );
-        match page.next {
-            Some(next) => after = Some(AgentId(next)),
-            None => break,
-        }
-    }
+    let online = Some(berth_proto::agent::AgentStatus::Online);
+    let mut candidates: Vec<AgentId> =
+        crate::deploy::matching_agents(state, tenant, selector, online)
+            .await?
+            .iter()
+            .filter(|a| can_run(a, kind))
+            .map(|a| a.id)
+            .collect();
+    // Ties go to the first by id.
+    candidates.sort();
     let counts = state.store.open_task_counts(&candidates).await?;
     counts
         .into_iter()
