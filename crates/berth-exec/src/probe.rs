@@ -188,6 +188,15 @@ mod tests {
             http(&url, Duration::from_secs(5)).await,
             Err("HTTP 503".to_string())
         );
+    }
+
+    #[tokio::test]
+    async fn tcp_connect_fails_when_nothing_listens() {
+        // Bound but never listening: connecting is refused, and no other test can take the port
+        // while this socket holds it.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = socket.local_addr().unwrap().port();
         assert!(tcp_connect("127.0.0.1", port, Duration::from_secs(5))
             .await
             .is_err());

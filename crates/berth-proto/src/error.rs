@@ -131,6 +131,40 @@ pub mod codes {
     pub const DEPLOYMENT_STATE: &str = "DEPLOYMENT_STATE";
     /// A rollback with no earlier successful release to return to.
     pub const NO_PREVIOUS_RELEASE: &str = "NO_PREVIOUS_RELEASE";
+    // --- desired state (seed 001) ---
+    /// The request names an environment the caller's credential is not for. The agent exits 78.
+    pub const AGENT_ENV_MISMATCH: &str = "AGENT_ENV_MISMATCH";
+    /// The credential is unknown, removed, or minted from a superseded grant. The agent deletes it.
+    pub const AGENT_UNAUTHENTICATED: &str = "AGENT_UNAUTHENTICATED";
+    pub const BUNDLE_NOT_FOUND: &str = "BUNDLE_NOT_FOUND";
+    /// The bundle's own sha (recomputed by whoever holds it) is not the one asked for.
+    pub const BUNDLE_SHA_MISMATCH: &str = "BUNDLE_SHA_MISMATCH";
+    /// A member is unsafe to unpack: absolute, `..`, a link, a device, a duplicate name. The
+    /// detail names the member and why.
+    pub const BUNDLE_UNSAFE: &str = "BUNDLE_UNSAFE";
+    /// A member, or the whole bundle, is over its size limit.
+    pub const BUNDLE_TOO_LARGE: &str = "BUNDLE_TOO_LARGE";
+    /// The bundle is not what the seed describes (no compose file, unreadable manifest or
+    /// `bundle.json`, a manifest entry carrying a `value`).
+    pub const BUNDLE_INVALID: &str = "BUNDLE_INVALID";
+    /// `bundle.json` names a `renderer` other than `compose`.
+    pub const RENDERER_UNSUPPORTED: &str = "RENDERER_UNSUPPORTED";
+    /// Free disk is below the bundle's `disk_need_bytes`.
+    pub const DISK_INSUFFICIENT: &str = "DISK_INSUFFICIENT";
+    /// The compose file asks for privileged containers and the bundle does not allow them.
+    pub const PRIVILEGED_FORBIDDEN: &str = "PRIVILEGED_FORBIDDEN";
+    /// Secrets the manifest names could not be resolved: `ENV_INCOMPLETE: unresolved: A, B`.
+    pub const ENV_INCOMPLETE: &str = "ENV_INCOMPLETE";
+    /// The lease answer has the pre-Gate-1 AppRole shape (`wrapping_token` / `role_id`).
+    pub const LEASE_SHAPE: &str = "LEASE_SHAPE";
+    /// No live lease for the secret read (`builtin` provider).
+    pub const LEASE_REQUIRED: &str = "LEASE_REQUIRED";
+    pub const LEASE_RATE_LIMITED: &str = "LEASE_RATE_LIMITED";
+    pub const SECRET_NOT_FOUND: &str = "SECRET_NOT_FOUND";
+    /// `docker compose up` or its health wait failed; the previous stack keeps running.
+    pub const APPLY_FAILED: &str = "APPLY_FAILED";
+    /// The environment's secrets provider is not configured on this server (no OpenBao).
+    pub const PROVIDER_UNAVAILABLE: &str = "PROVIDER_UNAVAILABLE";
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod admin;
 pub mod agent;
 pub mod audit;
 pub mod deploy;
+pub mod desired;
 pub mod error;
 pub mod event;
 pub mod ids;
