@@ -207,12 +207,7 @@ impl Bundle {
         if self.meta.allow_privileged {
             return Ok(());
         }
-        let yaml = self
-            .files
-            .get(&self.compose_file)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        compose::check(&self.compose_file, yaml)
+        compose::check(&self.compose_file, &self.files)
     }
 
     /// The `.env` content: `.env.template` with every manifest var filled from `values`
@@ -264,6 +259,12 @@ fn contained_path(root: &Path, name: &str) -> Result<PathBuf, BundleError> {
         parent.push(part);
         match std::fs::symlink_metadata(&parent) {
             Ok(m) if m.file_type().is_dir() => {}
+            Ok(m) if m.file_type().is_symlink() => {
+                return Err(name::unsafe_member(
+                    name,
+                    &format!("{} is a symbolic link", parent.display()),
+                ))
+            }
             Ok(_) => {
                 return Err(name::unsafe_member(
                     name,

@@ -131,16 +131,17 @@ pub(crate) fn parse_manifest(bytes: Option<&[u8]>) -> Result<SecretsManifest, Bu
             )));
         }
         let kind = opt_str(entry, "kind", file)?.unwrap_or_else(|| "supplied".into());
-        let version = match entry.get("version") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| {
-                        invalid(format!("{file}: entry {var}: version must be a u32 or null"))
-                    })?,
-            ),
-        };
+        let version =
+            match entry.get("version") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(
+                    || {
+                        invalid(format!(
+                            "{file}: entry {var}: version must be a u32 or null"
+                        ))
+                    },
+                )?),
+            };
         if entries.iter().any(|e| e.var == var) {
             return Err(invalid(format!("{file}: var {var} appears twice")));
         }
@@ -181,7 +182,9 @@ pub(crate) fn parse_meta(bytes: Option<&[u8]>) -> Result<BundleMeta, BundleError
     let disk_need_bytes = match either("disk_need_bytes") {
         None => None,
         Some(v) => Some(v.as_u64().ok_or_else(|| {
-            invalid(format!("{file}: disk_need_bytes must be a non-negative integer"))
+            invalid(format!(
+                "{file}: disk_need_bytes must be a non-negative integer"
+            ))
         })?),
     };
     let renderer = opt_str(&map, "renderer", file)?.unwrap_or_else(|| "compose".into());

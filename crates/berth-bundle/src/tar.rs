@@ -142,6 +142,14 @@ pub fn read_tar(bytes: &[u8], limits: &Limits) -> Result<Files, BundleError> {
         let shown = String::from_utf8_lossy(&raw_name).into_owned();
         let header_size = parse_size(&block[124..136])
             .ok_or_else(|| invalid(format!("member {shown:?}: unreadable size field")))?;
+        if !matches!(typeflag, b'0' | b'\0' | b'5' | b'L' | b'x' | b'g') {
+            // Refused on the header alone, whatever its size field claims.
+            let raw = pending.name.take().unwrap_or(raw_name);
+            return Err(unsafe_member(
+                &String::from_utf8_lossy(&raw),
+                entry_kind(typeflag),
+            ));
+        }
         let data_start = offset + BLOCK;
         let is_extension = matches!(typeflag, b'L' | b'x' | b'g');
         let size = if is_extension {
@@ -198,9 +206,10 @@ pub fn read_tar(bytes: &[u8], limits: &Limits) -> Result<Files, BundleError> {
                         }
                         "size" if typeflag == b'x' => {
                             let text = std::str::from_utf8(&value).ok();
-                            let size = text.and_then(|t| t.parse::<u64>().ok()).ok_or_else(
-                                || invalid(format!("member {shown:?}: unreadable pax size")),
-                            )?;
+                            let size =
+                                text.and_then(|t| t.parse::<u64>().ok()).ok_or_else(|| {
+                                    invalid(format!("member {shown:?}: unreadable pax size"))
+                                })?;
                             pending.size = Some(size);
                         }
                         // A global header may not rename or resize what follows; a sparse map
@@ -232,7 +241,10 @@ pub fn read_tar(bytes: &[u8], limits: &Limits) -> Result<Files, BundleError> {
                 } else {
                     let name = name::checked(&raw)?;
                     if raw.ends_with(b"/") {
-                        return Err(unsafe_member(&name, "a regular file named like a directory"));
+                        return Err(unsafe_member(
+                            &name,
+                            "a regular file named like a directory",
+                        ));
                     }
                     if files.len() >= limits.max_members {
                         return Err(too_large(format!(
@@ -252,13 +264,8 @@ pub fn read_tar(bytes: &[u8], limits: &Limits) -> Result<Files, BundleError> {
                     }
                 }
             }
-            other => {
-                let raw = pending.name.take().unwrap_or(raw_name);
-                return Err(unsafe_member(
-                    &String::from_utf8_lossy(&raw),
-                    entry_kind(other),
-                ));
-            }
+            // Every other type was refused above.
+            _ => {}
         }
         offset = next;
     }
@@ -396,7 +403,10 @@ mod tests {
     #[test]
     fn long_names_split_or_go_to_pax() {
         let mut files = Files::new();
-        files.insert(format!("{}/{}", "d".repeat(120), "f".repeat(90)), b"1".to_vec());
+        files.insert(
+            format!("{}/{}", "d".repeat(120), "f".repeat(90)),
+            b"1".to_vec(),
+        );
         files.insert("n".repeat(300), b"2".to_vec());
         files.insert(format!("{}/x", "p".repeat(200)), b"3".to_vec());
         let tar = to_tar(&files);

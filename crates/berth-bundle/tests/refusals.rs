@@ -41,7 +41,10 @@ fn open_bundle(extra: &[(&str, &[u8])]) -> Result<Bundle, berth_bundle::BundleEr
 #[test]
 fn sha_is_the_seed_formula() {
     let f = files(&[
-        ("docker-compose.yml", b"services:\n  web:\n    image: nginx\n"),
+        (
+            "docker-compose.yml",
+            b"services:\n  web:\n    image: nginx\n",
+        ),
         ("secrets.manifest.json", b"{\"entries\":[]}"),
         ("a/b.txt", b"hello\0world"),
         (".env.template", b""),
@@ -71,21 +74,73 @@ fn sha_is_the_seed_formula() {
 
 #[test]
 fn unsafe_members_are_refused() {
-    refused(&one(b"/etc/passwd", b'0', b"x", b""), codes::BUNDLE_UNSAFE, "absolute");
-    refused(&one(b"a/../../x", b'0', b"x", b""), codes::BUNDLE_UNSAFE, "..");
-    refused(&one(b"link", b'2', b"", b"/etc"), codes::BUNDLE_UNSAFE, "symbolic link");
-    refused(&one(b"hard", b'1', b"", b"/etc/shadow"), codes::BUNDLE_UNSAFE, "hard link");
-    refused(&one(b"tty", b'3', b"", b""), codes::BUNDLE_UNSAFE, "character device");
-    refused(&one(b"sda", b'4', b"", b""), codes::BUNDLE_UNSAFE, "block device");
+    refused(
+        &one(b"/etc/passwd", b'0', b"x", b""),
+        codes::BUNDLE_UNSAFE,
+        "absolute",
+    );
+    refused(
+        &one(b"a/../../x", b'0', b"x", b""),
+        codes::BUNDLE_UNSAFE,
+        "..",
+    );
+    refused(
+        &one(b"link", b'2', b"", b"/etc"),
+        codes::BUNDLE_UNSAFE,
+        "symbolic link",
+    );
+    refused(
+        &one(b"hard", b'1', b"", b"/etc/shadow"),
+        codes::BUNDLE_UNSAFE,
+        "hard link",
+    );
+    refused(
+        &one(b"tty", b'3', b"", b""),
+        codes::BUNDLE_UNSAFE,
+        "character device",
+    );
+    refused(
+        &one(b"sda", b'4', b"", b""),
+        codes::BUNDLE_UNSAFE,
+        "block device",
+    );
     refused(&one(b"pipe", b'6', b"", b""), codes::BUNDLE_UNSAFE, "fifo");
-    refused(&one(b"ok.txt", b'0', b"again", b""), codes::BUNDLE_UNSAFE, "duplicate");
-    refused(&one(b"./ok.txt", b'0', b"again", b""), codes::BUNDLE_UNSAFE, "duplicate");
-    refused(&one(b"a\\b", b'0', b"x", b""), codes::BUNDLE_UNSAFE, "backslash");
-    refused(&one(b"ok.txt/x", b'0', b"x", b""), codes::BUNDLE_UNSAFE, "not a directory");
+    refused(
+        &one(b"ok.txt", b'0', b"again", b""),
+        codes::BUNDLE_UNSAFE,
+        "duplicate",
+    );
+    refused(
+        &one(b"./ok.txt", b'0', b"again", b""),
+        codes::BUNDLE_UNSAFE,
+        "duplicate",
+    );
+    refused(
+        &one(b"a\\b", b'0', b"x", b""),
+        codes::BUNDLE_UNSAFE,
+        "backslash",
+    );
+    refused(
+        &one(b"ok.txt/x", b'0', b"x", b""),
+        codes::BUNDLE_UNSAFE,
+        "not a directory",
+    );
     refused(&one(b"x", b'S', b"", b""), codes::BUNDLE_UNSAFE, "sparse");
-    refused(&one(b"x", b'V', b"", b""), codes::BUNDLE_UNSAFE, "not a regular");
+    refused(
+        &one(b"x", b'V', b"", b""),
+        codes::BUNDLE_UNSAFE,
+        "not a regular",
+    );
+    // A link whose size field lies is refused on its header, before any data.
+    let mut t = Vec::new();
+    t.extend(header(b"link", b'2', 1 << 32, b"/etc"));
+    refused(&t, codes::BUNDLE_UNSAFE, "symbolic link");
     // The detail names the member.
-    refused(&one(b"tty", b'3', b"", b""), codes::BUNDLE_UNSAFE, "\"tty\"");
+    refused(
+        &one(b"tty", b'3', b"", b""),
+        codes::BUNDLE_UNSAFE,
+        "\"tty\"",
+    );
 }
 
 #[test]
@@ -98,7 +153,13 @@ fn long_names_are_checked_like_short_ones() {
     refused(&t, codes::BUNDLE_UNSAFE, "..");
     // pax path that is absolute.
     let mut t = Vec::new();
-    member(&mut t, b"pax", b'x', &pax_record("path", b"/etc/cron.d/x"), b"");
+    member(
+        &mut t,
+        b"pax",
+        b'x',
+        &pax_record("path", b"/etc/cron.d/x"),
+        b"",
+    );
     member(&mut t, b"innocent", b'0', b"x", b"");
     end(&mut t);
     refused(&t, codes::BUNDLE_UNSAFE, "absolute");
@@ -156,10 +217,16 @@ fn sizes_are_checked_before_reading() {
     member(&mut t, b"pax", b'x', &pax_record("size", b"11"), b"");
     member(&mut t, b"small", b'0', b"x", b"");
     end(&mut t);
-    assert_eq!(read_tar(&t, &limits).unwrap_err().code, codes::BUNDLE_TOO_LARGE);
+    assert_eq!(
+        read_tar(&t, &limits).unwrap_err().code,
+        codes::BUNDLE_TOO_LARGE
+    );
     // Oversize member, oversize total, too many members.
     let big = to_tar(&files(&[("a", &[7u8; 11])]));
-    assert_eq!(read_tar(&big, &limits).unwrap_err().code, codes::BUNDLE_TOO_LARGE);
+    assert_eq!(
+        read_tar(&big, &limits).unwrap_err().code,
+        codes::BUNDLE_TOO_LARGE
+    );
     let total = to_tar(&files(&[("a", &[1u8; 8]), ("b", &[2u8; 8])]));
     let e = read_tar(&total, &limits).unwrap_err();
     assert_eq!(e.code, codes::BUNDLE_TOO_LARGE);
@@ -172,7 +239,10 @@ fn sizes_are_checked_before_reading() {
     let mut t = Vec::new();
     t.extend(header(b"short", b'0', 5, b""));
     t.extend([b'x'; 2]);
-    assert_eq!(read_tar(&t, &limits).unwrap_err().code, codes::BUNDLE_INVALID);
+    assert_eq!(
+        read_tar(&t, &limits).unwrap_err().code,
+        codes::BUNDLE_INVALID
+    );
 }
 
 #[test]
@@ -293,7 +363,10 @@ fn renderer_must_be_compose() {
 #[test]
 fn disk_need_is_checked() {
     let b = open_bundle(&[("bundle.json", br#"{"agent": {"disk_need_bytes": 1000}}"#)]).unwrap();
-    assert_eq!(b.check_disk(999).unwrap_err().code, codes::DISK_INSUFFICIENT);
+    assert_eq!(
+        b.check_disk(999).unwrap_err().code,
+        codes::DISK_INSUFFICIENT
+    );
     b.check_disk(1000).unwrap();
     open_bundle(&[]).unwrap().check_disk(0).unwrap();
 }
@@ -301,9 +374,15 @@ fn disk_need_is_checked() {
 #[test]
 fn privileged_services_are_refused_unless_allowed() {
     for (compose, why) in [
-        ("services:\n  db:\n    image: x\n    privileged: true\n", "privileged"),
+        (
+            "services:\n  db:\n    image: x\n    privileged: true\n",
+            "privileged",
+        ),
         ("services:\n  db:\n    cap_add: [NET_ADMIN, ALL]\n", "ALL"),
-        ("services:\n  db:\n    cap_add: [cap_sys_admin]\n", "SYS_ADMIN"),
+        (
+            "services:\n  db:\n    cap_add: [cap_sys_admin]\n",
+            "SYS_ADMIN",
+        ),
         ("services:\n  db:\n    pid: host\n", "pid"),
         ("services:\n  db:\n    network_mode: host\n", "network_mode"),
         ("services:\n  db:\n    privileged: ${PRIV}\n", "privileged"),
@@ -314,12 +393,41 @@ fn privileged_services_are_refused_unless_allowed() {
     ] {
         let e = open_bundle(&[("docker-compose.yml", compose.as_bytes())]).unwrap_err();
         assert_eq!(e.code, codes::PRIVILEGED_FORBIDDEN, "{compose}: {e}");
-        assert!(e.detail.contains("service db") && e.detail.contains(why), "{e}");
+        assert!(
+            e.detail.contains("service db") && e.detail.contains(why),
+            "{e}"
+        );
         let allowed = open_bundle(&[
             ("docker-compose.yml", compose.as_bytes()),
             ("bundle.json", br#"{"agent": {"allow_privileged": true}}"#),
         ]);
         assert!(allowed.is_ok(), "{compose}");
+    }
+    // Through files the compose file pulls in, and never from outside the bundle.
+    let base = b"services:\n  base:\n    privileged: true\n";
+    for (compose, why) in [
+        ("include:\n  - extra.yml\n", "service base"),
+        ("include:\n  - path: [./extra.yml]\n", "service base"),
+        (
+            "services:\n  db:\n    extends: {file: extra.yml, service: base}\n",
+            "service base",
+        ),
+        (
+            "include:\n  - /etc/compose.yml\n",
+            "not a file of the bundle",
+        ),
+        (
+            "services:\n  db:\n    extends: {file: ../x.yml, service: base}\n",
+            "not a file of the bundle",
+        ),
+    ] {
+        let e = open_bundle(&[
+            ("docker-compose.yml", compose.as_bytes()),
+            ("extra.yml", base),
+        ])
+        .unwrap_err();
+        assert_eq!(e.code, codes::PRIVILEGED_FORBIDDEN, "{compose}: {e}");
+        assert!(e.detail.contains(why), "{e}");
     }
     let fine = "services:\n  db:\n    cap_add: [NET_ADMIN]\n    network_mode: bridge\n";
     open_bundle(&[("docker-compose.yml", fine.as_bytes())]).unwrap();
@@ -363,7 +471,10 @@ fn env_render() {
     bad.insert("SEE_ADMIN_TOKEN".into(), "tok\nPRIV=true".into());
     let e = b.render_env(&bad).unwrap_err();
     assert_eq!(e.code, codes::BUNDLE_INVALID);
-    assert!(e.detail.contains("SEE_ADMIN_TOKEN") && !e.detail.contains("tok"), "{e}");
+    assert!(
+        e.detail.contains("SEE_ADMIN_TOKEN") && !e.detail.contains("tok"),
+        "{e}"
+    );
     // No template: every var appended.
     let b = open_bundle(&[("secrets.manifest.json", MANIFEST)]).unwrap();
     assert_eq!(
@@ -381,7 +492,10 @@ fn write_to_writes_members_but_not_env_and_stays_inside() {
     let b = open_bundle(&[("conf/app.ini", b"k=v"), (".env", b"LEAK=1")]).unwrap();
     b.write_to(&root).unwrap();
     assert_eq!(std::fs::read(root.join("conf/app.ini")).unwrap(), b"k=v");
-    assert_eq!(std::fs::read(root.join("docker-compose.yml")).unwrap(), COMPOSE);
+    assert_eq!(
+        std::fs::read(root.join("docker-compose.yml")).unwrap(),
+        COMPOSE
+    );
     assert!(!root.join(".env").exists());
     assert_eq!(std::fs::read(root.join("keep.txt")).unwrap(), b"old");
     use std::os::unix::fs::PermissionsExt;
@@ -418,7 +532,10 @@ fn build_dir_refuses_links_and_devices() {
     assert!(e.detail.contains("symbolic link"), "{e}");
     std::fs::remove_file(dir.path().join("l")).unwrap();
     let fifo = dir.path().join("p");
-    let status = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    let status = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
     assert!(status.success());
     let e = berth_bundle::build_dir(dir.path()).unwrap_err();
     assert_eq!(e.code, codes::BUNDLE_UNSAFE);

@@ -71,6 +71,7 @@ pub fn default_agent_name() -> String {
 }
 
 pub mod audit;
+pub mod bundle;
 pub mod deploy;
 pub mod dev;
 pub mod docs;

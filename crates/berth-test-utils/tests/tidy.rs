@@ -5,6 +5,8 @@
 //! - `berth-proto` knows nothing about I/O: no tokio, hyper, axum or sqlx among its normal
 //!   dependencies, direct or transitive.
 //! - `berth-agent` never depends on `berth-store` or `berth-server`.
+//! - `berth-bundle` (the agent unpacks bundles with it) stays synchronous and client-side: no
+//!   tokio, `berth-store`, `berth-server` or `berth-client`.
 //! - One crypto provider: `ring` is nowhere in the graph, whatever the dependency kind.
 //! - Library crates return typed errors: no `anyhow` among their normal dependencies (the
 //!   binaries `berth-cli` and `berth-bench` may use it).
@@ -29,10 +31,12 @@ const LIBRARY_CRATES: &[&str] = &[
     "berth-exec",
     "berth-server",
     "berth-agent",
+    "berth-bundle",
 ];
 
 const PROTO_FORBIDDEN: &[&str] = &["tokio", "hyper", "axum", "sqlx"];
 const AGENT_FORBIDDEN: &[&str] = &["berth-store", "berth-server"];
+const BUNDLE_FORBIDDEN: &[&str] = &["tokio", "berth-store", "berth-server", "berth-client"];
 
 /// The resolved graph: package ids to names, and each package's built dependency edges with
 /// whether any of them is a normal (not dev, not build) dependency.
@@ -171,6 +175,12 @@ fn violations(metadata: &Value) -> Vec<String> {
     for forbidden in AGENT_FORBIDDEN {
         if agent.contains(forbidden) {
             found.push(format!("berth-agent depends on {forbidden}"));
+        }
+    }
+    let bundle = graph.normal_closure("berth-bundle");
+    for forbidden in BUNDLE_FORBIDDEN {
+        if bundle.contains(forbidden) {
+            found.push(format!("berth-bundle depends on {forbidden}"));
         }
     }
     if graph.all_reachable().contains("ring") {
@@ -385,6 +395,36 @@ fn the_agent_reaching_the_store_or_the_server_fails() {
     assert_eq!(
         found,
         vec!["berth-agent depends on berth-store".to_string()]
+    );
+}
+
+#[test]
+fn the_bundle_crate_reaching_async_or_server_crates_fails() {
+    let mut packages = clean();
+    packages.push((
+        "berth-bundle",
+        vec![("berth-proto", None, false)],
+        vec![],
+        json!({}),
+    ));
+    assert!(violations(&metadata(packages.clone())).is_empty());
+    let found = violations(&metadata(with(
+        packages.clone(),
+        "berth-bundle",
+        "berth-client",
+        None,
+    )));
+    assert_eq!(
+        found,
+        vec![
+            "berth-bundle depends on tokio".to_string(),
+            "berth-bundle depends on berth-client".to_string(),
+        ]
+    );
+    let found = violations(&metadata(with(packages, "berth-bundle", "anyhow", None)));
+    assert_eq!(
+        found,
+        vec!["library crate berth-bundle depends on anyhow".to_string()]
     );
 }
 

@@ -113,6 +113,9 @@ enum Command {
     /// Deployments: show, list, approve, cancel, wait.
     #[command(subcommand)]
     Deployment(DeploymentCommand),
+    /// Seed 001 bundles: build one from a directory.
+    #[command(subcommand)]
+    Bundle(berth_cli::bundle::BundleCommand),
     #[command(flatten)]
     Docs(berth_cli::docs::DocsCommand),
 }
@@ -440,6 +443,12 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     let out = cli.output;
     match cli.command {
         Command::Docs(docs) => Ok(berth_cli::docs::run(Cli::command(), docs)?),
+        Command::Bundle(berth_cli::bundle::BundleCommand::Build(args)) => {
+            let built = berth_cli::bundle::build(&args)?;
+            eprintln!("wrote {}", built.file.display());
+            println!("{}", built.sha);
+            Ok(())
+        }
         Command::Server(args) => serve(args.config()?).await,
         Command::Dev(args) => {
             berth_cli::dev::run(args.data_dir, args.listen, args.heartbeat_interval_secs).await
