@@ -19,8 +19,9 @@ pub struct BuildArgs {
     /// The directory holding the compose file, `.env.template`, `secrets.manifest.json` and
     /// `bundle.json`.
     pub dir: PathBuf,
+    // `-o` is already the global `--output` format, hence `--out` (as `berth man --out`).
     /// Where to write the tar (default: `bundle-<first 12 of the sha>.tar` in the current
-    /// directory). `-o` is the global output format, hence `--out`.
+    /// directory).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
 }
