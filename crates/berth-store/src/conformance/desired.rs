@@ -110,7 +110,10 @@ pub async fn desired_bundles_and_set_desired(store: &DynStore) {
         Some(b"first".to_vec())
     );
     assert_eq!(
-        store.get_bundle(env.id, &"b".repeat(64)).await.expect("get"),
+        store
+            .get_bundle(env.id, &"b".repeat(64))
+            .await
+            .expect("get"),
         None
     );
     assert_eq!(store.list_bundles(env.id).await.expect("list"), vec![first]);
@@ -165,7 +168,11 @@ pub async fn desired_bundles_and_set_desired(store: &DynStore) {
         .iter()
         .filter(|e| e.action == actions::ENVIRONMENT_SET_DESIRED)
         .collect();
-    assert_eq!(set_entries.len(), 1, "only the write that happened is audited");
+    assert_eq!(
+        set_entries.len(),
+        1,
+        "only the write that happened is audited"
+    );
     assert_eq!(set_entries[0].details["sha"], sha.as_str());
     assert!(audit
         .iter()
@@ -221,7 +228,11 @@ pub async fn desired_checkins_and_reports(store: &DynStore) {
         .await
         .expect("report");
     assert_eq!(applied.applied_sha.as_deref(), Some(sha1.as_str()));
-    assert_eq!(applied.host.hostname.as_deref(), Some("h1"), "a report keeps the host");
+    assert_eq!(
+        applied.host.hostname.as_deref(),
+        Some("h1"),
+        "a report keeps the host"
+    );
     assert_eq!(applied.last_checkin_at, Some(at));
     // Failed keeps the applied sha and stores the detail.
     let failed = store
@@ -245,7 +256,10 @@ pub async fn desired_checkins_and_reports(store: &DynStore) {
         .expect("report");
     let agents = store.desired_agents(env.id).await.expect("agents");
     assert_eq!(
-        agents.iter().map(|a| a.agent_key.as_str()).collect::<Vec<_>>(),
+        agents
+            .iter()
+            .map(|a| a.agent_key.as_str())
+            .collect::<Vec<_>>(),
         vec![a, b]
     );
     assert_eq!(agents[1].applied_sha.as_deref(), Some(sha2.as_str()));

@@ -13,8 +13,8 @@ use crate::domain::desired::{
 };
 use crate::rows::{db_error, millis, ColumnReader};
 use crate::{
-    Bundle, CheckinRecord, DesiredAgent, DesiredEnvironment, DesiredStore, NewBundle,
-    ReportRecord, Result, SetDesiredOutcome,
+    Bundle, CheckinRecord, DesiredAgent, DesiredEnvironment, DesiredStore, NewBundle, ReportRecord,
+    Result, SetDesiredOutcome,
 };
 
 /// The environment, its row locked when `lock` (a write follows in the same transaction).

@@ -13,8 +13,8 @@ use crate::domain::desired::{
 };
 use crate::rows::{unix_millis, ColumnReader};
 use crate::{
-    Bundle, CheckinRecord, DesiredAgent, DesiredEnvironment, DesiredStore, NewBundle,
-    ReportRecord, Result, SetDesiredOutcome,
+    Bundle, CheckinRecord, DesiredAgent, DesiredEnvironment, DesiredStore, NewBundle, ReportRecord,
+    Result, SetDesiredOutcome,
 };
 
 fn environment(tx: &Db<'_>, tenant: TenantId, name: &str) -> Result<Option<DesiredEnvironment>> {
