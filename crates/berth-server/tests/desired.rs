@@ -312,11 +312,7 @@ async fn the_desired_state_loop() {
     assert_eq!(body["action"], "none", "converged");
 
     // A long log tail: cut to 16 KiB at a char boundary, its first 2 KiB audited.
-    let long = format!(
-        "{}{}",
-        "é".repeat(MAX_LOG_TAIL_BYTES / 2),
-        "x".repeat(100)
-    );
+    let long = format!("{}{}", "é".repeat(MAX_LOG_TAIL_BYTES / 2), "x".repeat(100));
     let (status, body, _) = agent_call(
         &server,
         &id,

@@ -91,6 +91,9 @@ enum Command {
     /// Environments: named sets of targets with a rollout policy.
     #[command(subcommand)]
     Env(EnvCommand),
+    /// Desired-state bundles.
+    #[command(subcommand)]
+    Bundle(berth_cli::desired::BundleCommand),
     /// Deploy a release into an environment.
     Deploy {
         release: String,
@@ -166,6 +169,17 @@ enum EnvCommand {
     Status { name: String },
     /// Lift the pin a rollback set.
     Unpin { name: String },
+    /// Point the environment at a pushed bundle; its agents apply it at their next checkin.
+    SetDesired { name: String, sha: String },
+    /// Retire the environment: its agents take the stack down (admin).
+    Retire {
+        name: String,
+        /// Remove the stack's volumes too.
+        #[arg(long)]
+        purge_volumes: bool,
+    },
+    /// The desired sha and what each agent last applied and reported.
+    Desired { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -532,6 +546,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Release(cmd) => release_command(&cli.conn, out, cmd).await,
         Command::Audit(AuditCommand::Export) => audit_export(&cli.conn).await,
         Command::Env(cmd) => env_command(&cli.conn, out, cmd).await,
+        Command::Bundle(cmd) => {
+            berth_cli::desired::bundle_command(&admin_client(&cli.conn)?, out, cmd).await
+        }
         Command::Deploy {
             release,
             environment,
@@ -696,6 +713,14 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
         EnvCommand::Unpin { name } => {
             deploy::print_environment(out, &client.send(&UnpinEnvironment { name }).await?)
         }
+        EnvCommand::SetDesired { name, sha } => {
+            berth_cli::desired::set_desired(&client, out, name, sha).await
+        }
+        EnvCommand::Retire {
+            name,
+            purge_volumes,
+        } => berth_cli::desired::retire(&client, out, name, purge_volumes).await,
+        EnvCommand::Desired { name } => berth_cli::desired::show(&client, out, name).await,
     }
 }
 
