@@ -564,6 +564,40 @@ async fn checkins_are_rate_limited_per_environment() {
     )
     .await;
     assert_eq!(status, 200);
+    // The typed requests the CLI sends.
+    let admin = server.admin();
+    let pushed: berth_proto::desired::BundleView = admin
+        .post_bytes(
+            &berth_proto::desired::bundles_path(ENV),
+            "application/x-tar",
+            tar(BUNDLE),
+        )
+        .await
+        .expect("push");
+    let state = admin
+        .send(&berth_proto::desired::PutDesired {
+            environment: ENV.into(),
+            sha: pushed.sha.clone(),
+        })
+        .await
+        .expect("set desired");
+    assert_eq!(state.desired_sha.as_deref(), Some(pushed.sha.as_str()));
+    let state = admin
+        .send(&berth_proto::desired::RetireEnvironment {
+            environment: ENV.into(),
+            purge_volumes: false,
+        })
+        .await
+        .expect("retire");
+    assert!(state.retired && !state.purge_volumes);
+    let state = admin
+        .send(&berth_proto::desired::GetDesiredState {
+            environment: ENV.into(),
+        })
+        .await
+        .expect("state");
+    assert_eq!(state.agents.len(), 1);
+    assert_eq!(state.agents[0].last_result.as_deref(), Some("down"));
     clock.advance(Duration::from_secs(10));
     let (status, _, _) = agent_call(
         &server,

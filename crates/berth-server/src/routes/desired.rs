@@ -377,7 +377,6 @@ pub async fn push_bundle(
         })?;
     let limits = Limits {
         max_members: 256,
-        max_member_bytes: MAX_BUNDLE_BYTES as u64,
         max_total_bytes: MAX_BUNDLE_BYTES as u64,
     };
     let files = bundle_check::read_tar(&bytes, &limits).map_err(|e| {
