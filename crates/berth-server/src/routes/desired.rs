@@ -30,6 +30,12 @@ use crate::extract::{ApiJson, ApiPath};
 use crate::rate::{self, Bucket};
 use crate::SharedState;
 
+/// A bundle's tar, as the OpenAPI document describes a push's body and a fetch's answer.
+#[derive(utoipa::ToSchema)]
+#[schema(value_type = String, format = Binary)]
+#[allow(dead_code)] // Only documents the bytes.
+pub struct BundleTar(Vec<u8>);
+
 /// The largest bundle a push accepts.
 pub const MAX_BUNDLE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -231,7 +237,7 @@ pub async fn api_agent_checkin(
 /// `X-Bundle-Sha256`. 10 per minute per environment.
 #[utoipa::path(get, path = "/v1/agent/bundle/{env_id}/{sha}", tag = "desired",
     security(("agentCertificate" = [])), params(("env_id" = String, Path), ("sha" = String, Path)),
-    responses((status = 200, content_type = "application/x-tar", body = Vec<u8>, description = "the bundle"),
+    responses((status = 200, content_type = "application/x-tar", body = BundleTar, description = "the bundle"),
         (status = 401, body = ErrorBody, description = "AGENT_UNAUTHENTICATED"),
         (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH"),
         (status = 404, body = ErrorBody, description = "BUNDLE_NOT_FOUND"),
@@ -247,7 +253,7 @@ pub async fn agent_bundle(
 /// [`agent_bundle`] under the API prefix.
 #[utoipa::path(get, path = "/api/v1/agent/bundle/{env_id}/{sha}", tag = "desired",
     security(("agentCertificate" = [])), params(("env_id" = String, Path), ("sha" = String, Path)),
-    responses((status = 200, content_type = "application/x-tar", body = Vec<u8>, description = "the bundle"),
+    responses((status = 200, content_type = "application/x-tar", body = BundleTar, description = "the bundle"),
         (status = 401, body = ErrorBody, description = "AGENT_UNAUTHENTICATED"),
         (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH"),
         (status = 404, body = ErrorBody, description = "BUNDLE_NOT_FOUND"),
@@ -338,7 +344,7 @@ fn actor(caller: &Caller) -> berth_proto::audit::AuditActor {
 /// changes nothing (200).
 #[utoipa::path(post, path = "/api/v1/environments/{name}/bundles", tag = "desired",
     security(("bearer" = [])), params(("name" = String, Path)),
-    request_body(content = Vec<u8>, content_type = "application/x-tar"),
+    request_body(content = BundleTar, content_type = "application/x-tar"),
     responses((status = 201, body = BundleView, description = "stored"),
         (status = 200, body = BundleView, description = "already stored"),
         (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
