@@ -12,6 +12,12 @@ pub enum BundleCommand {
     /// Pack DIR (regular files only; links and devices are refused) into a bundle tar and print
     /// its sha.
     Build(BuildArgs),
+    /// Push a bundle (a tar, as `berth bundle build` makes it) to an environment; prints its sha.
+    Push {
+        file: PathBuf,
+        #[arg(long = "env")]
+        environment: String,
+    },
 }
 
 #[derive(Args, Debug)]

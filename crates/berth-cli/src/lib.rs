@@ -73,6 +73,7 @@ pub fn default_agent_name() -> String {
 pub mod audit;
 pub mod bundle;
 pub mod deploy;
+pub mod desired;
 pub mod dev;
 pub mod docs;
 pub mod output;

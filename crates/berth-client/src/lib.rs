@@ -209,6 +209,22 @@ impl Client {
         response.json().await.map_err(ClientError::Decode)
     }
 
+    /// POSTs raw bytes of `content_type` (a bundle's tar) and decodes the JSON answer.
+    pub async fn post_bytes<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        content_type: &str,
+        body: Vec<u8>,
+    ) -> Result<T, ClientError> {
+        let builder = self
+            .http
+            .post(format!("{}{path}", self.server))
+            .header(reqwest::header::CONTENT_TYPE, content_type)
+            .body(body);
+        let response = self.execute(builder).await?;
+        response.json().await.map_err(ClientError::Decode)
+    }
+
     /// GET a path and return the body as text (metrics, OpenAPI, JWKS).
     pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
         let response = self

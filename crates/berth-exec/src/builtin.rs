@@ -299,7 +299,7 @@ impl Executor for ExecuteCommand {
         let clip = |b: &[u8]| {
             redact(
                 &String::from_utf8_lossy(&b[..b.len().min(MAX_OUTPUT)]),
-                &task.credentials,
+                task.credentials.values(),
             )
         };
         let (stdout, stderr) = (clip(&output.stdout), clip(&output.stderr));

@@ -171,8 +171,8 @@ impl<'t> Run<'t> {
             }
         };
         let creds = &self.task.credentials;
-        outcome.message = redact(&outcome.message, creds);
-        outcome.logs = redact(&self.log.text, creds);
+        outcome.message = redact(&outcome.message, creds.values());
+        outcome.logs = redact(&self.log.text, creds.values());
         outcome.metrics = self.metrics;
         outcome.outputs = self
             .outputs
@@ -189,7 +189,7 @@ fn redact_value(
 ) -> serde_json::Value {
     use serde_json::Value;
     match value {
-        Value::String(s) => Value::String(redact(&s, creds)),
+        Value::String(s) => Value::String(redact(&s, creds.values())),
         Value::Array(a) => Value::Array(a.into_iter().map(|v| redact_value(v, creds)).collect()),
         Value::Object(o) => Value::Object(
             o.into_iter()

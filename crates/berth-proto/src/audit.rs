@@ -35,6 +35,13 @@ pub mod actions {
     pub const DEPLOYMENT_CREATE: &str = "deployment.create";
     pub const DEPLOYMENT_APPROVE: &str = "deployment.approve";
     pub const DEPLOYMENT_CANCEL: &str = "deployment.cancel";
+    /// The environment now wants a pushed bundle; `details`: its name and the sha.
+    pub const ENVIRONMENT_SET_DESIRED: &str = "environment.set_desired";
+    /// Checkins answer `down` from now on; `details`: its name and `purgeVolumes`.
+    pub const ENVIRONMENT_RETIRE: &str = "environment.retire";
+    /// A desired-state agent's report; `details`: the agent, result, sha, detail and the
+    /// redacted head of `log_tail` (`desired::AUDIT_LOG_TAIL_BYTES`).
+    pub const DESIRED_REPORT: &str = "desired.report";
     /// A verified agent result; `details` is a [`super::ResultEvidence`].
     pub const TASK_RESULT: &str = "task.result";
 }

@@ -183,7 +183,7 @@ impl Request for GetEnvironment {
     }
 }
 
-fn environment_path(name: &str, tail: &str) -> String {
+pub(crate) fn environment_path(name: &str, tail: &str) -> String {
     format!(
         "/api/v1/environments/{}{tail}",
         crate::agent::encode_query_value(name)

@@ -382,6 +382,59 @@ pub struct DesiredStateView {
     pub agents: Vec<DesiredAgentView>,
 }
 
+/// `PUT /api/v1/environments/{name}/desired` as a typed request.
+#[derive(Debug, Clone, Serialize)]
+pub struct PutDesired {
+    #[serde(skip)]
+    pub environment: String,
+    pub sha: String,
+}
+
+impl Request for PutDesired {
+    type Response = DesiredStateView;
+    const METHOD: Method = Method::Put;
+    fn path(&self) -> String {
+        crate::deploy::environment_path(&self.environment, "/desired")
+    }
+}
+
+/// `POST /api/v1/environments/{name}/retire` as a typed request.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RetireEnvironment {
+    #[serde(skip)]
+    pub environment: String,
+    pub purge_volumes: bool,
+}
+
+impl Request for RetireEnvironment {
+    type Response = DesiredStateView;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        crate::deploy::environment_path(&self.environment, "/retire")
+    }
+}
+
+/// `GET /api/v1/environments/{name}/desired`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GetDesiredState {
+    #[serde(skip)]
+    pub environment: String,
+}
+
+impl Request for GetDesiredState {
+    type Response = DesiredStateView;
+    const METHOD: Method = Method::Get;
+    fn path(&self) -> String {
+        crate::deploy::environment_path(&self.environment, "/desired")
+    }
+}
+
+/// Where a bundle is pushed (`POST`, the tar as the body) and listed (`GET`).
+pub fn bundles_path(environment: &str) -> String {
+    crate::deploy::environment_path(environment, "/bundles")
+}
+
 /// `PUT /api/v1/secrets/{path}`: a new version. Exactly one of `value` and `generate`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -243,3 +243,97 @@ fn agent_revoked(state: &SharedState) -> ApiError {
         "this certificate is no longer bound to an agent; register again",
     )
 }
+
+/// A caller of the desired-state routes (seed 001: checkin, bundle, report). Those paths name
+/// no agent, so the caller is found from its credential alone.
+pub enum DesiredCaller {
+    /// An enrolled berth agent, proven by its client certificate: the SAN's agent id, whose
+    /// current binding must be the certificate's fingerprint (expiry and the previous-
+    /// certificate rule as on every agent route).
+    Agent(Agent),
+    // OpenBao bearer slot (the secrets work adds it): `Authorization: Bearer <token>`, verified
+    // by OpenBao's `auth/token/lookup`, becomes `Token { tenant, env_id, grant_jti }`, pinned to
+    // `meta.env_id`; a superseded `grant_jti` is 401 AGENT_UNAUTHENTICATED. Its `agent_key` is
+    // `token:<env_id>`.
+}
+
+impl DesiredCaller {
+    pub fn tenant(&self) -> TenantId {
+        match self {
+            DesiredCaller::Agent(agent) => agent.tenant_id,
+        }
+    }
+
+    /// The key of its `desired_agents` row: `agent:<uuid>`.
+    pub fn agent_key(&self) -> String {
+        match self {
+            DesiredCaller::Agent(agent) => format!("agent:{}", agent.id),
+        }
+    }
+
+    pub fn actor(&self) -> berth_proto::audit::AuditActor {
+        match self {
+            DesiredCaller::Agent(agent) => berth_proto::audit::AuditActor::Agent { id: agent.id.0 },
+        }
+    }
+
+    /// Whether the caller may act for the environment: its labels satisfy every label of the
+    /// environment's selector.
+    pub fn may_use(&self, selector: &std::collections::BTreeMap<String, String>) -> bool {
+        match self {
+            DesiredCaller::Agent(agent) => {
+                selector.iter().all(|(k, v)| agent.labels.get(k) == Some(v))
+            }
+        }
+    }
+}
+
+impl FromRequestParts<SharedState> for DesiredCaller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &SharedState,
+    ) -> ApiResult<DesiredCaller> {
+        let peer = parts
+            .extensions
+            .get::<Peer>()
+            .and_then(|p| p.0.clone())
+            .ok_or_else(|| {
+                ApiError::unauthenticated(
+                    codes::AGENT_UNAUTHENTICATED,
+                    "desired-state calls require the agent's client certificate",
+                )
+            })?;
+        if state.config.clock.now() > peer.not_after {
+            state.metrics.agent_auth_refused("expired");
+            return Err(ApiError::unauthenticated(
+                codes::CLIENT_CERT_EXPIRED,
+                "the client certificate has expired; connect again with a current one",
+            ));
+        }
+        let agent = match peer.agent_id {
+            Some(id) => state.store.get_agent_for_runtime(id).await?,
+            None => None,
+        };
+        match agent {
+            Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => {
+                crate::routes::record("agent_id", agent.id);
+                Ok(DesiredCaller::Agent(agent))
+            }
+            Some(agent)
+                if agent.previous_certificate_fingerprint.as_deref()
+                    == Some(&*peer.fingerprint) =>
+            {
+                Err(name_refusal(state, Some(&agent), &peer))
+            }
+            _ => {
+                state.metrics.agent_auth_refused("revoked");
+                Err(ApiError::unauthenticated(
+                    codes::AGENT_UNAUTHENTICATED,
+                    "this certificate is not bound to an agent (removed or replaced)",
+                ))
+            }
+        }
+    }
+}

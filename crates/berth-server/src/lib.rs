@@ -16,6 +16,7 @@ mod fault;
 mod heartbeat;
 mod metrics;
 mod openapi;
+mod rate;
 mod readback;
 mod reconcile;
 mod registry;
@@ -51,6 +52,8 @@ pub(crate) struct AppState {
     /// Turns true when the server starts to stop: open event streams end then, so draining
     /// connections does not wait on them.
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// The desired-state calls' rate buckets per environment.
+    pub rate: rate::RateLimiter,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -84,6 +87,7 @@ impl Server {
             metrics,
             registries: registry::Registries::new().map_err(ServerError::new)?,
             stopping: tokio::sync::watch::channel(false).0,
+            rate: rate::RateLimiter::default(),
         });
         Ok(Server {
             state,

@@ -18,6 +18,10 @@ mod sqlite;
 pub use domain::agents::*;
 pub use domain::audit::{AuditStore, NewAuditEvent};
 pub use domain::deployments::*;
+pub use domain::desired::{
+    Bundle, CheckinRecord, DesiredAgent, DesiredEnvironment, DesiredStore, NewBundle, ReportRecord,
+    SetDesiredOutcome,
+};
 pub use domain::events::*;
 pub use domain::releases::*;
 pub use domain::tasks::*;
@@ -79,6 +83,7 @@ pub trait Store:
     + AuditStore
     + EventStore
     + DeploymentStore
+    + DesiredStore
     + Send
     + Sync
     + 'static

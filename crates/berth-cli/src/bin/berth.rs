@@ -113,7 +113,7 @@ enum Command {
     /// Deployments: show, list, approve, cancel, wait.
     #[command(subcommand)]
     Deployment(DeploymentCommand),
-    /// Seed 001 bundles: build one from a directory.
+    /// Seed 001 bundles: build one from a directory, push it to an environment.
     #[command(subcommand)]
     Bundle(berth_cli::bundle::BundleCommand),
     #[command(flatten)]
@@ -169,6 +169,17 @@ enum EnvCommand {
     Status { name: String },
     /// Lift the pin a rollback set.
     Unpin { name: String },
+    /// Point the environment at a pushed bundle; its agents apply it at their next checkin.
+    SetDesired { name: String, sha: String },
+    /// Retire the environment: its agents take the stack down (admin).
+    Retire {
+        name: String,
+        /// Remove the stack's volumes too.
+        #[arg(long)]
+        purge_volumes: bool,
+    },
+    /// The desired sha and what each agent last applied and reported.
+    Desired { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -541,6 +552,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Release(cmd) => release_command(&cli.conn, out, cmd).await,
         Command::Audit(AuditCommand::Export) => audit_export(&cli.conn).await,
         Command::Env(cmd) => env_command(&cli.conn, out, cmd).await,
+        Command::Bundle(berth_cli::bundle::BundleCommand::Push { file, environment }) => {
+            berth_cli::desired::push_bundle(&admin_client(&cli.conn)?, out, file, environment).await
+        }
         Command::Deploy {
             release,
             environment,
@@ -705,6 +719,14 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
         EnvCommand::Unpin { name } => {
             deploy::print_environment(out, &client.send(&UnpinEnvironment { name }).await?)
         }
+        EnvCommand::SetDesired { name, sha } => {
+            berth_cli::desired::set_desired(&client, out, name, sha).await
+        }
+        EnvCommand::Retire {
+            name,
+            purge_volumes,
+        } => berth_cli::desired::retire(&client, out, name, purge_volumes).await,
+        EnvCommand::Desired { name } => berth_cli::desired::show(&client, out, name).await,
     }
 }
 

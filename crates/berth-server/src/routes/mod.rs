@@ -15,6 +15,7 @@ pub mod admin;
 pub mod agents;
 pub mod audit;
 pub mod deployments;
+pub mod desired;
 pub mod events;
 pub mod meta;
 pub mod releases;
@@ -66,6 +67,15 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(deployments::get))
         .routes(routes!(deployments::approve))
         .routes(routes!(deployments::cancel))
+        .routes(routes!(desired::agent_checkin))
+        .routes(routes!(desired::api_agent_checkin))
+        .routes(routes!(desired::agent_bundle))
+        .routes(routes!(desired::api_agent_bundle))
+        .routes(routes!(desired::agent_report))
+        .routes(routes!(desired::api_agent_report))
+        .routes(routes!(desired::push_bundle, desired::list_bundles))
+        .routes(routes!(desired::set_desired, desired::desired_state))
+        .routes(routes!(desired::retire))
         .routes(routes!(audit::list))
         .routes(routes!(events::stream))
 }

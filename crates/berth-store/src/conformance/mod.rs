@@ -27,6 +27,7 @@ use crate::{
 mod agents;
 mod audit;
 mod deployments;
+mod desired;
 mod events;
 mod releases;
 mod tasks;
@@ -35,6 +36,7 @@ mod tenants;
 pub use agents::*;
 pub use audit::*;
 pub use deployments::*;
+pub use desired::*;
 pub use events::*;
 pub use releases::*;
 pub use tasks::*;
@@ -112,6 +114,8 @@ macro_rules! conformance_cases {
             target_observations_upsert,
             deployment_events,
             deployment_tenant_isolation,
+            desired_bundles_and_set_desired,
+            desired_checkins_and_reports,
         }
     };
 }

@@ -4,6 +4,7 @@
 pub mod agents;
 pub mod audit;
 pub mod deployments;
+pub mod desired;
 pub mod events;
 pub mod releases;
 pub mod tasks;

@@ -26,6 +26,7 @@ use crate::{Page, Result, Store, StoreError};
 mod agents;
 mod audit;
 mod deployments;
+mod desired;
 mod events;
 mod releases;
 mod tasks;
