@@ -20,6 +20,7 @@ pub use domain::audit::{AuditStore, NewAuditEvent};
 pub use domain::deployments::*;
 pub use domain::events::*;
 pub use domain::releases::*;
+pub use domain::secrets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use postgres::PostgresStore;
@@ -33,7 +34,8 @@ pub enum StoreError {
     /// `assignment_id`, `release_id`, `release_name`, `environment_id`, `environment_name`,
     /// `deployment_id`, `deployment_target`, `deployment_in_progress` (the environment has a
     /// pending, awaiting or running deployment), `task_agent` (a task for an agent that is not,
-    /// or no longer, the tenant's), or `approval_token` (an approval by other than an API token).
+    /// or no longer, the tenant's), `approval_token` (an approval by other than an API token), `secret_version` (a concurrent put
+    /// took that version) or `grant_jti`.
     #[error("conflict on {constraint}")]
     Conflict { constraint: &'static str },
     #[error("database error during {operation}")]
@@ -79,6 +81,8 @@ pub trait Store:
     + AuditStore
     + EventStore
     + DeploymentStore
+    + SecretStore
+    + GrantStore
     + Send
     + Sync
     + 'static

@@ -29,6 +29,7 @@ mod audit;
 mod deployments;
 mod events;
 mod releases;
+mod secrets;
 mod tasks;
 mod tenants;
 
@@ -37,6 +38,7 @@ pub use audit::*;
 pub use deployments::*;
 pub use events::*;
 pub use releases::*;
+pub use secrets::*;
 pub use tasks::*;
 pub use tenants::*;
 
@@ -108,6 +110,9 @@ macro_rules! conformance_cases {
             deployment_cancel,
             deployment_step_compare_and_set,
             environment_pin_and_unpin,
+            secret_versions_and_delete,
+            secret_concurrent_put_conflicts,
+            grant_supersede_use_and_jwks,
             active_deployments_and_released_environments,
             target_observations_upsert,
             deployment_events,

@@ -6,5 +6,6 @@ pub mod audit;
 pub mod deployments;
 pub mod events;
 pub mod releases;
+pub mod secrets;
 pub mod tasks;
 pub mod tenants;

@@ -24,6 +24,7 @@ mod audit;
 mod deployments;
 mod events;
 mod releases;
+mod secrets;
 mod tasks;
 mod tenants;
 

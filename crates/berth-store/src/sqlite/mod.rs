@@ -28,6 +28,7 @@ mod audit;
 mod deployments;
 mod events;
 mod releases;
+mod secrets;
 mod tasks;
 mod tenants;
 mod threads;
