@@ -91,6 +91,9 @@ enum Command {
     /// Environments: named sets of targets with a rollout policy.
     #[command(subcommand)]
     Env(EnvCommand),
+    /// Builtin secrets: sealed on the server, read by agents with a lease. Never printed.
+    #[command(subcommand)]
+    Secret(SecretCommand),
     /// Deploy a release into an environment.
     Deploy {
         release: String,
@@ -166,6 +169,34 @@ enum EnvCommand {
     Status { name: String },
     /// Lift the pin a rollback set.
     Unpin { name: String },
+    /// Reveal an install kit (admin): prints the one-line install command carrying a fresh
+    /// bootstrap grant. Every earlier grant of the environment stops working.
+    Kit { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+enum SecretCommand {
+    /// Store a new version of `<env>/<name>`.
+    Put {
+        path: String,
+        /// Read the value from this file (`-`: stdin). One trailing newline is dropped.
+        #[arg(
+            long,
+            conflicts_with = "generate",
+            required_unless_present = "generate"
+        )]
+        from_file: Option<PathBuf>,
+        /// Let the server generate 32 random bytes (URL-safe base64).
+        #[arg(long)]
+        generate: bool,
+    },
+    /// The latest version of every secret under a prefix.
+    #[command(alias = "list")]
+    Ls { prefix: Option<String> },
+    /// Every version of a secret.
+    Versions { path: String },
+    /// Delete every version of a secret.
+    Rm { path: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -532,6 +563,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Release(cmd) => release_command(&cli.conn, out, cmd).await,
         Command::Audit(AuditCommand::Export) => audit_export(&cli.conn).await,
         Command::Env(cmd) => env_command(&cli.conn, out, cmd).await,
+        Command::Secret(cmd) => secret_command(&cli.conn, out, cmd).await,
         Command::Deploy {
             release,
             environment,
@@ -696,6 +728,22 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
         EnvCommand::Unpin { name } => {
             deploy::print_environment(out, &client.send(&UnpinEnvironment { name }).await?)
         }
+        EnvCommand::Kit { name } => berth_cli::secret::kit(&client, out, name).await,
+    }
+}
+
+async fn secret_command(conn: &Connection, out: Output, cmd: SecretCommand) -> anyhow::Result<()> {
+    use berth_cli::secret;
+    let client = admin_client(conn)?;
+    match cmd {
+        SecretCommand::Put {
+            path,
+            from_file,
+            generate,
+        } => secret::put(&client, out, path, from_file.as_deref(), generate).await,
+        SecretCommand::Ls { prefix } => secret::ls(&client, out, prefix).await,
+        SecretCommand::Versions { path } => secret::versions(&client, out, path).await,
+        SecretCommand::Rm { path } => secret::rm(&client, out, path).await,
     }
 }
 

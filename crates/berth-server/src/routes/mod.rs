@@ -18,6 +18,7 @@ pub mod deployments;
 pub mod events;
 pub mod meta;
 pub mod releases;
+pub mod secrets;
 pub mod tasks;
 pub mod transport;
 
@@ -30,6 +31,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(meta::metrics))
         .routes(routes!(meta::openapi))
         .routes(routes!(meta::jwks))
+        .routes(routes!(meta::api_jwks))
         .routes(routes!(admin::create_tenant))
         .routes(routes!(admin::create_api_token))
         .routes(routes!(admin::create_agent_token))
@@ -66,6 +68,17 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(deployments::get))
         .routes(routes!(deployments::approve))
         .routes(routes!(deployments::cancel))
+        .routes(routes!(secrets::list_secrets))
+        .routes(routes!(
+            secrets::put_secret,
+            secrets::secret_versions,
+            secrets::delete_secret
+        ))
+        .routes(routes!(secrets::kit))
+        .routes(routes!(secrets::agent_lease))
+        .routes(routes!(secrets::api_agent_lease))
+        .routes(routes!(secrets::agent_kv))
+        .routes(routes!(secrets::api_agent_kv))
         .routes(routes!(audit::list))
         .routes(routes!(events::stream))
 }
