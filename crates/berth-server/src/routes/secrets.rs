@@ -159,7 +159,8 @@ pub async fn list_secrets(
 #[utoipa::path(get, path = "/api/v1/secrets/{*path}", tag = "secrets", security(("bearer" = [])),
     params(("path" = String, Path, description = "`<env>/<name>/versions`")),
     responses((status = 200, body = [SecretVersionView]),
-        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND: no version was ever stored")))]
+        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND: no version was ever stored"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
 pub async fn secret_versions(
     State(state): State<SharedState>,
     caller: Caller,
@@ -182,7 +183,8 @@ pub async fn secret_versions(
     params(("path" = String, Path, description = "`<env>/<name>`")),
     responses((status = 200, body = Deleted),
         (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
-        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND")))]
+        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
 pub async fn delete_secret(
     State(state): State<SharedState>,
     caller: Caller,
