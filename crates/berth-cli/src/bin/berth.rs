@@ -325,6 +325,10 @@ struct ServerArgs {
     /// Extra names for the server certificate (repeatable).
     #[arg(long = "hostname", env = "BERTH_HOSTNAMES", value_delimiter = ',')]
     hostnames: Vec<String>,
+    /// The URL agents reach this server at (install kits, builtin leases); default
+    /// https://<first hostname or localhost>:<listen port>.
+    #[arg(long, env = "BERTH_PUBLIC_URL")]
+    public_url: Option<String>,
     /// Agent heartbeat interval; agents are offline after 3 missed intervals.
     #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL_SECS", default_value_t = 30)]
     heartbeat_interval_secs: u64,
@@ -360,6 +364,7 @@ impl ServerArgs {
         let mut config = ServerConfig::new(self.data_dir.clone(), self.listen);
         config.database = self.database.clone();
         config.hostnames = self.hostnames.clone();
+        config.public_url = self.public_url.clone();
         config.heartbeat_interval = Duration::from_secs(self.heartbeat_interval_secs);
         config.agent_cert_validity = Duration::from_secs(self.agent_cert_validity_secs);
         config.agent_transport_enabled = self.agent_transport == "enabled";
