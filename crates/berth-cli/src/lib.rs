@@ -77,6 +77,7 @@ pub mod desired;
 pub mod dev;
 pub mod docs;
 pub mod output;
+pub mod secret;
 
 /// `90`, `90s`, `30m`, `1h`, `7d`.
 pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {

@@ -42,6 +42,13 @@ pub mod actions {
     /// A desired-state agent's report; `details`: the agent, result, sha, detail and the
     /// redacted head of `log_tail` (`desired::AUDIT_LOG_TAIL_BYTES`).
     pub const DESIRED_REPORT: &str = "desired.report";
+    /// A builtin secret's new version; `details`: its path and version, never the value.
+    pub const SECRET_PUT: &str = "secret.put";
+    /// Every version of a builtin secret marked deleted; `details`: the path.
+    pub const SECRET_DELETE: &str = "secret.delete";
+    /// An install kit revealed: `details` the grant's jti and how many grants it superseded,
+    /// never the grant itself.
+    pub const ENVIRONMENT_KIT: &str = "environment.kit";
     /// A verified agent result; `details` is a [`super::ResultEvidence`].
     pub const TASK_RESULT: &str = "task.result";
 }

@@ -47,6 +47,41 @@ pub struct ServerConfig {
     pub retry_policy: berth_store::RetryPolicy,
     /// Where every handler and reconciler reads "now" (tests inject a `ManualClock`).
     pub clock: std::sync::Arc<dyn crate::Clock>,
+    /// The URL agents reach this server at (kit install command, a `builtin` lease's `addr`);
+    /// `None`: `https://<first hostname or localhost>:<listen port>`.
+    pub public_url: Option<String>,
+    /// The OpenBao that holds secrets; `None`: secrets are berth's own (`builtin`).
+    pub openbao: Option<OpenBaoSettings>,
+}
+
+/// Where agents log in with a deploy grant and read secrets, when OpenBao holds them (seed 001:
+/// mount `jwt-berth` whose `jwks_url` is this server's `/.well-known/agent-jwks.json`, role
+/// `see-env`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenBaoSettings {
+    /// `https://bao.example:8200`: the lease's `addr`.
+    pub addr: String,
+    /// The JWT auth mount the agent logs in at: the lease's `mount`.
+    pub auth_mount: String,
+    /// The role of that mount: the lease's `role`.
+    pub role: String,
+    /// The KV v2 mount secrets are read from (checkin's `vault.mount`).
+    pub kv_mount: String,
+}
+
+impl OpenBaoSettings {
+    pub const DEFAULT_AUTH_MOUNT: &'static str = "jwt-berth";
+    pub const DEFAULT_ROLE: &'static str = "see-env";
+
+    /// The defaults of seed 001 for everything but the address and the KV mount.
+    pub fn new(addr: impl Into<String>, kv_mount: impl Into<String>) -> OpenBaoSettings {
+        OpenBaoSettings {
+            addr: addr.into(),
+            auth_mount: Self::DEFAULT_AUTH_MOUNT.to_string(),
+            role: Self::DEFAULT_ROLE.to_string(),
+            kv_mount: kv_mount.into(),
+        }
+    }
 }
 
 impl ServerConfig {
@@ -70,6 +105,20 @@ impl ServerConfig {
             lease_grace: Duration::from_secs(30),
             retry_policy: berth_store::RetryPolicy::default(),
             clock: std::sync::Arc::new(crate::SystemClock),
+            public_url: None,
+            openbao: None,
+        }
+    }
+
+    /// [`ServerConfig::public_url`], or the URL the server's own certificate names.
+    pub fn public_url(&self) -> String {
+        match &self.public_url {
+            Some(url) => url.trim_end_matches('/').to_string(),
+            None => format!(
+                "https://{}:{}",
+                self.hostnames.first().map_or("localhost", String::as_str),
+                self.listen.port()
+            ),
         }
     }
 

@@ -13,6 +13,7 @@ mod drift;
 mod error;
 mod extract;
 mod fault;
+mod grants;
 mod heartbeat;
 mod metrics;
 mod openapi;
@@ -21,6 +22,7 @@ mod readback;
 mod reconcile;
 mod registry;
 mod routes;
+mod secrets;
 mod tls;
 mod wake;
 
@@ -33,7 +35,7 @@ use tokio::net::TcpListener;
 
 pub use bootstrap::{Bootstrapped, DataDir};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::ServerConfig;
+pub use config::{OpenBaoSettings, ServerConfig};
 pub use error::ServerError;
 pub use openapi::openapi_json;
 

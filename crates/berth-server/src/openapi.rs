@@ -67,6 +67,19 @@ pub(crate) fn document_base() -> utoipa::openapi::OpenApi {
 pub fn openapi_json() -> String {
     let mut doc = crate::routes::declared().into_openapi();
     doc.info.version = "v1".to_string();
+    // axum spells a parameter that spans segments `{*path}`; OpenAPI has only `{path}`.
+    let wildcards: Vec<String> = doc
+        .paths
+        .paths
+        .keys()
+        .filter(|p| p.contains("{*"))
+        .cloned()
+        .collect();
+    for path in wildcards {
+        if let Some(item) = doc.paths.paths.remove(&path) {
+            doc.paths.paths.insert(path.replace("{*", "{"), item);
+        }
+    }
     CommonResponses.modify(&mut doc);
     doc.to_pretty_json().unwrap_or_else(|_| "{}".to_string())
 }

@@ -24,6 +24,7 @@ pub use domain::desired::{
 };
 pub use domain::events::*;
 pub use domain::releases::*;
+pub use domain::secrets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use postgres::PostgresStore;
@@ -37,7 +38,8 @@ pub enum StoreError {
     /// `assignment_id`, `release_id`, `release_name`, `environment_id`, `environment_name`,
     /// `deployment_id`, `deployment_target`, `deployment_in_progress` (the environment has a
     /// pending, awaiting or running deployment), `task_agent` (a task for an agent that is not,
-    /// or no longer, the tenant's), or `approval_token` (an approval by other than an API token).
+    /// or no longer, the tenant's), `approval_token` (an approval by other than an API token), `secret_version` (a concurrent put
+    /// took that version) or `grant_jti`.
     #[error("conflict on {constraint}")]
     Conflict { constraint: &'static str },
     #[error("database error during {operation}")]
@@ -84,6 +86,8 @@ pub trait Store:
     + EventStore
     + DeploymentStore
     + DesiredStore
+    + SecretStore
+    + GrantStore
     + Send
     + Sync
     + 'static

@@ -19,8 +19,8 @@ use berth_proto::deploy::{DeploymentKind, DeploymentState, Drift, TargetPhase, T
 
 use crate::{
     Agent, ApiToken, Approval, Attempt, AttemptState, Deployment, DeploymentTarget, Environment,
-    Event, HeartbeatRecord, Page, Release, ReleaseRef, StoreError, TargetObservation, Task,
-    TaskState, Tenant,
+    Event, Grant, GrantKind, HeartbeatRecord, Page, Release, ReleaseRef, SealedSecret, SecretMeta,
+    StoreError, TargetObservation, Task, TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -348,6 +348,12 @@ const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
         "deployment_targets.deployment_id, deployment_targets.agent_id",
         "deployment_target",
     ),
+    (
+        "secrets_pkey",
+        "secrets.tenant_id, secrets.key, secrets.version",
+        "secret_version",
+    ),
+    ("grants_pkey", "grants.jti", "grant_jti"),
 ];
 
 /// The `Conflict` name of the unique constraint `err` violated, if it is a known one.
@@ -590,6 +596,64 @@ pub(crate) fn read_event(row: &impl ColumnReader) -> Result<Event, StoreError> {
         environment_id: row.uuid_opt("environment_id")?.map(EnvironmentId),
         data: row.json("data")?,
         created_at: row.time("created_at")?,
+    })
+}
+
+/// The secret columns listings read, in the order [`read_secret_meta`] expects.
+macro_rules! secret_meta_columns {
+    () => {
+        "tenant_id, key, version, created_at, created_by, deleted_at"
+    };
+}
+pub(crate) use secret_meta_columns;
+
+pub(crate) fn read_secret_meta(row: &impl ColumnReader) -> Result<SecretMeta, StoreError> {
+    let version = row.int("version")?;
+    Ok(SecretMeta {
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        key: row.text("key")?,
+        version: u32::try_from(version)
+            .map_err(|_| StoreError::Corrupt(format!("secrets.version: {version}")))?,
+        created_at: row.time("created_at")?,
+        created_by: from_json("secrets.created_by", row.json("created_by")?)?,
+        deleted_at: row.time_opt("deleted_at")?,
+    })
+}
+
+pub(crate) fn read_sealed_secret(row: &impl ColumnReader) -> Result<SealedSecret, StoreError> {
+    let missing = |c: &str| StoreError::Corrupt(format!("secrets.{c} is null"));
+    Ok(SealedSecret {
+        meta: read_secret_meta(row)?,
+        wrapped_key: row
+            .bytes_opt("wrapped_key")?
+            .ok_or_else(|| missing("wrapped_key"))?,
+        ciphertext: row
+            .bytes_opt("ciphertext")?
+            .ok_or_else(|| missing("ciphertext"))?,
+    })
+}
+
+macro_rules! grant_columns {
+    () => {
+        "jti, tenant_id, environment_id, kind, public_jwk, issued_at, expires_at, \
+         superseded_at, used_at, token_accessor"
+    };
+}
+pub(crate) use grant_columns;
+
+pub(crate) fn read_grant(row: &impl ColumnReader) -> Result<Grant, StoreError> {
+    let kind = row.text("kind")?;
+    Ok(Grant {
+        jti: row.text("jti")?,
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        environment_id: EnvironmentId(row.uuid("environment_id")?),
+        kind: GrantKind::parse(&kind).ok_or_else(|| unknown("grants.kind", &kind))?,
+        public_jwk: row.json("public_jwk")?.to_string(),
+        issued_at: row.time("issued_at")?,
+        expires_at: row.time("expires_at")?,
+        superseded_at: row.time_opt("superseded_at")?,
+        used_at: row.time_opt("used_at")?,
+        token_accessor: row.text_opt("token_accessor")?,
     })
 }
 

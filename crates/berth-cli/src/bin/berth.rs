@@ -91,6 +91,9 @@ enum Command {
     /// Environments: named sets of targets with a rollout policy.
     #[command(subcommand)]
     Env(EnvCommand),
+    /// Builtin secrets: sealed on the server, read by agents with a lease. Never printed.
+    #[command(subcommand)]
+    Secret(SecretCommand),
     /// Deploy a release into an environment.
     Deploy {
         release: String,
@@ -180,6 +183,34 @@ enum EnvCommand {
     },
     /// The desired sha and what each agent last applied and reported.
     Desired { name: String },
+    /// Reveal an install kit (admin): prints the one-line install command carrying a fresh
+    /// bootstrap grant. Every earlier grant of the environment stops working.
+    Kit { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+enum SecretCommand {
+    /// Store a new version of `<env>/<name>`.
+    Put {
+        path: String,
+        /// Read the value from this file (`-`: stdin). One trailing newline is dropped.
+        #[arg(
+            long,
+            conflicts_with = "generate",
+            required_unless_present = "generate"
+        )]
+        from_file: Option<PathBuf>,
+        /// Let the server generate 32 random bytes (URL-safe base64).
+        #[arg(long)]
+        generate: bool,
+    },
+    /// The latest version of every secret under a prefix.
+    #[command(alias = "list")]
+    Ls { prefix: Option<String> },
+    /// Every version of a secret.
+    Versions { path: String },
+    /// Delete every version of a secret.
+    Rm { path: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -308,6 +339,10 @@ struct ServerArgs {
     /// Extra names for the server certificate (repeatable).
     #[arg(long = "hostname", env = "BERTH_HOSTNAMES", value_delimiter = ',')]
     hostnames: Vec<String>,
+    /// The URL agents reach this server at (install kits, builtin leases); default
+    /// https://<first hostname or localhost>:<listen port>.
+    #[arg(long, env = "BERTH_PUBLIC_URL")]
+    public_url: Option<String>,
     /// Agent heartbeat interval; agents are offline after 3 missed intervals.
     #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL_SECS", default_value_t = 30)]
     heartbeat_interval_secs: u64,
@@ -343,6 +378,7 @@ impl ServerArgs {
         let mut config = ServerConfig::new(self.data_dir.clone(), self.listen);
         config.database = self.database.clone();
         config.hostnames = self.hostnames.clone();
+        config.public_url = self.public_url.clone();
         config.heartbeat_interval = Duration::from_secs(self.heartbeat_interval_secs);
         config.agent_cert_validity = Duration::from_secs(self.agent_cert_validity_secs);
         config.agent_transport_enabled = self.agent_transport == "enabled";
@@ -555,6 +591,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bundle(berth_cli::bundle::BundleCommand::Push { file, environment }) => {
             berth_cli::desired::push_bundle(&admin_client(&cli.conn)?, out, file, environment).await
         }
+        Command::Secret(cmd) => secret_command(&cli.conn, out, cmd).await,
         Command::Deploy {
             release,
             environment,
@@ -727,6 +764,22 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
             purge_volumes,
         } => berth_cli::desired::retire(&client, out, name, purge_volumes).await,
         EnvCommand::Desired { name } => berth_cli::desired::show(&client, out, name).await,
+        EnvCommand::Kit { name } => berth_cli::secret::kit(&client, out, name).await,
+    }
+}
+
+async fn secret_command(conn: &Connection, out: Output, cmd: SecretCommand) -> anyhow::Result<()> {
+    use berth_cli::secret;
+    let client = admin_client(conn)?;
+    match cmd {
+        SecretCommand::Put {
+            path,
+            from_file,
+            generate,
+        } => secret::put(&client, out, path, from_file.as_deref(), generate).await,
+        SecretCommand::Ls { prefix } => secret::ls(&client, out, prefix).await,
+        SecretCommand::Versions { path } => secret::versions(&client, out, path).await,
+        SecretCommand::Rm { path } => secret::rm(&client, out, path).await,
     }
 }
 

@@ -8,6 +8,7 @@ use berth_proto::agent::{Jwk, Jwks};
 use berth_proto::error::ErrorChain;
 use serde_json::json;
 
+use crate::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 /// Liveness: the process answers.
@@ -68,19 +69,37 @@ pub async fn openapi() -> impl IntoResponse {
     )
 }
 
-/// The public keys that verify agent JWTs and deploy grants.
+/// The public keys that verify agent JWTs and deploy grants: the server's own agent-JWT key,
+/// and the key of every deploy grant that is neither superseded, used nor expired (each grant
+/// has a key of its own, `kid` = its `jti`). OpenBao's JWT mount fetches this, so a grant
+/// stops verifying there once it is superseded or used and the mount refetches.
 #[utoipa::path(get, path = "/.well-known/agent-jwks.json", tag = "meta", responses((status = 200, body = Jwks)))]
-pub async fn jwks(State(state): State<SharedState>) -> Json<Jwks> {
+pub async fn jwks(State(state): State<SharedState>) -> ApiResult<impl IntoResponse> {
+    agent_jwks(&state).await
+}
+
+/// [`jwks`] under `/api`.
+#[utoipa::path(get, path = "/api/.well-known/agent-jwks.json", tag = "meta", responses((status = 200, body = Jwks)))]
+pub async fn api_jwks(State(state): State<SharedState>) -> ApiResult<impl IntoResponse> {
+    agent_jwks(&state).await
+}
+
+async fn agent_jwks(state: &SharedState) -> ApiResult<impl IntoResponse> {
     let k = state.jwt.public_jwk();
-    Json(Jwks {
-        keys: vec![Jwk {
-            kty: k.kty,
-            crv: k.crv,
-            x: k.x,
-            y: k.y,
-            kid: k.kid,
-            use_: k.use_,
-            alg: k.alg,
-        }],
-    })
+    let mut keys = vec![Jwk {
+        kty: k.kty,
+        crv: k.crv,
+        x: k.x,
+        y: k.y,
+        kid: k.kid,
+        use_: k.use_,
+        alg: k.alg,
+    }];
+    let now = state.config.clock.now();
+    for text in state.store.live_grant_jwks(None, now).await? {
+        let jwk: Jwk = serde_json::from_str(&text).map_err(|e| ApiError::internal(&e))?;
+        keys.push(jwk);
+    }
+    // A superseded grant must drop out at once: no cache may keep serving its key.
+    Ok(([(header::CACHE_CONTROL, "no-store")], Json(Jwks { keys })))
 }

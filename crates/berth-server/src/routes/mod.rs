@@ -19,6 +19,7 @@ pub mod desired;
 pub mod events;
 pub mod meta;
 pub mod releases;
+pub mod secrets;
 pub mod tasks;
 pub mod transport;
 
@@ -31,6 +32,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(meta::metrics))
         .routes(routes!(meta::openapi))
         .routes(routes!(meta::jwks))
+        .routes(routes!(meta::api_jwks))
         .routes(routes!(admin::create_tenant))
         .routes(routes!(admin::create_api_token))
         .routes(routes!(admin::create_agent_token))
@@ -76,6 +78,17 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(desired::push_bundle, desired::list_bundles))
         .routes(routes!(desired::set_desired, desired::desired_state))
         .routes(routes!(desired::retire))
+        .routes(routes!(secrets::list_secrets))
+        .routes(routes!(
+            secrets::put_secret,
+            secrets::secret_versions,
+            secrets::delete_secret
+        ))
+        .routes(routes!(secrets::kit))
+        .routes(routes!(secrets::agent_lease))
+        .routes(routes!(secrets::api_agent_lease))
+        .routes(routes!(secrets::agent_kv))
+        .routes(routes!(secrets::api_agent_kv))
         .routes(routes!(audit::list))
         .routes(routes!(events::stream))
 }

@@ -51,7 +51,11 @@ fn environment(tenant: TenantId, name: &str, tier: Tier) -> Environment {
     }
 }
 
-async fn create_environment(store: &DynStore, tenant: TenantId, name: &str) -> Environment {
+pub(super) async fn create_environment(
+    store: &DynStore,
+    tenant: TenantId,
+    name: &str,
+) -> Environment {
     store
         .create_environment(environment(tenant, name, Tier::Qa), operator())
         .await
@@ -204,7 +208,7 @@ async fn succeed(store: &DynStore, d: &DeploymentDetail) -> DeploymentDetail {
     .await
 }
 
-async fn audit_actions(store: &DynStore, tenant: TenantId) -> Vec<(String, String)> {
+pub(super) async fn audit_actions(store: &DynStore, tenant: TenantId) -> Vec<(String, String)> {
     store
         .list_audit(tenant, 0, 1000)
         .await

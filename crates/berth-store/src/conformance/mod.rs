@@ -30,6 +30,7 @@ mod deployments;
 mod desired;
 mod events;
 mod releases;
+mod secrets;
 mod tasks;
 mod tenants;
 
@@ -39,6 +40,7 @@ pub use deployments::*;
 pub use desired::*;
 pub use events::*;
 pub use releases::*;
+pub use secrets::*;
 pub use tasks::*;
 pub use tenants::*;
 
@@ -110,6 +112,9 @@ macro_rules! conformance_cases {
             deployment_cancel,
             deployment_step_compare_and_set,
             environment_pin_and_unpin,
+            secret_versions_and_delete,
+            secret_concurrent_put_conflicts,
+            grant_supersede_use_and_jwks,
             active_deployments_and_released_environments,
             target_observations_upsert,
             deployment_events,

@@ -7,5 +7,6 @@ pub mod deployments;
 pub mod desired;
 pub mod events;
 pub mod releases;
+pub mod secrets;
 pub mod tasks;
 pub mod tenants;

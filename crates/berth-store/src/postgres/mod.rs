@@ -25,6 +25,7 @@ mod deployments;
 mod desired;
 mod events;
 mod releases;
+mod secrets;
 mod tasks;
 mod tenants;
 

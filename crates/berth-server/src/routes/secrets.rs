@@ -1,0 +1,483 @@
+//! Builtin secrets and deploy grants over HTTP: the admin secret API (values go in, never out),
+//! the install kit, the agent's lease and its `builtin` KV read (shaped like OpenBao's KV v2).
+//!
+//! A value is decrypted only for the KV read of an agent that proves its certificate, belongs
+//! to the path's environment and presents a live lease of it; it is never logged.
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use berth_proto::agent::Deleted;
+use berth_proto::desired::{
+    KitView, LeaseRequest, LeaseResponse, PutSecret, SecretPath, SecretVersionView, BUILTIN_MOUNT,
+    GRANT_TTL_SECS, LEASE_HEADER,
+};
+use berth_proto::error::codes;
+use berth_proto::ErrorBody;
+use berth_store::{Agent, Environment, GrantKind, SealedSecret, SecretMeta, StoreError};
+use serde::Deserialize;
+
+use crate::auth::{AgentCaller, Caller};
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::grants::{self, LeaseRefusal};
+use crate::secrets::{self as envelope, Envelope};
+use crate::SharedState;
+
+/// The largest value a secret may hold.
+pub const MAX_SECRET_BYTES: usize = 64 * 1024;
+/// Where the install kit stages the grant on the host.
+pub const BOOTSTRAP_FILE: &str = "/etc/berth-agent/bootstrap.jwt";
+
+fn secret_not_found(key: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        codes::SECRET_NOT_FOUND,
+        format!("no secret at {key:?}"),
+    )
+}
+
+fn env_mismatch(detail: impl Into<String>) -> ApiError {
+    ApiError::forbidden(codes::AGENT_ENV_MISMATCH, detail)
+}
+
+/// The admin path of a secret is its store key, `<env>/<rest>` (no mount: a mount names where
+/// an agent reads, not what is stored). Its segments follow [`SecretPath::parse`]'s rules, and
+/// an environment may not be called `data` (the doc-24 form's marker).
+fn admin_key(path: &str) -> ApiResult<String> {
+    match SecretPath::parse(&format!("{BUILTIN_MOUNT}/{path}")) {
+        Some(p) if p.store_key() == path => Ok(p.store_key()),
+        _ => Err(ApiError::unprocessable(
+            codes::INVALID_REQUEST,
+            format!(
+                "{path:?} is not a secret path: `<env>/<name>[/…]`, each segment letters, \
+                 digits or `-_.+@=`"
+            ),
+        )),
+    }
+}
+
+fn view(meta: SecretMeta) -> SecretVersionView {
+    SecretVersionView {
+        path: meta.key,
+        version: meta.version,
+        created_at: meta.created_at,
+        deleted: meta.deleted_at.is_some(),
+    }
+}
+
+/// Store a new version of a secret: the given `value`, or 32 random bytes (`generate`). The
+/// answer is the version's metadata, never the value.
+#[utoipa::path(put, path = "/api/v1/secrets/{*path}", tag = "secrets", request_body = PutSecret,
+    security(("bearer" = [])), params(("path" = String, Path, description = "`<env>/<name>`")),
+    responses((status = 200, body = SecretVersionView),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 409, body = ErrorBody, description = "CONSTRAINT_CONFLICT: concurrent puts took the next versions"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: a bad path, or not exactly one of `value` and `generate`")))]
+pub async fn put_secret(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(path): ApiPath<String>,
+    ApiJson(req): ApiJson<PutSecret>,
+) -> ApiResult<Json<SecretVersionView>> {
+    caller.require_deployer()?;
+    let key = admin_key(&path)?;
+    let value = match (req.value, req.generate) {
+        (Some(value), false) => value,
+        (None, true) => envelope::generate_value(),
+        _ => {
+            return Err(ApiError::unprocessable(
+                codes::INVALID_REQUEST,
+                "give exactly one of `value` and `generate: true`",
+            ))
+        }
+    };
+    if value.len() > MAX_SECRET_BYTES {
+        return Err(ApiError::unprocessable(
+            codes::INVALID_REQUEST,
+            format!("a secret holds at most {MAX_SECRET_BYTES} bytes"),
+        ));
+    }
+    let tenant = caller.tenant();
+    // The version is part of the associated data, so the value is sealed for the version it
+    // will have; a concurrent put that took it first makes this one seal again for the next.
+    let mut attempts = 0;
+    let meta = loop {
+        attempts += 1;
+        let version = state.store.secret_head(tenant, &key).await? + 1;
+        let sealed = envelope::seal(&state.master_key, tenant, &key, version, value.as_bytes())
+            .map_err(|e| ApiError::internal(&e))?;
+        let secret = SealedSecret {
+            meta: SecretMeta {
+                tenant_id: tenant,
+                key: key.clone(),
+                version,
+                created_at: state.config.clock.now(),
+                created_by: crate::routes::audit::actor(&caller),
+                deleted_at: None,
+            },
+            wrapped_key: sealed.wrapped_key,
+            ciphertext: sealed.ciphertext,
+        };
+        match state.store.put_secret(secret).await {
+            Err(StoreError::Conflict {
+                constraint: "secret_version",
+            }) if attempts < 2 => continue,
+            other => break other?,
+        }
+    };
+    Ok(Json(view(meta)))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ListSecrets {
+    /// Only paths that start with this (`qa/` for one environment's).
+    #[serde(default)]
+    pub prefix: Option<String>,
+}
+
+/// The latest live version of every secret (metadata only).
+#[utoipa::path(get, path = "/api/v1/secrets", tag = "secrets", security(("bearer" = [])),
+    params(ListSecrets), responses((status = 200, body = [SecretVersionView])))]
+pub async fn list_secrets(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiQuery(query): ApiQuery<ListSecrets>,
+) -> ApiResult<Json<Vec<SecretVersionView>>> {
+    caller.can_read()?;
+    let items = state
+        .store
+        .list_secrets(caller.tenant(), query.prefix.as_deref().unwrap_or(""))
+        .await?;
+    Ok(Json(items.into_iter().map(view).collect()))
+}
+
+/// Every version of a secret, deleted ones too (metadata only). The path ends in `/versions`:
+/// `GET /api/v1/secrets/qa/see/pg/versions`.
+#[utoipa::path(get, path = "/api/v1/secrets/{*path}", tag = "secrets", security(("bearer" = [])),
+    params(("path" = String, Path, description = "`<env>/<name>/versions`")),
+    responses((status = 200, body = [SecretVersionView]),
+        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND: no version was ever stored"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
+pub async fn secret_versions(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(path): ApiPath<String>,
+) -> ApiResult<Json<Vec<SecretVersionView>>> {
+    caller.can_read()?;
+    let Some(path) = path.strip_suffix("/versions") else {
+        return Err(ApiError::not_found("route"));
+    };
+    let key = admin_key(path)?;
+    let versions = state.store.secret_versions(caller.tenant(), &key).await?;
+    if versions.is_empty() {
+        return Err(secret_not_found(&key));
+    }
+    Ok(Json(versions.into_iter().map(view).collect()))
+}
+
+/// Mark every version of a secret deleted: agents' reads of it answer `404 SECRET_NOT_FOUND`.
+#[utoipa::path(delete, path = "/api/v1/secrets/{*path}", tag = "secrets", security(("bearer" = [])),
+    params(("path" = String, Path, description = "`<env>/<name>`")),
+    responses((status = 200, body = Deleted),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
+        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
+pub async fn delete_secret(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(path): ApiPath<String>,
+) -> ApiResult<Json<Deleted>> {
+    caller.require_deployer()?;
+    let key = admin_key(&path)?;
+    let marked = state
+        .store
+        .delete_secret(
+            caller.tenant(),
+            &key,
+            crate::routes::audit::actor(&caller),
+            state.config.clock.now(),
+        )
+        .await?;
+    if marked == 0 {
+        return Err(secret_not_found(&key));
+    }
+    Ok(Json(Deleted { deleted: true }))
+}
+
+/// Quotes a word for a POSIX shell: single quotes, each `'` written as `'\''`.
+fn sh_word(word: &str) -> String {
+    format!("'{}'", word.replace('\'', r"'\''"))
+}
+
+/// The one-line install command. The grant reaches the file through a bash here-string, never
+/// through a command's arguments (so it shows in no process list); `umask 077` and `install -m
+/// 0600` keep it private from creation.
+fn install_command(server: &str, env: &str, grant: &str) -> String {
+    format!(
+        "umask 077 && install -D -m 0600 /dev/stdin {BOOTSTRAP_FILE} <<< {} && berth-agent install \
+         --server {} --env {} --bootstrap-file {BOOTSTRAP_FILE}",
+        sh_word(grant),
+        sh_word(server),
+        sh_word(env),
+    )
+}
+
+/// Reveal an install kit: a bootstrap deploy grant for the environment. Every earlier grant of
+/// the environment (kits and leases) is superseded in the same transaction, so an older kit
+/// stops working. The grant is in this answer only.
+#[utoipa::path(post, path = "/api/v1/environments/{name}/kit", tag = "environments", security(("bearer" = [])),
+    params(("name" = String, Path)),
+    responses((status = 200, body = KitView),
+        (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND")))]
+pub async fn kit(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<KitView>> {
+    caller.require_admin()?;
+    let env = state
+        .store
+        .get_environment(caller.tenant(), &name)
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                codes::ENVIRONMENT_NOT_FOUND,
+                format!("no environment named {name:?}"),
+            )
+        })?;
+    let now = state.config.clock.now();
+    let minted = grants::mint(&state, &env, GrantKind::Kit, now)?;
+    let (jti, expires_at) = (minted.grant.jti.clone(), minted.grant.expires_at);
+    state
+        .store
+        .record_kit_grant(minted.grant, crate::routes::audit::actor(&caller))
+        .await?;
+    Ok(Json(KitView {
+        install_command: install_command(&state.config.public_url(), &env.name, &minted.jwt),
+        environment: env.name,
+        grant: minted.jwt,
+        jti,
+        expires_at,
+    }))
+}
+
+/// The environment `name` of the agent's tenant, when the agent carries every label of its
+/// selector; else `403 AGENT_ENV_MISMATCH` (an unknown environment too, so nothing leaks).
+async fn agent_environment(
+    state: &SharedState,
+    agent: &Agent,
+    name: &str,
+) -> ApiResult<Environment> {
+    let env = state.store.get_environment(agent.tenant_id, name).await?;
+    match env {
+        Some(env)
+            if env
+                .selector
+                .iter()
+                .all(|(k, v)| agent.labels.get(k) == Some(v)) =>
+        {
+            Ok(env)
+        }
+        _ => Err(env_mismatch(format!(
+            "this agent is not in environment {name:?}"
+        ))),
+    }
+}
+
+/// The lease of an agent already known to be in `env`: a new `lease` grant (recorded; it
+/// supersedes nothing), and where to use it.
+pub(crate) async fn lease_for(state: &SharedState, env: &Environment) -> ApiResult<LeaseResponse> {
+    // RATE: the per-environment lease bucket (seed 001: 5/h, 429 LEASE_RATE_LIMITED) belongs
+    // here, before anything is minted; the desired-state limiter provides it.
+    let now = state.config.clock.now();
+    let minted = grants::mint(state, env, GrantKind::Lease, now)?;
+    state.store.record_grant(minted.grant).await?;
+    let (mount, role, addr) = match &state.config.openbao {
+        Some(bao) => (bao.auth_mount.clone(), bao.role.clone(), bao.addr.clone()),
+        None => (
+            BUILTIN_MOUNT.to_string(),
+            String::new(),
+            state.config.public_url(),
+        ),
+    };
+    Ok(LeaseResponse {
+        env_id: env.name.clone(),
+        login_jwt: minted.jwt,
+        ttl_s: GRANT_TTL_SECS,
+        mount,
+        role,
+        addr,
+    })
+}
+
+async fn lease(state: SharedState, caller: AgentCaller, req: LeaseRequest) -> ApiResult<Response> {
+    let agent = caller.bound(&state).await?;
+    let env = agent_environment(&state, &agent, &req.env_id).await?;
+    let lease = lease_for(&state, &env).await?;
+    Ok(([(header::CACHE_CONTROL, "no-store")], Json(lease)).into_response())
+}
+
+/// A deploy grant to log in with at OpenBao (`mount`, `role`, `addr`), or, with the `builtin`
+/// provider (`mount: builtin`), to present in `X-Berth-Lease` to the KV read.
+#[utoipa::path(post, path = "/v1/agent/lease", tag = "agent-runtime", request_body = LeaseRequest,
+    security(("agentCertificate" = [])),
+    responses((status = 200, body = LeaseResponse),
+        (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH: the agent is not in `env_id`")))]
+pub async fn agent_lease(
+    State(state): State<SharedState>,
+    caller: AgentCaller,
+    ApiJson(req): ApiJson<LeaseRequest>,
+) -> ApiResult<Response> {
+    lease(state, caller, req).await
+}
+
+/// [`agent_lease`] under `/api`.
+#[utoipa::path(post, path = "/api/v1/agent/lease", tag = "agent-runtime", request_body = LeaseRequest,
+    security(("agentCertificate" = [])),
+    responses((status = 200, body = LeaseResponse),
+        (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH: the agent is not in `env_id`")))]
+pub async fn api_agent_lease(
+    State(state): State<SharedState>,
+    caller: AgentCaller,
+    ApiJson(req): ApiJson<LeaseRequest>,
+) -> ApiResult<Response> {
+    lease(state, caller, req).await
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct KvQuery {
+    /// The version to read; latest when absent.
+    #[serde(default)]
+    pub version: Option<u32>,
+}
+
+async fn kv_read(
+    state: SharedState,
+    caller: AgentCaller,
+    headers: HeaderMap,
+    path: String,
+    version: Option<u32>,
+) -> ApiResult<Response> {
+    let agent = caller.bound(&state).await?;
+    let Some(path) = SecretPath::parse(&path) else {
+        return Err(ApiError::unprocessable(
+            codes::INVALID_REQUEST,
+            "not a secret path: `<mount>/<env>/<name>` or `<mount>/data/<env>/<name>`",
+        ));
+    };
+    let env = agent_environment(&state, &agent, &path.env).await?;
+    let lease_required = |why: &str| {
+        ApiError::unauthenticated(
+            codes::LEASE_REQUIRED,
+            format!(
+                "reading a secret needs a live lease of this environment in {LEASE_HEADER}: {why}"
+            ),
+        )
+    };
+    let Some(token) = headers.get(LEASE_HEADER).and_then(|v| v.to_str().ok()) else {
+        return Err(lease_required("none was presented"));
+    };
+    let now = state.config.clock.now();
+    let grant = match grants::verify_lease(&state, token.trim(), &env, now).await? {
+        Ok(grant) => grant,
+        Err(LeaseRefusal::WrongEnvironment) => {
+            return Err(env_mismatch(format!(
+                "the lease is not one of environment {:?}",
+                env.name
+            )))
+        }
+        Err(refusal) => {
+            tracing::info!(agent_id = %agent.id, reason = refusal.as_str(), "lease refused");
+            return Err(lease_required(refusal.as_str()));
+        }
+    };
+    let key = path.store_key();
+    let Some(sealed) = state.store.get_secret(env.tenant_id, &key, version).await? else {
+        return Err(secret_not_found(&key));
+    };
+    let version = sealed.meta.version;
+    let value = envelope::open(
+        &state.master_key,
+        env.tenant_id,
+        &key,
+        version,
+        &Envelope {
+            wrapped_key: sealed.wrapped_key,
+            ciphertext: sealed.ciphertext,
+        },
+    )
+    .map_err(|e| ApiError::internal(&e))?;
+    let value = String::from_utf8(value).map_err(|e| ApiError::internal(&e.utf8_error()))?;
+    tracing::debug!(agent_id = %agent.id, jti = %grant.jti, key, version, "builtin secret read");
+    let body = serde_json::json!({
+        "data": { "data": { "value": value }, "metadata": { "version": version } }
+    });
+    Ok(([(header::CACHE_CONTROL, "no-store")], Json(body)).into_response())
+}
+
+/// berth's own secret read (provider `builtin`), shaped like OpenBao's KV v2 read:
+/// `{"data": {"data": {"value": …}, "metadata": {"version": N}}}`. Both manifest path forms
+/// (`<mount>/<env>/<name>`, `<mount>/data/<env>/<name>`) read the same secret.
+#[utoipa::path(get, path = "/v1/agent/kv/{*path}", tag = "agent-runtime",
+    security(("agentCertificate" = [])),
+    params(("path" = String, Path), KvQuery, ("X-Berth-Lease" = String, Header)),
+    responses((status = 200, description = "the secret, KV v2 shaped"),
+        (status = 401, body = ErrorBody, description = "LEASE_REQUIRED: no, an invalid, a superseded or an expired lease"),
+        (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH: the path's environment is not the agent's"),
+        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
+pub async fn agent_kv(
+    State(state): State<SharedState>,
+    caller: AgentCaller,
+    headers: HeaderMap,
+    ApiPath(path): ApiPath<String>,
+    ApiQuery(query): ApiQuery<KvQuery>,
+) -> ApiResult<Response> {
+    kv_read(state, caller, headers, path, query.version).await
+}
+
+/// [`agent_kv`] under `/api`.
+#[utoipa::path(get, path = "/api/v1/agent/kv/{*path}", tag = "agent-runtime",
+    security(("agentCertificate" = [])),
+    params(("path" = String, Path), KvQuery, ("X-Berth-Lease" = String, Header)),
+    responses((status = 200, description = "the secret, KV v2 shaped"),
+        (status = 401, body = ErrorBody, description = "LEASE_REQUIRED: no, an invalid, a superseded or an expired lease"),
+        (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH: the path's environment is not the agent's"),
+        (status = 404, body = ErrorBody, description = "SECRET_NOT_FOUND"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
+pub async fn api_agent_kv(
+    State(state): State<SharedState>,
+    caller: AgentCaller,
+    headers: HeaderMap,
+    ApiPath(path): ApiPath<String>,
+    ApiQuery(query): ApiQuery<KvQuery>,
+) -> ApiResult<Response> {
+    kv_read(state, caller, headers, path, query.version).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_paths_are_store_keys() {
+        assert_eq!(admin_key("qa/see/pg").unwrap(), "qa/see/pg");
+        for bad in ["", "qa", "data/qa/x", "qa//x", "qa/../x", "qa/x y", "/qa/x"] {
+            assert!(admin_key(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_install_command_is_one_line_and_quotes_its_words() {
+        let c = install_command("https://b:8443", "qa", "aaa.bbb.ccc");
+        assert!(!c.contains('\n'));
+        assert!(c.starts_with("umask 077 && install -D -m 0600 /dev/stdin /etc/berth-agent/bootstrap.jwt <<< 'aaa.bbb.ccc' && berth-agent install --server 'https://b:8443' --env 'qa' --bootstrap-file /etc/berth-agent/bootstrap.jwt"), "{c}");
+        assert_eq!(sh_word("it's"), r"'it'\''s'");
+    }
+}
