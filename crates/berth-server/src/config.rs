@@ -4,6 +4,24 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Where berth's OpenBao is and how the server reaches it (seed 001: the `openbao` secrets
+/// provider). `auth_mount`/`role` are what a lease names (`jwt-tenancy`/`see-env`), `kv_mount` is
+/// checkin's `vault.mount`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpenBaoSettings {
+    /// `https://host:port` (or `http://127.0.0.1:port` for tests).
+    pub addr: String,
+    pub auth_mount: String,
+    pub role: String,
+    pub kv_mount: String,
+    /// The CA certificate(s), PEM text, that OpenBao's TLS certificate is validated against;
+    /// `None`: the system's CAs.
+    pub ca_pem: Option<String>,
+    /// A file holding the server's own OpenBao token (0600): `update` on `auth/token/lookup` and
+    /// `auth/token/revoke-accessor`, `read`+`update` on `auth/<auth_mount>/config`.
+    pub token_file: Option<PathBuf>,
+}
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Holds the CA, certificates, keys, the admin token and (by default) the SQLite database.

@@ -16,6 +16,7 @@ mod fault;
 mod heartbeat;
 mod metrics;
 mod openapi;
+pub mod openbao;
 mod readback;
 mod reconcile;
 mod registry;
@@ -32,7 +33,7 @@ use tokio::net::TcpListener;
 
 pub use bootstrap::{Bootstrapped, DataDir};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::ServerConfig;
+pub use config::{OpenBaoSettings, ServerConfig};
 pub use error::ServerError;
 pub use openapi::openapi_json;
 
