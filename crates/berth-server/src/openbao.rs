@@ -195,7 +195,8 @@ impl TokenVerifier {
     /// Makes the JWT mount drop the keys it cached from berth's JWKS, so a grant whose key berth
     /// no longer lists (superseded or used) fails at login. OpenBao fetches `jwks_url` again only
     /// for a `kid` it has not cached; re-writing the mount's config (read, then written back
-    /// unchanged) rebuilds its key set.
+    /// unchanged) rebuilds its key set. Meant for a `jwks_url` mount (seed 001's): OpenBao never
+    /// reads back `oidc_client_secret`, so an OIDC mount would lose it here.
     pub async fn reset_keyset(&self, auth_mount: &str) -> Result<(), VerifyError> {
         if auth_mount.is_empty()
             || !auth_mount

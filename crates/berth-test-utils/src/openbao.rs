@@ -310,10 +310,11 @@ path "auth/{}/config" {{ capabilities = ["read", "update"] }}
             .to_string()
     }
 
-    /// Removes the mounts and policies (disabling the auth mount revokes its tokens).
+    /// Removes the mounts, policies and the logins' entities (disabling the auth mount revokes
+    /// its tokens).
     pub async fn teardown(mut self) {
         self.torn_down = true;
-        remove(&self.env, &self.paths()).await;
+        remove(&self.env, &self.auth_accessor, &self.paths()).await;
     }
 
     fn paths(&self) -> Vec<String> {
@@ -326,8 +327,21 @@ path "auth/{}/config" {{ capabilities = ["read", "update"] }}
     }
 }
 
-async fn remove(env: &OpenBaoEnv, paths: &[String]) {
-    for path in paths {
+/// Removes the entities the logins through `accessor` made (one per env), then `paths`.
+async fn remove(env: &OpenBaoEnv, accessor: &str, paths: &[String]) {
+    let mut doomed = Vec::new();
+    if let Ok((200, aliases)) = env.call("LIST", "identity/entity-alias/id", None).await {
+        if let Some(info) = aliases["data"]["key_info"].as_object() {
+            for alias in info.values() {
+                if alias["mount_accessor"] == accessor {
+                    if let Some(entity) = alias["canonical_id"].as_str() {
+                        doomed.push(format!("identity/entity/id/{entity}"));
+                    }
+                }
+            }
+        }
+    }
+    for path in doomed.iter().chain(paths) {
         match env.call("DELETE", path, None).await {
             Ok((status, _)) if (200..300).contains(&status) || status == 404 => {}
             Ok((status, body)) => eprintln!("OpenBao cleanup DELETE {path}: {status} {body}"),
@@ -348,6 +362,7 @@ impl Drop for SeedMounts {
             ..self.env.clone()
         };
         let paths = self.paths();
+        let accessor = self.auth_accessor.clone();
         // A runtime of its own on a thread of its own: drop may run inside the test's runtime,
         // which cannot be blocked on from within.
         let cleanup =
@@ -356,7 +371,7 @@ impl Drop for SeedMounts {
                     .enable_all()
                     .build()
                 {
-                    Ok(rt) => rt.block_on(remove(&env, &paths)),
+                    Ok(rt) => rt.block_on(remove(&env, &accessor, &paths)),
                     Err(e) => eprintln!("OpenBao cleanup: no runtime: {e}"),
                 }
             });
