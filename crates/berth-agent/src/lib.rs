@@ -19,6 +19,7 @@ mod heartbeat;
 mod installation;
 mod journal;
 mod link;
+pub mod openbao;
 mod renew;
 mod report;
 mod resources;

@@ -5,8 +5,10 @@
 //! server must present in its chain. It never trusts on first use silently.
 
 mod events;
+mod external;
 
 pub use events::{EventStream, StreamError};
+pub use external::external_http_client;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,6 +4,25 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Where berth's OpenBao is and how the server reaches it (seed 001: the `openbao` secrets
+/// provider): agents log in with a deploy grant at `auth_mount` as `role` (what a lease names;
+/// the mount's `jwks_url` is this server's `/.well-known/agent-jwks.json`) and read secrets from
+/// the KV v2 `kv_mount` (checkin's `vault.mount`); `addr` is the lease's `addr`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpenBaoSettings {
+    /// `https://host:port` (or `http://127.0.0.1:port` for tests).
+    pub addr: String,
+    pub auth_mount: String,
+    pub role: String,
+    pub kv_mount: String,
+    /// The CA certificate(s), PEM text, that OpenBao's TLS certificate is validated against;
+    /// `None`: the system's CAs.
+    pub ca_pem: Option<String>,
+    /// A file holding the server's own OpenBao token (0600): `update` on `auth/token/lookup` and
+    /// `auth/token/revoke-accessor`, `read`+`update` on `auth/<auth_mount>/config`.
+    pub token_file: Option<PathBuf>,
+}
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Holds the CA, certificates, keys, the admin token and (by default) the SQLite database.
@@ -54,21 +73,6 @@ pub struct ServerConfig {
     pub openbao: Option<OpenBaoSettings>,
 }
 
-/// Where agents log in with a deploy grant and read secrets, when OpenBao holds them (seed 001:
-/// mount `jwt-berth` whose `jwks_url` is this server's `/.well-known/agent-jwks.json`, role
-/// `see-env`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OpenBaoSettings {
-    /// `https://bao.example:8200`: the lease's `addr`.
-    pub addr: String,
-    /// The JWT auth mount the agent logs in at: the lease's `mount`.
-    pub auth_mount: String,
-    /// The role of that mount: the lease's `role`.
-    pub role: String,
-    /// The KV v2 mount secrets are read from (checkin's `vault.mount`).
-    pub kv_mount: String,
-}
-
 impl OpenBaoSettings {
     pub const DEFAULT_AUTH_MOUNT: &'static str = "jwt-berth";
     pub const DEFAULT_ROLE: &'static str = "see-env";
@@ -80,6 +84,8 @@ impl OpenBaoSettings {
             auth_mount: Self::DEFAULT_AUTH_MOUNT.to_string(),
             role: Self::DEFAULT_ROLE.to_string(),
             kv_mount: kv_mount.into(),
+            ca_pem: None,
+            token_file: None,
         }
     }
 }

@@ -17,6 +17,7 @@ mod grants;
 mod heartbeat;
 mod metrics;
 mod openapi;
+pub mod openbao;
 mod rate;
 mod readback;
 mod reconcile;

@@ -1,13 +1,15 @@
 //! Fixtures shared by the test suites of the workspace. Used only as a dev-dependency.
 //!
 //! - [`services_required`] and [`require_service`]: the one rule for a missing service (a
-//!   PostgreSQL URL, the Docker engine, the local registries, the sshd): a failure under `CI=true` or
+//!   PostgreSQL URL, the Docker engine, the local registries, the sshd, OpenBao): a failure under `CI=true` or
 //!   `BERTH_REQUIRE_SERVICES=1` (which `scripts/test.sh` sets), a `SKIP` line otherwise.
 //! - [`wait_for`], [`try_wait_for`] and [`wait_until`]: polling a condition up to a deadline.
 //! - [`id_of`] and [`str_of`]: fields of the CLI's JSON output.
 //! - [`postgres`]: a throwaway database per test.
 //! - [`deploy`]: `docker.run` payloads and health-check configs.
 //! - [`ssh`]: the sshd of `scripts/sshd.sh` (`BERTH_TEST_SSH_*`) for the `ssh.deploy` tests.
+//! - [`openbao`]: the OpenBao of `scripts/openbao.sh` (`BERTH_TEST_OPENBAO_*`) and seed 001's
+//!   mounts, role and policy under unique names ([`openbao::SeedMounts`]).
 //! - [`docker`] (feature `exec`): the registry/engine environment, test images, cleanup guards
 //!   and executor helpers.
 
@@ -19,6 +21,7 @@ use serde_json::Value;
 pub mod deploy;
 #[cfg(feature = "exec")]
 pub mod docker;
+pub mod openbao;
 pub mod postgres;
 pub mod ssh;
 
