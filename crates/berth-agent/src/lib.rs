@@ -13,12 +13,14 @@
 mod backoff;
 mod capabilities;
 mod config;
+pub mod desired;
 mod enroll;
 mod error;
 mod heartbeat;
 mod installation;
 mod journal;
 mod link;
+pub mod openbao;
 mod renew;
 mod report;
 mod resources;
