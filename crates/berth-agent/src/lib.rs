@@ -13,6 +13,7 @@
 mod backoff;
 mod capabilities;
 mod config;
+pub mod desired;
 mod enroll;
 mod error;
 mod heartbeat;

@@ -73,7 +73,7 @@ fn read_memory() -> Option<(u64, u64)> {
 }
 
 /// (free for unprivileged users, total) bytes.
-fn disk_space(path: &Path) -> Option<(u64, u64)> {
+pub(crate) fn disk_space(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };

@@ -235,6 +235,51 @@ impl Client {
         response.text().await.map_err(ClientError::Decode)
     }
 
+    /// GET a path with extra headers; the body as bytes, with the response headers (bundles).
+    pub async fn get_bytes(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<(reqwest::header::HeaderMap, Vec<u8>), ClientError> {
+        let mut builder = self.http.get(format!("{}{path}", self.server));
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        let response = self.execute(builder).await?;
+        let headers = response.headers().clone();
+        let body = response.bytes().await.map_err(ClientError::Decode)?;
+        Ok((headers, body.to_vec()))
+    }
+
+    /// GET a path with extra headers, the answer as untyped JSON (a KV read).
+    pub async fn get_value(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<serde_json::Value, ClientError> {
+        let mut builder = self.http.get(format!("{}{path}", self.server));
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        let response = self.execute(builder).await?;
+        response.json().await.map_err(ClientError::Decode)
+    }
+
+    /// POST a JSON body, the answer as untyped JSON: for answers whose shape the caller checks
+    /// before it trusts them (a lease).
+    pub async fn post_value<B: serde::Serialize>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<serde_json::Value, ClientError> {
+        let builder = self
+            .http
+            .post(format!("{}{path}", self.server))
+            .json(body);
+        let response = self.execute(builder).await?;
+        response.json().await.map_err(ClientError::Decode)
+    }
+
     async fn execute(
         &self,
         mut builder: reqwest::RequestBuilder,

@@ -39,7 +39,7 @@ pub const LOCK_FILE: &str = "compose.berth.lock.yml";
 pub const BACKUP_FILE: &str = "compose.berth.lock.yml.bak";
 
 /// Compose labels the engine carries for every service container (v1 and v2 alike).
-const LABEL_PROJECT: &str = "com.docker.compose.project";
+pub(crate) const LABEL_PROJECT: &str = "com.docker.compose.project";
 const LABEL_SERVICE: &str = "com.docker.compose.service";
 const LABEL_ONEOFF: &str = "com.docker.compose.oneoff";
 
@@ -99,7 +99,7 @@ impl ComposeExecutor {
     }
 }
 
-async fn detect_compose() -> Result<Vec<String>, ExecError> {
+pub(crate) async fn detect_compose() -> Result<Vec<String>, ExecError> {
     let mut why = Vec::new();
     for candidate in [vec!["docker", "compose"], vec!["docker-compose"]] {
         let mut argv: Vec<String> = candidate.iter().map(|s| s.to_string()).collect();
@@ -158,13 +158,13 @@ impl Executor for ComposeExecutor {
 }
 
 #[derive(Debug, Deserialize)]
-struct ComposeDoc {
+pub(crate) struct ComposeDoc {
     #[serde(default)]
-    services: BTreeMap<String, ComposeService>,
+    pub services: BTreeMap<String, ComposeService>,
 }
 
 #[derive(Debug, Deserialize)]
-struct ComposeService {
+pub(crate) struct ComposeService {
     #[serde(default)]
     image: Option<String>,
     #[serde(default)]
@@ -376,7 +376,7 @@ fn private_dir(dir: &Path) -> Result<(), ExecError> {
 
 /// A private `DOCKER_CONFIG` with one registry login for compose, removed by
 /// [`remove`](DockerConfigDir::remove) or, on any other path (error, cancellation, panic), on drop.
-struct DockerConfigDir(PathBuf);
+pub(crate) struct DockerConfigDir(PathBuf);
 
 impl DockerConfigDir {
     fn create(
@@ -433,16 +433,19 @@ struct Touched {
 }
 
 /// Runs compose for one project; keeps the argument vector and its environment together.
-struct Compose<'a> {
-    command: &'a [String],
-    project: &'a str,
-    dir: &'a Path,
-    lock: PathBuf,
-    config_dir: Option<&'a DockerConfigDir>,
+pub(crate) struct Compose<'a> {
+    pub command: &'a [String],
+    pub project: &'a str,
+    pub dir: &'a Path,
+    /// The compose file (`-f`).
+    pub lock: PathBuf,
+    pub config_dir: Option<&'a DockerConfigDir>,
+    /// `--env-file` (a desired-state stack's rendered `.env`).
+    pub env_file: Option<PathBuf>,
 }
 
 impl Compose<'_> {
-    async fn run(
+    pub(crate) async fn run(
         &self,
         args: &[&str],
         stop: &Stop,
@@ -451,6 +454,9 @@ impl Compose<'_> {
         let mut argv: Vec<String> = self.command.to_vec();
         argv.extend(["-p".to_string(), self.project.to_string(), "-f".to_string()]);
         argv.push(self.lock.display().to_string());
+        if let Some(env_file) = &self.env_file {
+            argv.extend(["--env-file".to_string(), env_file.display().to_string()]);
+        }
         argv.extend(args.iter().map(|a| a.to_string()));
         log.line(format!("running {argv:?}"));
         let mut env = Vec::new();
@@ -506,7 +512,7 @@ fn static_action(action: &str) -> &'static str {
     }
 }
 
-fn tail_lines(s: &str, n: usize) -> String {
+pub(crate) fn tail_lines(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
@@ -547,6 +553,7 @@ impl ComposeExecutor {
             dir: &plan.dir,
             lock: plan.dir.join(LOCK_FILE),
             config_dir: config_dir.as_ref(),
+            env_file: None,
         };
         let mut touched = Touched::default();
         let result = self
@@ -830,6 +837,7 @@ async fn restore(
                 dir: compose.dir,
                 lock: tmp.clone(),
                 config_dir: compose.config_dir,
+                env_file: None,
             };
             if let Err((e, _)) = down.run(&["down", "--remove-orphans"], &stop, log).await {
                 log.line(format!("rollback: {}", e.chain()));
@@ -882,7 +890,7 @@ async fn restore(
 /// Waits until every service has at least one container, all of them running (and healthy
 /// where they have a HEALTHCHECK), plus the payload's http/tcp probe when it has one. Fails as
 /// soon as a container exits, crash-loops or turns unhealthy. Returns the container ids.
-async fn wait_project_healthy(
+pub(crate) async fn wait_project_healthy(
     docker: &Docker,
     project: &str,
     services: &[String],

@@ -27,6 +27,7 @@ pub mod redact;
 mod reference;
 mod run;
 pub mod ssh;
+pub mod stack;
 pub mod sticker;
 
 pub use builtin::Capabilities;

@@ -33,6 +33,11 @@ impl Log {
         }
     }
 
+    /// The lines so far, unredacted: the caller redacts before they leave the executor.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     pub fn line(&mut self, line: impl AsRef<str>) {
         if self.truncated {
             return;

@@ -59,6 +59,37 @@ struct Args {
     /// Tasks run at once.
     #[arg(long, default_value_t = 8)]
     max_concurrent_tasks: usize,
+    /// Desired-state mode (seed 001): converge this environment's stack (checkin, bundle,
+    /// lease, report) instead of running tasks.
+    #[arg(long = "env", value_name = "ENV", env = "BERTH_AGENT_ENV")]
+    env_id: Option<String>,
+    /// With --env: one tick, then exit 0, 1 (re-run the install), 75 (temporary) or 78.
+    #[arg(long, requires = "env_id")]
+    once: bool,
+    /// With --env, bearer mode: the berth CA (PEM) to trust; or pass --ca-fingerprint.
+    #[arg(long, requires = "env_id")]
+    ca_file: Option<PathBuf>,
+    /// With --env: a kit's bootstrap grant, moved into the state dir (0600) before the first tick.
+    #[arg(long, requires = "env_id")]
+    bootstrap_file: Option<PathBuf>,
+    /// With --env: where OpenBao is reached (else the lease's address).
+    #[arg(long, env = "BERTH_OPENBAO_ADDR", requires = "env_id")]
+    openbao_addr: Option<String>,
+    /// With --env: the CA (PEM) OpenBao's certificate is validated against.
+    #[arg(long, requires = "env_id")]
+    openbao_ca_file: Option<PathBuf>,
+    /// With --env: OpenBao's JWT auth mount and role for the bootstrap login.
+    #[arg(long, default_value = "jwt-berth")]
+    openbao_auth_mount: String,
+    #[arg(long, default_value = "see-env")]
+    openbao_role: String,
+    /// With --env: the compose command, e.g. "docker-compose" or "docker compose" (detected
+    /// when absent).
+    #[arg(long)]
+    compose_command: Option<String>,
+    /// With --env: seconds every service has to be running and healthy after `up`.
+    #[arg(long, default_value_t = 120)]
+    health_timeout_secs: u64,
     /// Without a subcommand the agent runs; the subcommands only print documentation.
     #[command(subcommand)]
     docs: Option<berth_cli::docs::DocsCommand>,
@@ -134,6 +165,9 @@ async fn agent(args: Args) -> Result<(), AgentError> {
             registered.name, registered.agent_id
         );
     }
+    if let Some(env_id) = args.env_id.clone() {
+        return desired(args, env_id, shutdown).await;
+    }
     if let Some(bad) = args.allow_commands.iter().find(|p| !p.is_absolute()) {
         return Err(AgentError::Config(format!(
             "--allow-command {} must be an absolute path",
@@ -150,6 +184,44 @@ async fn agent(args: Args) -> Result<(), AgentError> {
         ..AgentConfig::new(args.state_dir)
     };
     berth_agent::run(config, shutdown).await
+}
+
+/// `--env`: the desired-state loop (after registering, when asked to).
+async fn desired(
+    args: Args,
+    env_id: String,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    if let Some(file) = &args.bootstrap_file {
+        let grant = std::fs::read(file)
+            .map_err(|e| AgentError::Config(format!("--bootstrap-file {}: {e}", file.display())))?;
+        berth_agent::StateDir(args.state_dir.clone()).ensure()?;
+        berth_fs::write_atomic(
+            &args.state_dir.join(berth_agent::desired::BOOTSTRAP_FILE),
+            &grant,
+            0o600,
+        )
+        .map_err(|e| AgentError::Config(format!("staging the bootstrap grant: {e}")))?;
+        let _ = std::fs::remove_file(file);
+    }
+    let config = berth_agent::desired::DesiredConfig {
+        env_id,
+        state_dir: args.state_dir,
+        server: args.server,
+        server_ca_file: args.ca_file,
+        server_ca_fingerprint: args.ca_fingerprint,
+        once: args.once,
+        openbao_addr: args.openbao_addr,
+        openbao_ca_file: args.openbao_ca_file,
+        openbao_auth_mount: args.openbao_auth_mount,
+        openbao_role: args.openbao_role,
+        compose_command: args
+            .compose_command
+            .map(|c| c.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default(),
+        health_timeout: Duration::from_secs(args.health_timeout_secs),
+    };
+    berth_agent::desired::run_desired(config, shutdown).await
 }
 
 fn parse_labels(items: &[String]) -> Result<BTreeMap<String, String>, String> {
