@@ -20,8 +20,8 @@ use std::time::Duration;
 use berth_client::{Client, ClientError, Trust};
 use berth_exec::stack::{Release, StackRunner, ENV_FILE};
 use berth_proto::desired::{
-    paths, Checkin, CheckinAction, CheckinResponse, HostFacts, LeaseRequest,
-    LeaseResponse, Report, ReportResult, SecretPath, LEASE_HEADER, MAX_LOG_TAIL_BYTES,
+    paths, Checkin, CheckinAction, CheckinResponse, HostFacts, LeaseRequest, LeaseResponse, Report,
+    ReportResult, SecretPath, LEASE_HEADER, MAX_LOG_TAIL_BYTES,
 };
 use berth_proto::error::codes;
 use serde::{Deserialize, Serialize};
@@ -81,7 +81,7 @@ impl LocalState {
 enum Auth {
     Mtls,
     /// The OpenBao token (`bao.token`) is the bearer.
-    Bearer(BaoToken),
+    Bearer(String),
 }
 
 /// A tick's own log: the lines that become the report's `log_tail` (after redaction).
@@ -148,7 +148,7 @@ struct DesiredAgent {
 
 impl DesiredAgent {
     fn new(config: DesiredConfig) -> Result<DesiredAgent, AgentError> {
-        if berth_proto::deploy::valid_environment_name(&config.env_id).is_err() {
+        if !berth_proto::deploy::valid_environment_name(&config.env_id) {
             return Err(AgentError::Config(format!(
                 "--env {:?} is not an environment name",
                 config.env_id
@@ -206,7 +206,7 @@ impl DesiredAgent {
         {
             return Ok(Auth::Bearer(token));
         }
-        self.bootstrap(log).await.map(Auth::Bearer)
+        self.bootstrap(log).await.map(|t| Auth::Bearer(t.token))
     }
 
     /// `bootstrap.jwt` → OpenBao login → `bao.token` (0600); the grant is deleted once used.
@@ -249,14 +249,19 @@ impl DesiredAgent {
                 Ok(crate::link::Link::new(&server, &identity)?.client)
             }
             Auth::Bearer(token) => {
-                let server = self.config.server.clone().ok_or_else(|| {
-                    AgentError::Config("bearer mode needs --server".to_string())
-                })?;
-                let trust = match (&self.config.server_ca_file, &self.config.server_ca_fingerprint)
-                {
-                    (Some(file), _) => Trust::CaPem(std::fs::read_to_string(file).map_err(
-                        |e| AgentError::Config(format!("--ca-file {}: {e}", file.display())),
-                    )?),
+                let server =
+                    self.config.server.clone().ok_or_else(|| {
+                        AgentError::Config("bearer mode needs --server".to_string())
+                    })?;
+                let trust = match (
+                    &self.config.server_ca_file,
+                    &self.config.server_ca_fingerprint,
+                ) {
+                    (Some(file), _) => {
+                        Trust::CaPem(std::fs::read_to_string(file).map_err(|e| {
+                            AgentError::Config(format!("--ca-file {}: {e}", file.display()))
+                        })?)
+                    }
                     (None, Some(fp)) => Trust::CaFingerprint(fp.clone()),
                     (None, None) => {
                         return Err(AgentError::Config(
@@ -268,7 +273,7 @@ impl DesiredAgent {
                     server,
                     trust,
                     identity: None,
-                    bearer: Some(token.token.clone()),
+                    bearer: Some(token.clone()),
                     timeout: REQUEST_TIMEOUT,
                 })
                 .map_err(|e| AgentError::Config(e.to_string()))
@@ -289,7 +294,7 @@ impl DesiredAgent {
                 if let Auth::Bearer(_) = auth {
                     let _ = openbao::delete_token(&self.config.state_dir);
                     tracing::warn!("the server refused the OpenBao token; it is deleted");
-                    auth = Auth::Bearer(self.bootstrap(&mut log).await?);
+                    auth = Auth::Bearer(self.bootstrap(&mut log).await?.token);
                     self.client(&auth)?
                         .send(&checkin)
                         .await
@@ -306,7 +311,10 @@ impl DesiredAgent {
         self.interval = Duration::from_secs(answer.checkin_interval_s.max(1));
         if let Some(vault) = &answer.vault {
             if self.kv_mount.as_deref() != Some(vault.mount.as_str()) {
-                log.info(format!("adopting the KV mount {:?} from checkin", vault.mount));
+                log.info(format!(
+                    "adopting the KV mount {:?} from checkin",
+                    vault.mount
+                ));
                 self.kv_mount = Some(vault.mount.clone());
             }
         }
@@ -356,12 +364,12 @@ impl DesiredAgent {
     async fn upkeep(
         &mut self,
         client: &Client,
-        token: &BaoToken,
+        token: &str,
         log: &mut TickLog,
     ) -> Result<(), AgentError> {
         let bao = self.bao(&self.bao_addr()?)?;
         let now = time::OffsetDateTime::now_utc().unix_timestamp().max(0) as u64;
-        match openbao::upkeep(&bao, &token.token, now).await {
+        match openbao::upkeep(&bao, token, now).await {
             Ok(Upkeep::Fine) => Ok(()),
             Ok(Upkeep::Renewed(info)) => {
                 log.info(format!("upkeep: token renewed, ttl {}s", info.ttl_s));
@@ -369,10 +377,11 @@ impl DesiredAgent {
             }
             Ok(Upkeep::Release) => {
                 let lease = self.lease(client, "renew").await?;
-                let lease = lease.map_err(|(code, detail)| {
-                    AgentError::Temporary(format!("{code}: {detail}"))
-                })?;
-                self.replace_token(&bao, &lease, token, log).await.map(|_| ())
+                let lease = lease
+                    .map_err(|(code, detail)| AgentError::Temporary(format!("{code}: {detail}")))?;
+                self.replace_token(&bao, &lease, token, log)
+                    .await
+                    .map(|_| ())
             }
             Err(e) => Err(bao_failure("token upkeep", e)),
         }
@@ -384,7 +393,7 @@ impl DesiredAgent {
         &self,
         bao: &OpenBao,
         lease: &LeaseResponse,
-        old: &BaoToken,
+        old: &str,
         log: &mut TickLog,
     ) -> Result<BaoToken, AgentError> {
         let token = bao
@@ -393,7 +402,7 @@ impl DesiredAgent {
             .map_err(|e| bao_failure("lease login", e))?;
         openbao::save_token(&self.config.state_dir, &token)
             .map_err(|e| AgentError::Fatal(format!("saving bao.token: {e}")))?;
-        if let Err(e) = bao.revoke_self(&old.token).await {
+        if let Err(e) = bao.revoke_self(old).await {
             log.error(format!("revoking the replaced token failed: {e}"));
         }
         log.info("lease: logged in with a fresh grant; the previous token is revoked");
@@ -426,8 +435,7 @@ impl DesiredAgent {
         state: &mut LocalState,
         log: &mut TickLog,
     ) -> Result<(), AgentError> {
-        let (Some(sha), Some(url)) = (answer.desired_sha.clone(), answer.bundle_url.clone())
-        else {
+        let (Some(sha), Some(url)) = (answer.desired_sha.clone(), answer.bundle_url.clone()) else {
             return Err(AgentError::Fatal(
                 "checkin said apply without a sha and a bundle_url".into(),
             ));
@@ -571,7 +579,7 @@ impl DesiredAgent {
             let token = match auth {
                 Auth::Bearer(old) => {
                     let new = self.replace_token(&bao, &lease, old, log).await?;
-                    *auth = Auth::Bearer(new.clone());
+                    *auth = Auth::Bearer(new.token.clone());
                     new
                 }
                 Auth::Mtls => bao
@@ -586,7 +594,10 @@ impl DesiredAgent {
                     continue;
                 };
                 let mount = kv_mount.clone().unwrap_or_else(|| path.mount.clone());
-                match bao.kv_read(&token.token, &mount, &path, entry.version).await {
+                match bao
+                    .kv_read(&token.token, &mount, &path, entry.version)
+                    .await
+                {
                     Ok(Some(v)) => {
                         values.insert(entry.var.clone(), v);
                     }
@@ -709,12 +720,12 @@ impl DesiredAgent {
             .await
             .unwrap_or_default();
         report.log_tail = tail(
-            &berth_exec::redact::redact(&log.0.join("\n"), secrets),
+            &berth_proto::redact::redact(&log.0.join("\n"), secrets.values()),
             MAX_LOG_TAIL_BYTES,
         );
         report.detail = report
             .detail
-            .map(|d| berth_exec::redact::redact(&d, secrets));
+            .map(|d| berth_proto::redact::redact(&d, secrets.values()));
         client.send(&report).await.map_err(|e| self.failure(e))?;
         Ok(())
     }
@@ -880,7 +891,10 @@ mod tests {
     fn jitter_stays_within_ten_percent() {
         for _ in 0..100 {
             let j = jitter(Duration::from_secs(60));
-            assert!(j >= Duration::from_secs(54) && j <= Duration::from_secs(66), "{j:?}");
+            assert!(
+                j >= Duration::from_secs(54) && j <= Duration::from_secs(66),
+                "{j:?}"
+            );
         }
     }
 

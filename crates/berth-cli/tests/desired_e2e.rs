@@ -188,7 +188,11 @@ fn push(server: &Server, dir: &Path, env: &str) -> String {
 }
 
 fn put_secret(server: &Server, path: &str, value: &str) {
-    let (code, out, err) = run(server, &["secret", "put", path, "--from-file", "-"], Some(value));
+    let (code, out, err) = run(
+        server,
+        &["secret", "put", path, "--from-file", "-"],
+        Some(value),
+    );
     assert_eq!(code, 0, "secret put {path}: {err}");
     assert!(!out.contains(value) && !err.contains(value));
 }
@@ -340,12 +344,14 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
         "{view}"
     );
     assert_eq!(view["appliedSha"], sha2.as_str());
-    wait_for(TICK, "the previous release to serve again", || {
-        match http_body(qa_port2) {
+    wait_for(
+        TICK,
+        "the previous release to serve again",
+        || match http_body(qa_port2) {
             Some(b) if b == secret => Ok(()),
             other => Err(format!("{other:?}")),
-        }
-    });
+        },
+    );
 
     // --- Retire: down removes the stack (and reports it). ---
     server.cli(&["env", "retire", &qa]);
@@ -477,7 +483,11 @@ fn a_tampered_bundle_hostile_members_and_too_little_disk_are_refused_with_their_
         pushed.as_ref().is_err_and(|e| e.contains("BUNDLE_INVALID")),
         "{pushed:?}"
     );
-    let good = push(&server, &bundle_dir(root.path(), "carrier", &name, &v1, free_port()), &name);
+    let good = push(
+        &server,
+        &bundle_dir(root.path(), "carrier", &name, &v1, free_port()),
+        &name,
+    );
     db.execute(
         "UPDATE bundles SET content = ?1, sha = ?2 WHERE sha = ?3",
         rusqlite::params![tar, sha, good],

@@ -272,10 +272,7 @@ impl Client {
         path: &str,
         body: &B,
     ) -> Result<serde_json::Value, ClientError> {
-        let builder = self
-            .http
-            .post(format!("{}{path}", self.server))
-            .json(body);
+        let builder = self.http.post(format!("{}{path}", self.server)).json(body);
         let response = self.execute(builder).await?;
         response.json().await.map_err(ClientError::Decode)
     }

@@ -141,7 +141,7 @@ impl StackRunner {
         StackOutcome {
             result,
             rolled_back,
-            log: redact(log.text(), secrets),
+            log: redact(log.text(), secrets.values()),
         }
     }
 
@@ -244,7 +244,11 @@ impl StackRunner {
                 .map_err(|(e, _)| e)?;
             log.line(format!(
                 "{project}: down{}",
-                if purge_volumes { ", volumes purged" } else { "" }
+                if purge_volumes {
+                    ", volumes purged"
+                } else {
+                    ""
+                }
             ));
             Ok(())
         }
@@ -252,7 +256,7 @@ impl StackRunner {
         StackOutcome {
             result,
             rolled_back: false,
-            log: redact(log.text(), secrets),
+            log: redact(log.text(), secrets.values()),
         }
     }
 
