@@ -67,6 +67,13 @@ pub enum AuditActor {
     Agent {
         id: uuid::Uuid,
     },
+    /// A seed 001 agent authenticated by an OpenBao token: the environment it was minted for and
+    /// the deploy grant it was minted from.
+    #[serde(rename_all = "camelCase")]
+    OpenbaoToken {
+        environment: String,
+        grant_jti: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -244,48 +244,133 @@ fn agent_revoked(state: &SharedState) -> ApiError {
     )
 }
 
-/// A caller of the desired-state routes (seed 001: checkin, bundle, report). Those paths name
-/// no agent, so the caller is found from its credential alone.
+/// A caller of the desired-state routes (seed 001: checkin, bundle, lease, report, the builtin
+/// KV read). Those paths name no agent, so the caller is found from its credential alone.
 pub enum DesiredCaller {
     /// An enrolled berth agent, proven by its client certificate: the SAN's agent id, whose
     /// current binding must be the certificate's fingerprint (expiry and the previous-
     /// certificate rule as on every agent route).
     Agent(Agent),
-    // OpenBao bearer slot (the secrets work adds it): `Authorization: Bearer <token>`, verified
-    // by OpenBao's `auth/token/lookup`, becomes `Token { tenant, env_id, grant_jti }`, pinned to
-    // `meta.env_id`; a superseded `grant_jti` is 401 AGENT_UNAUTHENTICATED. Its `agent_key` is
-    // `token:<env_id>`.
+    /// `Authorization: Bearer <OpenBao token>`: verified by OpenBao's `auth/token/lookup`
+    /// (cached 60 s), pinned to the token's `meta.env_id`, and minted from a deploy grant of
+    /// that environment (`meta.grant_jti`) that is not superseded and was used by no other
+    /// token.
+    Token {
+        tenant_id: TenantId,
+        environment_id: berth_proto::EnvironmentId,
+        env_id: String,
+        grant_jti: String,
+    },
 }
 
 impl DesiredCaller {
     pub fn tenant(&self) -> TenantId {
         match self {
             DesiredCaller::Agent(agent) => agent.tenant_id,
+            DesiredCaller::Token { tenant_id, .. } => *tenant_id,
         }
     }
 
-    /// The key of its `desired_agents` row: `agent:<uuid>`.
+    /// The key of its `desired_agents` row: `agent:<uuid>` or `token:<env>`.
     pub fn agent_key(&self) -> String {
         match self {
             DesiredCaller::Agent(agent) => format!("agent:{}", agent.id),
+            DesiredCaller::Token { env_id, .. } => format!("token:{env_id}"),
         }
     }
 
     pub fn actor(&self) -> berth_proto::audit::AuditActor {
         match self {
             DesiredCaller::Agent(agent) => berth_proto::audit::AuditActor::Agent { id: agent.id.0 },
+            DesiredCaller::Token {
+                env_id, grant_jti, ..
+            } => berth_proto::audit::AuditActor::OpenbaoToken {
+                environment: env_id.clone(),
+                grant_jti: grant_jti.clone(),
+            },
         }
     }
 
-    /// Whether the caller may act for the environment: its labels satisfy every label of the
-    /// environment's selector.
-    pub fn may_use(&self, selector: &std::collections::BTreeMap<String, String>) -> bool {
+    /// Whether the caller may act for the environment: an agent whose labels satisfy every
+    /// label of its selector, or a token minted for it.
+    pub fn may_use(&self, env: &berth_store::DesiredEnvironment) -> bool {
         match self {
-            DesiredCaller::Agent(agent) => {
-                selector.iter().all(|(k, v)| agent.labels.get(k) == Some(v))
-            }
+            DesiredCaller::Agent(agent) => env
+                .selector
+                .iter()
+                .all(|(k, v)| agent.labels.get(k) == Some(v)),
+            DesiredCaller::Token {
+                environment_id,
+                env_id,
+                ..
+            } => env.id == *environment_id && env.name == *env_id,
         }
     }
+}
+
+fn agent_unauthenticated(detail: impl Into<String>) -> ApiError {
+    ApiError::unauthenticated(codes::AGENT_UNAUTHENTICATED, detail)
+}
+
+/// The bearer of a seed-compatible agent: its OpenBao token, and the grant it came from.
+async fn token_caller(state: &SharedState, bearer: &str) -> ApiResult<DesiredCaller> {
+    let Some(verifier) = &state.bao else {
+        return Err(agent_unauthenticated(
+            "this server verifies no OpenBao tokens (no OpenBao is configured)",
+        ));
+    };
+    let meta = match verifier.verify(bearer).await {
+        Ok(meta) => meta,
+        Err(crate::openbao::VerifyError::Unknown(why)) => {
+            return Err(agent_unauthenticated(format!(
+                "OpenBao does not know this token: {why}"
+            )))
+        }
+        Err(crate::openbao::VerifyError::Unavailable(why)) => {
+            return Err(ApiError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                codes::PROVIDER_UNAVAILABLE,
+                format!("cannot verify the token with OpenBao: {why}"),
+            ))
+        }
+    };
+    let grant = state
+        .store
+        .grant(&meta.grant_jti)
+        .await?
+        .ok_or_else(|| agent_unauthenticated("the token's grant is unknown to berth"))?;
+    if grant.superseded_at.is_some() {
+        return Err(agent_unauthenticated(
+            "the token's grant was superseded (a newer kit was revealed): re-run the install kit",
+        ));
+    }
+    let now = state.config.clock.now();
+    match state
+        .store
+        .mark_grant_used(&meta.grant_jti, &meta.accessor, now)
+        .await?
+    {
+        berth_store::GrantUse::Again => {}
+        berth_store::GrantUse::First => {
+            // A used grant leaves the JWKS; OpenBao forgets the key only when its keyset is
+            // reset, so a replay of the grant fails at login from now on.
+            crate::grants::reset_keyset(state);
+        }
+        berth_store::GrantUse::Replay => {
+            return Err(agent_unauthenticated(
+                "the token's grant was already used by another token (a replayed grant)",
+            ))
+        }
+        berth_store::GrantUse::Unknown => {
+            return Err(agent_unauthenticated("the token's grant is unknown to berth"))
+        }
+    }
+    Ok(DesiredCaller::Token {
+        tenant_id: grant.tenant_id,
+        environment_id: grant.environment_id,
+        env_id: meta.env_id,
+        grant_jti: meta.grant_jti,
+    })
 }
 
 impl FromRequestParts<SharedState> for DesiredCaller {
@@ -295,16 +380,21 @@ impl FromRequestParts<SharedState> for DesiredCaller {
         parts: &mut Parts,
         state: &SharedState,
     ) -> ApiResult<DesiredCaller> {
-        let peer = parts
-            .extensions
-            .get::<Peer>()
-            .and_then(|p| p.0.clone())
-            .ok_or_else(|| {
-                ApiError::unauthenticated(
-                    codes::AGENT_UNAUTHENTICATED,
-                    "desired-state calls require the agent's client certificate",
-                )
-            })?;
+        let peer = parts.extensions.get::<Peer>().and_then(|p| p.0.clone());
+        let bearer = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let peer = match (peer, bearer) {
+            (Some(peer), _) => peer,
+            (None, Some(bearer)) => return token_caller(state, bearer.trim()).await,
+            (None, None) => {
+                return Err(agent_unauthenticated(
+                    "desired-state calls need the agent's client certificate or an OpenBao token",
+                ))
+            }
+        };
         if state.config.clock.now() > peer.not_after {
             state.metrics.agent_auth_refused("expired");
             return Err(ApiError::unauthenticated(

@@ -9,7 +9,7 @@
 
 use berth_crypto::{verify_jwt, JwtSigner, PublicJwk};
 use berth_proto::desired::{GRANT_AUDIENCE, GRANT_KIND, GRANT_TTL_SECS};
-use berth_store::{Environment, Grant, GrantKind};
+use berth_store::{DesiredEnvironment, Grant, GrantKind};
 use serde_json::json;
 use time::OffsetDateTime;
 
@@ -26,7 +26,7 @@ pub struct Minted {
 /// `aud`, `sub` = `agent:<env>`, `env_id`, `kind`, `jti`, `iat`, `exp` = now + 1 h.
 pub fn mint(
     state: &SharedState,
-    env: &Environment,
+    env: &DesiredEnvironment,
     kind: GrantKind,
     now: OffsetDateTime,
 ) -> Result<Minted, ApiError> {
@@ -109,7 +109,7 @@ fn kid_of(token: &str) -> Option<String> {
 pub async fn verify_lease(
     state: &SharedState,
     token: &str,
-    env: &Environment,
+    env: &DesiredEnvironment,
     now: OffsetDateTime,
 ) -> Result<Result<Grant, LeaseRefusal>, ApiError> {
     let Some(jti) = kid_of(token) else {
@@ -146,4 +146,18 @@ pub async fn verify_lease(
         return Ok(Err(LeaseRefusal::BadSignatureOrClaims));
     }
     Ok(Ok(grant))
+}
+
+/// After a grant was used or superseded it is out of the JWKS; OpenBao forgets its cached key
+/// only when the JWT mount's keyset is reset, so reset it (in the background: the caller's
+/// answer does not wait on OpenBao). Without OpenBao configured, nothing to do.
+pub fn reset_keyset(state: &SharedState) {
+    let (Some(verifier), Some(settings)) = (state.bao.clone(), state.config.openbao.clone()) else {
+        return;
+    };
+    tokio::spawn(async move {
+        if let Err(e) = verifier.reset_keyset(&settings.auth_mount).await {
+            tracing::warn!(error = %e, mount = settings.auth_mount, "could not reset OpenBao's JWT keyset");
+        }
+    });
 }

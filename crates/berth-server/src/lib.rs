@@ -57,6 +57,9 @@ pub(crate) struct AppState {
     pub stopping: tokio::sync::watch::Sender<bool>,
     /// The desired-state calls' rate buckets per environment.
     pub rate: rate::RateLimiter,
+    /// Verifies seed-compatible agents' OpenBao tokens; `None` without OpenBao (or without the
+    /// server's own OpenBao token), when bearer-token agents are refused.
+    pub bao: Option<Arc<openbao::TokenVerifier>>,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -79,6 +82,12 @@ impl Server {
         let metrics = metrics::Metrics::new();
         let heartbeats = heartbeat::HeartbeatWriter::spawn(material.store.clone(), metrics.clone());
         let wakeups = wake::Wakeups::spawn(material.store.task_events());
+        let bao = match &config.openbao {
+            Some(settings) if settings.token_file.is_some() => Some(Arc::new(
+                openbao::TokenVerifier::new(settings).map_err(ServerError::new)?,
+            )),
+            _ => None,
+        };
         let state = Arc::new(AppState {
             config,
             store: material.store,
@@ -91,6 +100,7 @@ impl Server {
             registries: registry::Registries::new().map_err(ServerError::new)?,
             stopping: tokio::sync::watch::channel(false).0,
             rate: rate::RateLimiter::default(),
+            bao,
         });
         Ok(Server {
             state,

@@ -579,7 +579,7 @@ pub(crate) fn read_observation(row: &impl ColumnReader) -> Result<TargetObservat
 pub(crate) fn approver_token(actor: &AuditActor) -> Result<TokenId, StoreError> {
     match actor {
         AuditActor::Token { id, .. } => Ok(TokenId(*id)),
-        AuditActor::Agent { .. } => Err(StoreError::Conflict {
+        AuditActor::Agent { .. } | AuditActor::OpenbaoToken { .. } => Err(StoreError::Conflict {
             constraint: "approval_token",
         }),
     }

@@ -365,6 +365,26 @@ struct ServerArgs {
     /// A request whose body does not arrive within this long is refused and its connection closed.
     #[arg(long, env = "BERTH_BODY_READ_TIMEOUT_SECS", default_value_t = 30)]
     body_read_timeout_secs: u64,
+    /// OpenBao holds desired-state secrets (seed 001's `openbao` provider): its address, given
+    /// to agents in leases. Without it the `builtin` store serves them.
+    #[arg(long, env = "BERTH_OPENBAO_ADDR")]
+    openbao_addr: Option<String>,
+    /// The KV v2 mount agents read secrets from (checkin's `vault.mount`).
+    #[arg(long, env = "BERTH_OPENBAO_KV_MOUNT", default_value = "berth", requires = "openbao_addr")]
+    openbao_kv_mount: String,
+    /// The JWT auth mount agents log in at with a deploy grant (its `jwks_url` is this server's
+    /// /.well-known/agent-jwks.json), and its role.
+    #[arg(long, env = "BERTH_OPENBAO_AUTH_MOUNT", default_value = "jwt-berth", requires = "openbao_addr")]
+    openbao_auth_mount: String,
+    #[arg(long, env = "BERTH_OPENBAO_ROLE", default_value = "see-env", requires = "openbao_addr")]
+    openbao_role: String,
+    /// The CA (PEM) OpenBao's certificate is checked against; default the system's.
+    #[arg(long, env = "BERTH_OPENBAO_CA_FILE", requires = "openbao_addr")]
+    openbao_ca_file: Option<PathBuf>,
+    /// A file (0600) with the server's own OpenBao token (`auth/token/lookup`, the JWT mount's
+    /// config): needed to accept agents that authenticate with their OpenBao token.
+    #[arg(long, env = "BERTH_OPENBAO_TOKEN_FILE", requires = "openbao_addr")]
+    openbao_token_file: Option<PathBuf>,
 }
 
 impl ServerArgs {
@@ -386,6 +406,23 @@ impl ServerArgs {
         config.max_connections_per_source = self.max_connections_per_source;
         config.header_read_timeout = Duration::from_secs(self.header_read_timeout_secs);
         config.body_read_timeout = Duration::from_secs(self.body_read_timeout_secs);
+        if let Some(addr) = &self.openbao_addr {
+            let ca_pem = match &self.openbao_ca_file {
+                Some(f) => Some(
+                    std::fs::read_to_string(f)
+                        .with_context(|| format!("reading {}", f.display()))?,
+                ),
+                None => None,
+            };
+            config.openbao = Some(berth_server::OpenBaoSettings {
+                addr: addr.clone(),
+                kv_mount: self.openbao_kv_mount.clone(),
+                auth_mount: self.openbao_auth_mount.clone(),
+                role: self.openbao_role.clone(),
+                ca_pem,
+                token_file: self.openbao_token_file.clone(),
+            });
+        }
         Ok(config)
     }
 }

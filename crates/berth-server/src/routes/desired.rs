@@ -15,7 +15,7 @@ use berth_proto::desired::{
     paths, valid_sha, BundleView, Checkin, CheckinAction, CheckinResponse, DesiredAgentView,
     DesiredStateView, Report, ReportResponse, ReportResult, Retire, SetDesired,
     AUDIT_LOG_TAIL_BYTES, BUNDLE_CONTENT_TYPE, BUNDLE_SHA256_HEADER, BUNDLE_SHA_HEADER,
-    MAX_LOG_TAIL_BYTES,
+    VaultInfo, BUILTIN_MOUNT, MAX_LOG_TAIL_BYTES,
 };
 use berth_proto::error::codes;
 use berth_proto::ErrorBody;
@@ -40,7 +40,11 @@ pub const MAX_BUNDLE_BYTES: usize = 64 * 1024 * 1024;
 
 /// What a checkin answers, from the environment and the sha the agent says it runs: `down`
 /// once retired, `apply` while a desired sha is set and differs, else `none`.
-pub(crate) fn checkin_answer(env: &DesiredEnvironment, applied: Option<&str>) -> CheckinResponse {
+pub(crate) fn checkin_answer(
+    env: &DesiredEnvironment,
+    applied: Option<&str>,
+    vault: VaultInfo,
+) -> CheckinResponse {
     let action = if env.retired {
         CheckinAction::Down
     } else if env.desired_sha.is_some() && env.desired_sha.as_deref() != applied {
@@ -58,38 +62,68 @@ pub(crate) fn checkin_answer(env: &DesiredEnvironment, applied: Option<&str>) ->
             _ => None,
         },
         checkin_interval_s: env.checkin_interval_secs,
-        vault: None,
+        vault: Some(vault),
     }
 }
 
-/// The caller's environment named `env_id`, counted against `bucket`.
-async fn agent_environment(
+/// Where the environment's secrets are: OpenBao's KV mount (the agent adopts `mount`), or
+/// berth's own `builtin` store (read at `/v1/agent/kv/…` with a lease).
+fn vault_info(state: &SharedState, env: &DesiredEnvironment) -> VaultInfo {
+    let prefix = format!("{}/see", env.name);
+    match &state.config.openbao {
+        Some(bao) => VaultInfo {
+            addr: bao.addr.clone(),
+            mount: bao.kv_mount.clone(),
+            prefix,
+            auth_mount: bao.auth_mount.clone(),
+            auth_role: bao.role.clone(),
+        },
+        None => VaultInfo {
+            addr: state.config.public_url(),
+            mount: BUILTIN_MOUNT.to_string(),
+            prefix,
+            auth_mount: BUILTIN_MOUNT.to_string(),
+            auth_role: String::new(),
+        },
+    }
+}
+
+/// The caller's environment named `env_id`, counted against `bucket` when it has one.
+pub(crate) async fn agent_environment(
     state: &SharedState,
     caller: &DesiredCaller,
     env_id: &str,
-    bucket: Bucket,
+    bucket: Option<Bucket>,
 ) -> ApiResult<DesiredEnvironment> {
     let env = state
         .store
         .desired_environment(caller.tenant(), env_id)
         .await?
-        .filter(|env| caller.may_use(&env.selector))
+        .filter(|env| caller.may_use(env))
         .ok_or_else(|| {
             ApiError::forbidden(
                 codes::AGENT_ENV_MISMATCH,
                 format!("this agent may not act for environment {env_id:?}"),
             )
         })?;
-    state
-        .rate
-        .admit(env.tenant_id, env.id, bucket, state.config.clock.now())?;
+    if let Some(bucket) = bucket {
+        state
+            .rate
+            .admit(env.tenant_id, env.id, bucket, state.config.clock.now())?;
+    }
     Ok(env)
 }
 
-/// The redaction hook of a report's text: every secret value of the environment masked by
-/// the one rule (`berth_proto::redact`). No environment has secrets yet, so nothing to mask.
-pub(crate) fn redact_report(_env: &DesiredEnvironment, text: &str) -> String {
-    berth_proto::redact::redact(text, std::iter::empty::<&str>())
+/// A report's text with every value of every version of the environment's `builtin` secrets
+/// masked by the one rule (`berth_proto::redact`). OpenBao's values never reach berth; the
+/// agent redacts those before it reports.
+async fn redact_report(
+    state: &SharedState,
+    env: &DesiredEnvironment,
+    texts: [&str; 2],
+) -> ApiResult<[String; 2]> {
+    let values = crate::routes::secrets::environment_values(state, env).await?;
+    Ok(texts.map(|t| berth_proto::redact::redact(t, values.iter())))
 }
 
 /// The longest prefix of `text` of at most `max` bytes that ends on a char boundary.
@@ -106,7 +140,7 @@ async fn checkin(
     caller: DesiredCaller,
     req: Checkin,
 ) -> ApiResult<Json<CheckinResponse>> {
-    let env = agent_environment(&state, &caller, &req.env_id, rate::CHECKIN).await?;
+    let env = agent_environment(&state, &caller, &req.env_id, Some(rate::CHECKIN)).await?;
     state
         .store
         .record_checkin(CheckinRecord {
@@ -118,7 +152,8 @@ async fn checkin(
             at: state.config.clock.now(),
         })
         .await?;
-    Ok(Json(checkin_answer(&env, req.applied_sha.as_deref())))
+    let vault = vault_info(&state, &env);
+    Ok(Json(checkin_answer(&env, req.applied_sha.as_deref(), vault)))
 }
 
 async fn bundle(
@@ -127,7 +162,7 @@ async fn bundle(
     env_id: String,
     sha: String,
 ) -> ApiResult<Response> {
-    let env = agent_environment(&state, &caller, &env_id, rate::BUNDLE).await?;
+    let env = agent_environment(&state, &caller, &env_id, Some(rate::BUNDLE)).await?;
     let not_found = || {
         ApiError::new(
             StatusCode::NOT_FOUND,
@@ -160,7 +195,7 @@ async fn report(
     caller: DesiredCaller,
     req: Report,
 ) -> ApiResult<Json<ReportResponse>> {
-    let env = agent_environment(&state, &caller, &req.env_id, rate::REPORT).await?;
+    let env = agent_environment(&state, &caller, &req.env_id, Some(rate::REPORT)).await?;
     match (&req.sha, req.result) {
         (Some(sha), _) if !valid_sha(sha) => {
             return Err(ApiError::unprocessable(
@@ -177,8 +212,14 @@ async fn report(
         _ => {}
     }
     // Redacted whole, then cut: a cut first could split a secret and leave its head.
-    let log_tail = cut(&redact_report(&env, &req.log_tail), MAX_LOG_TAIL_BYTES).to_string();
-    let detail = req.detail.as_deref().map(|d| redact_report(&env, d));
+    let [log_tail, detail] = redact_report(
+        &state,
+        &env,
+        [&req.log_tail, req.detail.as_deref().unwrap_or_default()],
+    )
+    .await?;
+    let log_tail = cut(&log_tail, MAX_LOG_TAIL_BYTES).to_string();
+    let detail = req.detail.is_some().then_some(detail);
     state
         .store
         .record_report(ReportRecord {
@@ -601,7 +642,15 @@ mod tests {
         ];
         for (desired, retired, purge, applied, action, url, purge_out) in cases {
             let e = env(desired.map(String::as_str), retired, purge);
-            let answer = checkin_answer(&e, applied.map(String::as_str));
+            let vault = VaultInfo {
+                addr: "https://berth.test".into(),
+                mount: BUILTIN_MOUNT.into(),
+                prefix: "env-qa-02/see".into(),
+                auth_mount: BUILTIN_MOUNT.into(),
+                auth_role: String::new(),
+            };
+            let answer = checkin_answer(&e, applied.map(String::as_str), vault.clone());
+            assert_eq!(answer.vault, Some(vault));
             assert_eq!(answer.action, action, "{desired:?} {retired} {applied:?}");
             assert_eq!(answer.purge_volumes, purge_out);
             assert_eq!(

@@ -15,13 +15,15 @@ use berth_proto::desired::{
 };
 use berth_proto::error::codes;
 use berth_proto::ErrorBody;
-use berth_store::{Agent, Environment, GrantKind, SealedSecret, SecretMeta, StoreError};
+use berth_store::{DesiredEnvironment, GrantKind, SealedSecret, SecretMeta, StoreError};
 use serde::Deserialize;
 
-use crate::auth::{AgentCaller, Caller};
+use crate::auth::{Caller, DesiredCaller};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::grants::{self, LeaseRefusal};
+use crate::rate;
+use crate::routes::desired::agent_environment;
 use crate::secrets::{self as envelope, Envelope};
 use crate::SharedState;
 
@@ -215,13 +217,32 @@ fn sh_word(word: &str) -> String {
 /// The one-line install command. The grant reaches the file through a bash here-string, never
 /// through a command's arguments (so it shows in no process list); `umask 077` and `install -m
 /// 0600` keep it private from creation.
-fn install_command(server: &str, env: &str, grant: &str) -> String {
-    format!(
-        "umask 077 && install -D -m 0600 /dev/stdin {BOOTSTRAP_FILE} <<< {} && berth-agent install \
-         --server {} --env {} --bootstrap-file {BOOTSTRAP_FILE}",
-        sh_word(grant),
-        sh_word(server),
+fn install_command(state: &SharedState, env: &str, grant: &str) -> String {
+    let mut agent = vec![
+        "berth-agent".to_string(),
+        "--server".into(),
+        sh_word(&state.config.public_url()),
+        "--ca-fingerprint".into(),
+        sh_word(&state.ca.fingerprint()),
+        "--env".into(),
         sh_word(env),
+        "--bootstrap-file".into(),
+        BOOTSTRAP_FILE.into(),
+    ];
+    if let Some(bao) = &state.config.openbao {
+        agent.extend([
+            "--openbao-addr".into(),
+            sh_word(&bao.addr),
+            "--openbao-auth-mount".into(),
+            sh_word(&bao.auth_mount),
+            "--openbao-role".into(),
+            sh_word(&bao.role),
+        ]);
+    }
+    format!(
+        "umask 077 && install -D -m 0600 /dev/stdin {BOOTSTRAP_FILE} <<< {} && {}",
+        sh_word(grant),
+        agent.join(" ")
     )
 }
 
@@ -241,7 +262,7 @@ pub async fn kit(
     caller.require_admin()?;
     let env = state
         .store
-        .get_environment(caller.tenant(), &name)
+        .desired_environment(caller.tenant(), &name)
         .await?
         .ok_or_else(|| {
             ApiError::new(
@@ -257,8 +278,10 @@ pub async fn kit(
         .store
         .record_kit_grant(minted.grant, crate::routes::audit::actor(&caller))
         .await?;
+    // The superseded grants leave the JWKS; OpenBao must forget their keys too.
+    grants::reset_keyset(&state);
     Ok(Json(KitView {
-        install_command: install_command(&state.config.public_url(), &env.name, &minted.jwt),
+        install_command: install_command(&state, &env.name, &minted.jwt),
         environment: env.name,
         grant: minted.jwt,
         jti,
@@ -266,34 +289,46 @@ pub async fn kit(
     }))
 }
 
-/// The environment `name` of the agent's tenant, when the agent carries every label of its
-/// selector; else `403 AGENT_ENV_MISMATCH` (an unknown environment too, so nothing leaks).
-async fn agent_environment(
+/// Every value of every live version of the environment's `builtin` secrets: what a report
+/// from it must never carry.
+pub(crate) async fn environment_values(
     state: &SharedState,
-    agent: &Agent,
-    name: &str,
-) -> ApiResult<Environment> {
-    let env = state.store.get_environment(agent.tenant_id, name).await?;
-    match env {
-        Some(env)
-            if env
-                .selector
-                .iter()
-                .all(|(k, v)| agent.labels.get(k) == Some(v)) =>
-        {
-            Ok(env)
+    env: &DesiredEnvironment,
+) -> ApiResult<Vec<String>> {
+    let mut values = Vec::new();
+    let prefix = format!("{}/", env.name);
+    for latest in state.store.list_secrets(env.tenant_id, &prefix).await? {
+        for meta in state.store.secret_versions(env.tenant_id, &latest.key).await? {
+            let Some(sealed) = state
+                .store
+                .get_secret(env.tenant_id, &meta.key, Some(meta.version))
+                .await?
+            else {
+                continue;
+            };
+            let value = envelope::open(
+                &state.master_key,
+                env.tenant_id,
+                &meta.key,
+                meta.version,
+                &Envelope {
+                    wrapped_key: sealed.wrapped_key,
+                    ciphertext: sealed.ciphertext,
+                },
+            )
+            .map_err(|e| ApiError::internal(&e))?;
+            values.push(String::from_utf8_lossy(&value).into_owned());
         }
-        _ => Err(env_mismatch(format!(
-            "this agent is not in environment {name:?}"
-        ))),
     }
+    Ok(values)
 }
 
 /// The lease of an agent already known to be in `env`: a new `lease` grant (recorded; it
 /// supersedes nothing), and where to use it.
-pub(crate) async fn lease_for(state: &SharedState, env: &Environment) -> ApiResult<LeaseResponse> {
-    // RATE: the per-environment lease bucket (seed 001: 5/h, 429 LEASE_RATE_LIMITED) belongs
-    // here, before anything is minted; the desired-state limiter provides it.
+pub(crate) async fn lease_for(
+    state: &SharedState,
+    env: &DesiredEnvironment,
+) -> ApiResult<LeaseResponse> {
     let now = state.config.clock.now();
     let minted = grants::mint(state, env, GrantKind::Lease, now)?;
     state.store.record_grant(minted.grant).await?;
@@ -315,9 +350,13 @@ pub(crate) async fn lease_for(state: &SharedState, env: &Environment) -> ApiResu
     })
 }
 
-async fn lease(state: SharedState, caller: AgentCaller, req: LeaseRequest) -> ApiResult<Response> {
-    let agent = caller.bound(&state).await?;
-    let env = agent_environment(&state, &agent, &req.env_id).await?;
+async fn lease(
+    state: SharedState,
+    caller: DesiredCaller,
+    req: LeaseRequest,
+) -> ApiResult<Response> {
+    // The bucket (5/h, 429 LEASE_RATE_LIMITED) is counted before anything is minted.
+    let env = agent_environment(&state, &caller, &req.env_id, Some(rate::LEASE)).await?;
     let lease = lease_for(&state, &env).await?;
     Ok(([(header::CACHE_CONTROL, "no-store")], Json(lease)).into_response())
 }
@@ -330,7 +369,7 @@ async fn lease(state: SharedState, caller: AgentCaller, req: LeaseRequest) -> Ap
         (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH: the agent is not in `env_id`")))]
 pub async fn agent_lease(
     State(state): State<SharedState>,
-    caller: AgentCaller,
+    caller: DesiredCaller,
     ApiJson(req): ApiJson<LeaseRequest>,
 ) -> ApiResult<Response> {
     lease(state, caller, req).await
@@ -343,7 +382,7 @@ pub async fn agent_lease(
         (status = 403, body = ErrorBody, description = "AGENT_ENV_MISMATCH: the agent is not in `env_id`")))]
 pub async fn api_agent_lease(
     State(state): State<SharedState>,
-    caller: AgentCaller,
+    caller: DesiredCaller,
     ApiJson(req): ApiJson<LeaseRequest>,
 ) -> ApiResult<Response> {
     lease(state, caller, req).await
@@ -359,19 +398,18 @@ pub struct KvQuery {
 
 async fn kv_read(
     state: SharedState,
-    caller: AgentCaller,
+    caller: DesiredCaller,
     headers: HeaderMap,
     path: String,
     version: Option<u32>,
 ) -> ApiResult<Response> {
-    let agent = caller.bound(&state).await?;
     let Some(path) = SecretPath::parse(&path) else {
         return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,
             "not a secret path: `<mount>/<env>/<name>` or `<mount>/data/<env>/<name>`",
         ));
     };
-    let env = agent_environment(&state, &agent, &path.env).await?;
+    let env = agent_environment(&state, &caller, &path.env, None).await?;
     let lease_required = |why: &str| {
         ApiError::unauthenticated(
             codes::LEASE_REQUIRED,
@@ -393,7 +431,7 @@ async fn kv_read(
             )))
         }
         Err(refusal) => {
-            tracing::info!(agent_id = %agent.id, reason = refusal.as_str(), "lease refused");
+            tracing::info!(caller = caller.agent_key(), reason = refusal.as_str(), "lease refused");
             return Err(lease_required(refusal.as_str()));
         }
     };
@@ -414,7 +452,7 @@ async fn kv_read(
     )
     .map_err(|e| ApiError::internal(&e))?;
     let value = String::from_utf8(value).map_err(|e| ApiError::internal(&e.utf8_error()))?;
-    tracing::debug!(agent_id = %agent.id, jti = %grant.jti, key, version, "builtin secret read");
+    tracing::debug!(caller = caller.agent_key(), jti = %grant.jti, key, version, "builtin secret read");
     let body = serde_json::json!({
         "data": { "data": { "value": value }, "metadata": { "version": version } }
     });
@@ -434,7 +472,7 @@ async fn kv_read(
         (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
 pub async fn agent_kv(
     State(state): State<SharedState>,
-    caller: AgentCaller,
+    caller: DesiredCaller,
     headers: HeaderMap,
     ApiPath(path): ApiPath<String>,
     ApiQuery(query): ApiQuery<KvQuery>,
@@ -453,7 +491,7 @@ pub async fn agent_kv(
         (status = 422, body = ErrorBody, description = "INVALID_REQUEST: not a secret path")))]
 pub async fn api_agent_kv(
     State(state): State<SharedState>,
-    caller: AgentCaller,
+    caller: DesiredCaller,
     headers: HeaderMap,
     ApiPath(path): ApiPath<String>,
     ApiQuery(query): ApiQuery<KvQuery>,
