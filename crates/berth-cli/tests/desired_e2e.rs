@@ -174,7 +174,7 @@ fn push(server: &Server, dir: &Path, env: &str) -> String {
             "bundle",
             "build",
             dir.to_str().unwrap(),
-            "-o",
+            "--out",
             file.to_str().unwrap(),
         ],
         None,
@@ -419,14 +419,60 @@ fn a_tampered_bundle_hostile_members_and_too_little_disk_are_refused_with_their_
     let root = tempdir();
     let data = root.path().join("server");
     let server = Server::start(&data, &[]);
-    let name = format!("{prefix}-ref");
-    let _cleanup = Cleanup::new(&format!("berth-{name}"));
+    // One environment per case, all selecting the one agent by its `group` label: each case
+    // starts with full rate buckets (6 checkins a minute per environment).
+    let group = format!("group={prefix}");
+    let token = server.registration_token();
+    let agent = Host {
+        state_dir: root.path().join("agent"),
+        env: format!("{prefix}-c0"),
+        log: root.path().join("agent.log"),
+    };
+    server.cli(&[
+        "env",
+        "create",
+        &agent.env,
+        "--tier",
+        "dev",
+        "--selector",
+        &group,
+    ]);
+    assert_eq!(
+        agent.tick(
+            &server,
+            &[
+                "--register",
+                "--token",
+                &token,
+                "--ca-fingerprint",
+                &server.ca_fingerprint,
+                "--name",
+                "refusals",
+                "--labels",
+                &group,
+            ],
+        ),
+        0
+    );
+    let mut cleanups = Vec::new();
+    let mut cases = 0;
+    let mut case = || {
+        cases += 1;
+        let name = format!("{prefix}-c{cases}");
+        server.cli(&[
+            "env",
+            "create",
+            &name,
+            "--tier",
+            "dev",
+            "--selector",
+            &group,
+        ]);
+        cleanups.push(Cleanup::new(&format!("berth-{name}")));
+        name
+    };
     let _images = Cleanup::new(&prefix);
-    create_env(&server, &name);
-    let agent = host(&server, root.path(), &name);
     let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
-    put_secret(&server, &format!("{name}/see/greeting"), "hello-world");
-    let dir = bundle_dir(root.path(), "base", &name, &v1, free_port());
 
     // The server refuses unsafe bundles at push already; the agent refuses them again. Its
     // copy of the bundle comes from the server's store, so the store is tampered with here.
@@ -438,38 +484,48 @@ fn a_tampered_bundle_hostile_members_and_too_little_disk_are_refused_with_their_
         )
         .unwrap();
     };
-    let refusal = |sha: &str| {
-        server.cli(&["env", "set-desired", &name, sha]);
-        assert_eq!(agent.tick(&server, &[]), 0);
-        let view = agent_view(&server, &name);
+    let refusal = |name: &str, sha: &str| {
+        server.cli(&["env", "set-desired", name, sha]);
+        let host = Host {
+            env: name.to_string(),
+            state_dir: agent.state_dir.clone(),
+            log: agent.log.clone(),
+        };
+        assert_eq!(host.tick(&server, &[]), 0);
+        let view = agent_view(&server, name);
         assert_eq!(view["lastResult"], "failed", "{view}");
         view["detail"].as_str().unwrap_or_default().to_string()
     };
 
     // Tampered: the content no longer hashes to its sha.
+    let name = case();
+    let dir = bundle_dir(root.path(), "base", &name, &v1, free_port());
     let sha = push(&server, &dir, &name);
     let mut files = berth_bundle::build_dir(&dir).unwrap().0;
     files.insert("docker-compose.yml".into(), b"services: {}\n".to_vec());
     replace(&sha, &berth_bundle::to_tar(&files));
-    assert!(refusal(&sha).starts_with("BUNDLE_SHA_MISMATCH"));
+    let detail = refusal(&name, &sha);
+    assert!(detail.starts_with("BUNDLE_SHA_MISMATCH"), "{detail}");
 
     // Hostile members, one per kind: each refused before anything is written.
     for (kind, tar) in hostile_tars() {
+        let name = case();
         let dir = bundle_dir(root.path(), &format!("h-{kind}"), &name, &v1, free_port());
         let sha = push(&server, &dir, &name);
         replace(&sha, &tar);
-        let detail = refusal(&sha);
+        let detail = refusal(&name, &sha);
         assert!(
             detail.starts_with("BUNDLE_UNSAFE") || detail.starts_with("BUNDLE_TOO_LARGE"),
             "{kind}: {detail}"
         );
         assert!(
-            !root.path().join("escaped").exists(),
+            !Path::new("/tmp/berth-escaped").exists() && !tree_has(root.path(), "berth-escaped"),
             "{kind} wrote outside"
         );
     }
 
     // A manifest entry carrying a value: refused at push, and by the agent.
+    let name = case();
     let dir = bundle_dir(root.path(), "valued", &name, &v1, free_port());
     let valued = serde_json::json!({"vault_mode": "builtin", "entries": [
         {"var": "GREETING", "path": format!("berth/{name}/see/greeting"), "kind": "supplied", "version": null, "value": "inline"}
@@ -494,9 +550,11 @@ fn a_tampered_bundle_hostile_members_and_too_little_disk_are_refused_with_their_
     )
     .unwrap();
     assert_eq!(berth_bundle::sha(&files), sha);
-    assert!(refusal(&sha).starts_with("BUNDLE_INVALID"));
+    let detail = refusal(&name, &sha);
+    assert!(detail.starts_with("BUNDLE_INVALID"), "{detail}");
 
     // Not enough disk for the bundle's own need.
+    let name = case();
     let dir = bundle_dir(root.path(), "huge", &name, &v1, free_port());
     std::fs::write(
         dir.join("bundle.json"),
@@ -505,8 +563,19 @@ fn a_tampered_bundle_hostile_members_and_too_little_disk_are_refused_with_their_
     )
     .unwrap();
     let sha = push(&server, &dir, &name);
-    assert!(refusal(&sha).starts_with("DISK_INSUFFICIENT"));
-    assert!(fixtures::container_names(&format!("berth-{name}")).is_empty());
+    let detail = refusal(&name, &sha);
+    assert!(detail.starts_with("DISK_INSUFFICIENT"), "{detail}");
+    drop(cleanups);
+    assert!(fixtures::container_names(&format!("berth-{prefix}")).is_empty());
+}
+
+/// Whether a file or directory named `name` is anywhere under `dir`.
+fn tree_has(dir: &Path, name: &str) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name() == name || (e.path().is_dir() && tree_has(&e.path(), name)))
+    })
 }
 
 /// `(kind, tar)`: raw ustar archives with one unsafe member each.
@@ -545,11 +614,17 @@ fn hostile_tars() -> Vec<(&'static str, Vec<u8>)> {
     vec![
         (
             "absolute",
-            tar(&[(ok, compose), (header("/tmp/escaped", b'0', 1, ""), body)]),
+            tar(&[
+                (ok, compose),
+                (header("/tmp/berth-escaped", b'0', 1, ""), body),
+            ]),
         ),
         (
             "dotdot",
-            tar(&[(ok, compose), (header("../escaped", b'0', 1, ""), body)]),
+            tar(&[
+                (ok, compose),
+                (header("../berth-escaped", b'0', 1, ""), body),
+            ]),
         ),
         (
             "symlink",
@@ -574,7 +649,7 @@ fn hostile_tars() -> Vec<(&'static str, Vec<u8>)> {
         ("duplicate", tar(&[(ok, compose), (ok, compose)])),
         (
             "oversize",
-            tar(&[(ok, compose), (header("big", b'0', 1 << 40, ""), b"")]),
+            tar(&[(ok, compose), (header("big", b'0', 1 << 32, ""), b"")]),
         ),
     ]
 }

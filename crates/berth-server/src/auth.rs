@@ -362,7 +362,9 @@ async fn token_caller(state: &SharedState, bearer: &str) -> ApiResult<DesiredCal
             ))
         }
         berth_store::GrantUse::Unknown => {
-            return Err(agent_unauthenticated("the token's grant is unknown to berth"))
+            return Err(agent_unauthenticated(
+                "the token's grant is unknown to berth",
+            ))
         }
     }
     Ok(DesiredCaller::Token {
@@ -386,15 +388,14 @@ impl FromRequestParts<SharedState> for DesiredCaller {
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        let peer = match (peer, bearer) {
-            (Some(peer), _) => peer,
-            (None, Some(bearer)) => return token_caller(state, bearer.trim()).await,
-            (None, None) => {
-                return Err(agent_unauthenticated(
+        let peer =
+            match (peer, bearer) {
+                (Some(peer), _) => peer,
+                (None, Some(bearer)) => return token_caller(state, bearer.trim()).await,
+                (None, None) => return Err(agent_unauthenticated(
                     "desired-state calls need the agent's client certificate or an OpenBao token",
-                ))
-            }
-        };
+                )),
+            };
         if state.config.clock.now() > peer.not_after {
             state.metrics.agent_auth_refused("expired");
             return Err(ApiError::unauthenticated(

@@ -370,13 +370,28 @@ struct ServerArgs {
     #[arg(long, env = "BERTH_OPENBAO_ADDR")]
     openbao_addr: Option<String>,
     /// The KV v2 mount agents read secrets from (checkin's `vault.mount`).
-    #[arg(long, env = "BERTH_OPENBAO_KV_MOUNT", default_value = "berth", requires = "openbao_addr")]
+    #[arg(
+        long,
+        env = "BERTH_OPENBAO_KV_MOUNT",
+        default_value = "berth",
+        requires = "openbao_addr"
+    )]
     openbao_kv_mount: String,
     /// The JWT auth mount agents log in at with a deploy grant (its `jwks_url` is this server's
     /// /.well-known/agent-jwks.json), and its role.
-    #[arg(long, env = "BERTH_OPENBAO_AUTH_MOUNT", default_value = "jwt-berth", requires = "openbao_addr")]
+    #[arg(
+        long,
+        env = "BERTH_OPENBAO_AUTH_MOUNT",
+        default_value = "jwt-berth",
+        requires = "openbao_addr"
+    )]
     openbao_auth_mount: String,
-    #[arg(long, env = "BERTH_OPENBAO_ROLE", default_value = "see-env", requires = "openbao_addr")]
+    #[arg(
+        long,
+        env = "BERTH_OPENBAO_ROLE",
+        default_value = "see-env",
+        requires = "openbao_addr"
+    )]
     openbao_role: String,
     /// The CA (PEM) OpenBao's certificate is checked against; default the system's.
     #[arg(long, env = "BERTH_OPENBAO_CA_FILE", requires = "openbao_addr")]

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_proto::desired::{
     paths, valid_sha, BundleView, Checkin, CheckinAction, CheckinResponse, DesiredAgentView,
-    DesiredStateView, Report, ReportResponse, ReportResult, Retire, SetDesired,
-    AUDIT_LOG_TAIL_BYTES, BUNDLE_CONTENT_TYPE, BUNDLE_SHA256_HEADER, BUNDLE_SHA_HEADER,
-    VaultInfo, BUILTIN_MOUNT, MAX_LOG_TAIL_BYTES,
+    DesiredStateView, Report, ReportResponse, ReportResult, Retire, SetDesired, VaultInfo,
+    AUDIT_LOG_TAIL_BYTES, BUILTIN_MOUNT, BUNDLE_CONTENT_TYPE, BUNDLE_SHA256_HEADER,
+    BUNDLE_SHA_HEADER, MAX_LOG_TAIL_BYTES,
 };
 use berth_proto::error::codes;
 use berth_proto::ErrorBody;
@@ -153,7 +153,11 @@ async fn checkin(
         })
         .await?;
     let vault = vault_info(&state, &env);
-    Ok(Json(checkin_answer(&env, req.applied_sha.as_deref(), vault)))
+    Ok(Json(checkin_answer(
+        &env,
+        req.applied_sha.as_deref(),
+        vault,
+    )))
 }
 
 async fn bundle(

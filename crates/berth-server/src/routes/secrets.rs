@@ -298,7 +298,11 @@ pub(crate) async fn environment_values(
     let mut values = Vec::new();
     let prefix = format!("{}/", env.name);
     for latest in state.store.list_secrets(env.tenant_id, &prefix).await? {
-        for meta in state.store.secret_versions(env.tenant_id, &latest.key).await? {
+        for meta in state
+            .store
+            .secret_versions(env.tenant_id, &latest.key)
+            .await?
+        {
             let Some(sealed) = state
                 .store
                 .get_secret(env.tenant_id, &meta.key, Some(meta.version))
@@ -431,7 +435,11 @@ async fn kv_read(
             )))
         }
         Err(refusal) => {
-            tracing::info!(caller = caller.agent_key(), reason = refusal.as_str(), "lease refused");
+            tracing::info!(
+                caller = caller.agent_key(),
+                reason = refusal.as_str(),
+                "lease refused"
+            );
             return Err(lease_required(refusal.as_str()));
         }
     };
