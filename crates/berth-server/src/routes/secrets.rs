@@ -217,19 +217,25 @@ fn sh_word(word: &str) -> String {
 /// The one-line install command. The grant reaches the file through a bash here-string, never
 /// through a command's arguments (so it shows in no process list); `umask 077` and `install -m
 /// 0600` keep it private from creation.
-fn install_command(state: &SharedState, env: &str, grant: &str) -> String {
+fn install_command(
+    server: &str,
+    ca_fingerprint: &str,
+    openbao: Option<&crate::OpenBaoSettings>,
+    env: &str,
+    grant: &str,
+) -> String {
     let mut agent = vec![
         "berth-agent".to_string(),
         "--server".into(),
-        sh_word(&state.config.public_url()),
+        sh_word(server),
         "--ca-fingerprint".into(),
-        sh_word(&state.ca.fingerprint()),
+        sh_word(ca_fingerprint),
         "--env".into(),
         sh_word(env),
         "--bootstrap-file".into(),
         BOOTSTRAP_FILE.into(),
     ];
-    if let Some(bao) = &state.config.openbao {
+    if let Some(bao) = openbao {
         agent.extend([
             "--openbao-addr".into(),
             sh_word(&bao.addr),
@@ -281,7 +287,13 @@ pub async fn kit(
     // The superseded grants leave the JWKS; OpenBao must forget their keys too.
     grants::reset_keyset(&state);
     Ok(Json(KitView {
-        install_command: install_command(&state, &env.name, &minted.jwt),
+        install_command: install_command(
+            &state.config.public_url(),
+            &state.ca.fingerprint(),
+            state.config.openbao.as_ref(),
+            &env.name,
+            &minted.jwt,
+        ),
         environment: env.name,
         grant: minted.jwt,
         jti,
@@ -521,9 +533,16 @@ mod tests {
 
     #[test]
     fn the_install_command_is_one_line_and_quotes_its_words() {
-        let c = install_command("https://b:8443", "qa", "aaa.bbb.ccc");
+        let bao = crate::OpenBaoSettings::new("https://bao:8200", "kv");
+        let c = install_command(
+            "https://b:8443",
+            "sha256:ab",
+            Some(&bao),
+            "qa",
+            "aaa.bbb.ccc",
+        );
         assert!(!c.contains('\n'));
-        assert!(c.starts_with("umask 077 && install -D -m 0600 /dev/stdin /etc/berth-agent/bootstrap.jwt <<< 'aaa.bbb.ccc' && berth-agent install --server 'https://b:8443' --env 'qa' --bootstrap-file /etc/berth-agent/bootstrap.jwt"), "{c}");
+        assert_eq!(c, "umask 077 && install -D -m 0600 /dev/stdin /etc/berth-agent/bootstrap.jwt <<< 'aaa.bbb.ccc' && berth-agent --server 'https://b:8443' --ca-fingerprint 'sha256:ab' --env 'qa' --bootstrap-file /etc/berth-agent/bootstrap.jwt --openbao-addr 'https://bao:8200' --openbao-auth-mount 'jwt-berth' --openbao-role 'see-env'");
         assert_eq!(sh_word("it's"), r"'it'\''s'");
     }
 }
