@@ -66,7 +66,14 @@ struct LocalState {
     compose_file: Option<String>,
     /// The last `down` completed; further `down` answers change nothing.
     down: bool,
+    /// The shas applied here, oldest first (the last [`HISTORY`]): going back to one of them
+    /// is a rollback, which a bundle must allow.
+    #[serde(default)]
+    history: Vec<String>,
 }
+
+/// How many applied shas the state remembers.
+const HISTORY: usize = 50;
 
 impl LocalState {
     fn release(&self) -> Option<Release> {
@@ -495,6 +502,15 @@ impl DesiredAgent {
             short(sha),
             bundle.files.len()
         ));
+        let rollback =
+            state.applied_sha.as_deref() != Some(sha) && state.history.iter().any(|h| h == sha);
+        if rollback && !bundle.meta.allow_rollback {
+            return Ok(Err(format!(
+                "{}: {} was applied here before and its bundle.json does not allow_rollback",
+                codes::ROLLBACK_FORBIDDEN,
+                short(sha)
+            )));
+        }
         let free = crate::resources::disk_space(&self.config.state_dir)
             .map(|(free, _)| free)
             .unwrap_or(0);
@@ -539,11 +555,17 @@ impl DesiredAgent {
             };
             return Ok(Err(format!("{}: {}{kept}", codes::APPLY_FAILED, e.chain())));
         }
+        let mut history = std::mem::take(&mut state.history);
+        history.retain(|h| h != sha);
+        history.push(sha.to_string());
+        let excess = history.len().saturating_sub(HISTORY);
+        history.drain(..excess);
         *state = LocalState {
             applied_sha: Some(sha.to_string()),
             release_dir: Some(release_dir),
             compose_file: Some(bundle.compose_file.clone()),
             down: false,
+            history,
         };
         self.save_state(state)?;
         self.prune_releases(&release.dir);
@@ -692,6 +714,7 @@ impl DesiredAgent {
         let _ = std::fs::remove_dir_all(self.dir.join("releases"));
         *state = LocalState {
             down: true,
+            history: std::mem::take(&mut state.history),
             ..LocalState::default()
         };
         self.save_state(state)?;

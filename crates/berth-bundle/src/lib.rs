@@ -203,8 +203,11 @@ impl Bundle {
     }
 
     /// `PRIVILEGED_FORBIDDEN` naming the service, unless `bundle.json` allows privileged ones.
+    ///
+    /// A prod bundle (`tier == "prod"`) never runs privileged: `allow_privileged` is not
+    /// honoured there.
     pub fn check_privileged(&self) -> Result<(), BundleError> {
-        if self.meta.allow_privileged {
+        if self.meta.allow_privileged && !self.meta.prod {
             return Ok(());
         }
         compose::check(&self.compose_file, &self.files)

@@ -402,6 +402,16 @@ fn privileged_services_are_refused_unless_allowed() {
             ("bundle.json", br#"{"agent": {"allow_privileged": true}}"#),
         ]);
         assert!(allowed.is_ok(), "{compose}");
+        // Prod never runs privileged, whatever the bundle allows.
+        let prod = open_bundle(&[
+            ("docker-compose.yml", compose.as_bytes()),
+            (
+                "bundle.json",
+                br#"{"tier": "prod", "agent": {"allow_privileged": true}}"#,
+            ),
+        ])
+        .unwrap_err();
+        assert_eq!(prod.code, codes::PRIVILEGED_FORBIDDEN, "{compose}: {prod}");
     }
     // Through files the compose file pulls in, and never from outside the bundle.
     let base = b"services:\n  base:\n    privileged: true\n";

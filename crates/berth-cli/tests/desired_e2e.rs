@@ -83,6 +83,18 @@ impl Host {
         std::fs::write(&self.log, log).unwrap();
         out.status.code().unwrap_or(-1)
     }
+
+    /// A tick as a supervisor runs it: exit 75 (temporary: here, the environment's checkin
+    /// bucket of 6 a minute) means try again a little later.
+    fn tick_patiently(&self, server: &Server) -> i32 {
+        for _ in 0..6 {
+            match self.tick(server, &[]) {
+                75 => std::thread::sleep(Duration::from_secs(11)),
+                code => return code,
+            }
+        }
+        75
+    }
 }
 
 fn compose_command() -> Vec<String> {
@@ -276,13 +288,13 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
         &qa,
     );
     server.cli(&["env", "set-desired", &qa, &sha1]);
-    assert_eq!(qa_host.tick(&server, &[]), 0);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
     assert_eq!(http_body(qa_port).as_deref(), Some(secret.as_str()));
     let view = agent_view(&server, &qa);
     assert_eq!(view["appliedSha"], sha1.as_str(), "{view}");
     assert_eq!(view["lastResult"], "applied", "{view}");
     // Converged: the next tick is a heartbeat and changes nothing.
-    assert_eq!(qa_host.tick(&server, &[]), 0);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
     assert_eq!(agent_view(&server, &qa)["appliedSha"], sha1.as_str());
 
     // --- The other environment converges on its own. ---
@@ -292,7 +304,7 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
         &dev,
     );
     server.cli(&["env", "set-desired", &dev, &dev_sha]);
-    assert_eq!(dev_host.tick(&server, &[]), 0);
+    assert_eq!(dev_host.tick_patiently(&server), 0);
     assert_eq!(http_body(dev_port).as_deref(), Some(short));
     assert_eq!(agent_view(&server, &qa)["appliedSha"], sha1.as_str());
 
@@ -304,7 +316,7 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
         &qa,
     );
     server.cli(&["env", "set-desired", &qa, &sha2]);
-    assert_eq!(qa_host.tick(&server, &[]), 0);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
     assert_eq!(http_body(qa_port2).as_deref(), Some(secret.as_str()));
     assert_eq!(agent_view(&server, &qa)["appliedSha"], sha2.as_str());
 
@@ -317,7 +329,7 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
     std::fs::write(dir.join("secrets.manifest.json"), manifest.to_string()).unwrap();
     let sha3 = push(&server, &dir, &qa);
     server.cli(&["env", "set-desired", &qa, &sha3]);
-    assert_eq!(qa_host.tick(&server, &[]), 0);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
     let view = agent_view(&server, &qa);
     assert_eq!(view["lastResult"], "failed", "{view}");
     assert_eq!(
@@ -334,7 +346,7 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
         &qa,
     );
     server.cli(&["env", "set-desired", &qa, &sha4]);
-    assert_eq!(qa_host.tick(&server, &[]), 0);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
     let view = agent_view(&server, &qa);
     assert_eq!(view["lastResult"], "failed", "{view}");
     assert!(
@@ -353,9 +365,22 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
         },
     );
 
+    // --- Back to an older sha: a rollback, which that bundle does not allow. ---
+    server.cli(&["env", "set-desired", &qa, &sha1]);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
+    let view = agent_view(&server, &qa);
+    assert!(
+        view["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("ROLLBACK_FORBIDDEN")),
+        "{view}"
+    );
+    assert_eq!(view["appliedSha"], sha2.as_str());
+    assert_eq!(http_body(qa_port2).as_deref(), Some(secret.as_str()));
+
     // --- Retire: down removes the stack (and reports it). ---
     server.cli(&["env", "retire", &qa]);
-    assert_eq!(qa_host.tick(&server, &[]), 0);
+    assert_eq!(qa_host.tick_patiently(&server), 0);
     let view = agent_view(&server, &qa);
     assert_eq!(view["lastResult"], "down", "{view}");
     assert!(view["appliedSha"].is_null(), "{view}");
@@ -365,7 +390,7 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
     );
     assert_eq!(http_body(dev_port).as_deref(), Some(short), "dev untouched");
     server.cli(&["env", "retire", &dev, "--purge-volumes"]);
-    assert_eq!(dev_host.tick(&server, &[]), 0);
+    assert_eq!(dev_host.tick_patiently(&server), 0);
 
     // --- Redaction: the planted values appear nowhere but in `.env`. ---
     let export = {

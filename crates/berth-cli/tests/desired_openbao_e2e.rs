@@ -355,6 +355,44 @@ fn seed_client_and_bearer_agent_against_real_openbao() {
     let out = Proc::spawn("berth-agent --env b (2)", cmd).finish(TICK);
     assert!(out.status.success(), "second tick: {}", out.stderr);
 
+    // A new kit supersedes the agent's grant: its token is refused (401), the agent deletes
+    // it and, with no bootstrap grant on disk, exits 1 saying to re-run the install.
+    let grant_b2 = kit(&server, &b);
+    let tick_b = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(BERTH_AGENT);
+        cmd.arg("--state-dir")
+            .arg(&state_dir)
+            .args(["--server", &server.url, "--env", &b, "--once"])
+            .arg("--ca-file")
+            .arg(data.join("ca.crt"))
+            .args([
+                "--openbao-addr",
+                &bao.addr,
+                "--openbao-auth-mount",
+                &mounts.auth_mount,
+                "--openbao-role",
+                &mounts.role,
+            ])
+            .args(extra);
+        Proc::spawn("berth-agent --env b", cmd).finish(TICK)
+    };
+    let out = tick_b(&[]);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("re-run the install kit"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !state_dir.join("bao.token").exists(),
+        "the dead token is deleted"
+    );
+    // With the new kit's grant on disk, it bootstraps again within the same tick.
+    std::fs::write(&grant_file, &grant_b2).unwrap();
+    let out = tick_b(&["--bootstrap-file", grant_file.to_str().unwrap()]);
+    assert!(out.status.success(), "re-bootstrap: {}", out.stderr);
+    assert!(state_dir.join("bao.token").exists());
+
     // Take B down, then leave OpenBao as it was.
     server.cli(&["env", "retire", &b]);
     let mut cmd = std::process::Command::new(BERTH_AGENT);

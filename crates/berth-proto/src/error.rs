@@ -153,6 +153,8 @@ pub mod codes {
     pub const DISK_INSUFFICIENT: &str = "DISK_INSUFFICIENT";
     /// The compose file asks for privileged containers and the bundle does not allow them.
     pub const PRIVILEGED_FORBIDDEN: &str = "PRIVILEGED_FORBIDDEN";
+    /// The desired sha was applied here before and the bundle does not `allow_rollback`.
+    pub const ROLLBACK_FORBIDDEN: &str = "ROLLBACK_FORBIDDEN";
     /// Secrets the manifest names could not be resolved: `ENV_INCOMPLETE: unresolved: A, B`.
     pub const ENV_INCOMPLETE: &str = "ENV_INCOMPLETE";
     /// The lease answer has the pre-Gate-1 AppRole shape (`wrapping_token` / `role_id`).
