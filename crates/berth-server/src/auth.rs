@@ -250,7 +250,7 @@ pub enum DesiredCaller {
     /// An enrolled berth agent, proven by its client certificate: the SAN's agent id, whose
     /// current binding must be the certificate's fingerprint (expiry and the previous-
     /// certificate rule as on every agent route).
-    Agent(Agent),
+    Agent(Box<Agent>),
     /// `Authorization: Bearer <OpenBao token>`: verified by OpenBao's `auth/token/lookup`
     /// (cached 60 s), pinned to the token's `meta.env_id`, and minted from a deploy grant of
     /// that environment (`meta.grant_jti`) that is not superseded and was used by no other
@@ -410,7 +410,7 @@ impl FromRequestParts<SharedState> for DesiredCaller {
         match agent {
             Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => {
                 crate::routes::record("agent_id", agent.id);
-                Ok(DesiredCaller::Agent(agent))
+                Ok(DesiredCaller::Agent(Box::new(agent)))
             }
             Some(agent)
                 if agent.previous_certificate_fingerprint.as_deref()
