@@ -306,23 +306,25 @@ fn seed_client_and_bearer_agent_against_real_openbao() {
     let grant_file = root.path().join("kit-b.jwt");
     std::fs::write(&grant_file, &grant_b).unwrap();
     let state_dir = root.path().join("agent-b");
-    let mut cmd = std::process::Command::new(BERTH_AGENT);
-    cmd.arg("--state-dir")
-        .arg(&state_dir)
-        .args(["--server", &server.url, "--env", &b, "--once"])
-        .arg("--ca-file")
-        .arg(data.join("ca.crt"))
-        .arg("--bootstrap-file")
-        .arg(&grant_file)
-        .args([
-            "--openbao-addr",
-            &bao.addr,
-            "--openbao-auth-mount",
-            &mounts.auth_mount,
-            "--openbao-role",
-            &mounts.role,
-        ]);
-    let out = Proc::spawn("berth-agent --env b", cmd).finish(TICK);
+    let tick_b = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(BERTH_AGENT);
+        cmd.arg("--state-dir")
+            .arg(&state_dir)
+            .args(["--server", &server.url, "--env", &b, "--once"])
+            .arg("--ca-file")
+            .arg(data.join("ca.crt"))
+            .args([
+                "--openbao-addr",
+                &bao.addr,
+                "--openbao-auth-mount",
+                &mounts.auth_mount,
+                "--openbao-role",
+                &mounts.role,
+            ])
+            .args(extra);
+        Proc::spawn("berth-agent --env b", cmd).finish(TICK)
+    };
+    let out = tick_b(&["--bootstrap-file", grant_file.to_str().unwrap()]);
     assert!(out.status.success(), "bearer agent: {}", out.stderr);
     assert!(!grant_file.exists(), "the kit file is consumed");
     assert!(
@@ -345,37 +347,12 @@ fn seed_client_and_bearer_agent_against_real_openbao() {
     assert!(!server.proc.stderr().contains(&secret_b) && !server.proc.stderr().contains(&secret_a));
 
     // The next tick converged: a heartbeat with the stored token.
-    let mut cmd = std::process::Command::new(BERTH_AGENT);
-    cmd.arg("--state-dir")
-        .arg(&state_dir)
-        .args(["--server", &server.url, "--env", &b, "--once"])
-        .arg("--ca-file")
-        .arg(data.join("ca.crt"))
-        .args(["--openbao-addr", &bao.addr]);
-    let out = Proc::spawn("berth-agent --env b (2)", cmd).finish(TICK);
+    let out = tick_b(&[]);
     assert!(out.status.success(), "second tick: {}", out.stderr);
 
     // A new kit supersedes the agent's grant: its token is refused (401), the agent deletes
     // it and, with no bootstrap grant on disk, exits 1 saying to re-run the install.
     let grant_b2 = kit(&server, &b);
-    let tick_b = |extra: &[&str]| {
-        let mut cmd = std::process::Command::new(BERTH_AGENT);
-        cmd.arg("--state-dir")
-            .arg(&state_dir)
-            .args(["--server", &server.url, "--env", &b, "--once"])
-            .arg("--ca-file")
-            .arg(data.join("ca.crt"))
-            .args([
-                "--openbao-addr",
-                &bao.addr,
-                "--openbao-auth-mount",
-                &mounts.auth_mount,
-                "--openbao-role",
-                &mounts.role,
-            ])
-            .args(extra);
-        Proc::spawn("berth-agent --env b", cmd).finish(TICK)
-    };
     let out = tick_b(&[]);
     assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
     assert!(
@@ -395,14 +372,7 @@ fn seed_client_and_bearer_agent_against_real_openbao() {
 
     // Take B down, then leave OpenBao as it was.
     server.cli(&["env", "retire", &b]);
-    let mut cmd = std::process::Command::new(BERTH_AGENT);
-    cmd.arg("--state-dir")
-        .arg(&state_dir)
-        .args(["--server", &server.url, "--env", &b, "--once"])
-        .arg("--ca-file")
-        .arg(data.join("ca.crt"))
-        .args(["--openbao-addr", &bao.addr]);
-    let out = Proc::spawn("berth-agent --env b (down)", cmd).finish(TICK);
+    let out = tick_b(&[]);
     assert!(out.status.success(), "down tick: {}", out.stderr);
     assert!(fixtures::container_names(&format!("berth-{b}")).is_empty());
     block_on(mounts.teardown());
