@@ -86,7 +86,7 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
     }
     // Tasks need an agent that can run them; it never polls, so they stay queued and write
     // no further events.
-    let (target, fleet, _) = crate::setup(&args.common, 1).await?;
+    let (target, fleet, _) = crate::setup(&args.common, 1, None).await?;
     let agent = fleet.agents[0].id;
     let admin = target.client(Some(target.admin_token.clone()))?;
     let mut cursor = catch_up(&admin, 0).await?;

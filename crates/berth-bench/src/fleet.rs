@@ -3,6 +3,7 @@
 //! client holding that identity. Each agent keeps only its id and its client, which opens its
 //! own connection on first use and keeps it alive.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +43,8 @@ impl Target {
 
 pub struct SimAgent {
     pub id: AgentId,
+    /// `<prefix>-<i>`, also its label value with `register`'s `label_key`.
+    pub name: String,
     pub client: Client,
     /// The agent's private key, for signing task results (`berth-bench tasks`).
     pub key: Arc<AgentKey>,
@@ -83,12 +86,15 @@ struct Registered {
     register_us: u64,
 }
 
-/// Registers `count` agents with `concurrency` registrations in flight.
+/// Registers `count` agents named `<prefix>-<i>` with `concurrency` registrations in flight.
+/// With `label_key`, each agent registers with the one label `<label_key>=<its name>` (what
+/// `berth-bench checkins` selects its own environment by).
 pub async fn register(
     target: &Target,
     prefix: &str,
     count: usize,
     concurrency: usize,
+    label_key: Option<&str>,
 ) -> anyhow::Result<Fleet> {
     let admin = target.client(Some(target.admin_token.clone()))?;
     let anonymous = target.client(None)?;
@@ -98,6 +104,7 @@ pub async fn register(
     for _ in 0..concurrency.clamp(1, count.max(1)) {
         let (admin, anonymous, next) = (admin.clone(), anonymous.clone(), next.clone());
         let (target, prefix) = (target.clone(), prefix.to_string());
+        let label_key = label_key.map(str::to_string);
         workers.spawn(async move {
             let mut done = Vec::new();
             let mut errors = Vec::new();
@@ -107,7 +114,11 @@ pub async fn register(
                     break;
                 }
                 let name = format!("{prefix}-{i}");
-                match register_one(&target, &admin, &anonymous, &name).await {
+                let labels = label_key
+                    .iter()
+                    .map(|k| (k.clone(), name.clone()))
+                    .collect();
+                match register_one(&target, &admin, &anonymous, &name, labels).await {
                     Ok(r) => done.push(r),
                     Err(e) => errors.push(format!("{name}: {e:#}")),
                 }
@@ -140,6 +151,7 @@ async fn register_one(
     admin: &Client,
     anonymous: &Client,
     name: &str,
+    labels: BTreeMap<String, String>,
 ) -> anyhow::Result<Registered> {
     let t = Instant::now();
     let token = admin
@@ -157,7 +169,7 @@ async fn register_one(
         name: name.to_string(),
         version: "bench".into(),
         capabilities: capabilities(),
-        labels: Default::default(),
+        labels,
         csr: key.csr_pem(name)?,
     };
     let t = Instant::now();
@@ -192,6 +204,7 @@ async fn register_one(
     Ok(Registered {
         agent: SimAgent {
             id: registered.agent_id,
+            name: name.to_string(),
             client,
             key: Arc::new(key),
         },

@@ -5,6 +5,7 @@
 //! The last line of every run is `SUMMARY {json}`, which `scripts/bench-heartbeats.sh`
 //! collects.
 
+mod checkins;
 mod events;
 mod fleet;
 mod stats;
@@ -56,6 +57,10 @@ enum Command {
     /// Event delivery over SSE: N clients follow `/api/v1/events` while tasks are created at
     /// a steady rate; latency from commit to each client, against a baseline of fewer clients.
     Events(events::EventsArgs),
+    /// Seed 001 checkins: N agents, each in its own environment, check in every S seconds
+    /// (open loop), then the closed-loop maximum, side by side with the heartbeat maximum of
+    /// the same agents.
+    Checkins(checkins::CheckinsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -126,6 +131,7 @@ fn main() -> anyhow::Result<()> {
             Command::Tasks(args) => tasks::tasks(args).await,
             Command::Verify(args) => tasks::verify(&args),
             Command::Events(args) => events::events(args).await,
+            Command::Checkins(args) => checkins::checkins(args).await,
         }
     })
 }
@@ -149,7 +155,13 @@ fn raise_nofile_limit() -> anyhow::Result<(u64, u64, u64)> {
     Ok((before, limit.rlim_cur, limit.rlim_max))
 }
 
-async fn setup(common: &Common, agents: usize) -> anyhow::Result<(Target, Fleet, u64)> {
+/// Registers `agents` agents (labelled `<label_key>=<name>` with a key); the target, the
+/// fleet and this process's RSS before registration.
+async fn setup(
+    common: &Common,
+    agents: usize,
+    label_key: Option<&str>,
+) -> anyhow::Result<(Target, Fleet, u64)> {
     let ca_pem = std::fs::read_to_string(&common.ca_file)
         .with_context(|| format!("reading {}", common.ca_file.display()))?;
     let target = Target {
@@ -167,6 +179,7 @@ async fn setup(common: &Common, agents: usize) -> anyhow::Result<(Target, Fleet,
         &common.name_prefix,
         agents,
         common.concurrency_register,
+        label_key,
     )
     .await?;
     fleet.print(agents);
@@ -330,7 +343,7 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
     if args.interval_secs == 0 || args.duration_secs == 0 {
         bail!("--interval-secs and --duration-secs must be at least 1");
     }
-    let (target, fleet, rss_before) = setup(&args.common, args.agents).await?;
+    let (target, fleet, rss_before) = setup(&args.common, args.agents, None).await?;
     let n = fleet.agents.len();
     let rss_clients = rss_kib();
     let interval = Duration::from_secs(args.interval_secs);
@@ -474,7 +487,7 @@ async fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     if args.duration_secs == 0 {
         bail!("--duration-secs must be at least 1");
     }
-    let (target, fleet, _) = setup(&args.common, args.agents).await?;
+    let (target, fleet, _) = setup(&args.common, args.agents, None).await?;
     let n = fleet.agents.len();
     let measured = Duration::from_secs(args.duration_secs);
     println!(
@@ -495,47 +508,8 @@ async fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let done = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let ticker = progress(done.clone(), failed.clone());
-    let mut tasks = JoinSet::new();
     let workers = tasks::sessions(&fleet.agents, args.common.concurrency_register).await?;
-    for agent in workers.iter() {
-        let (client, template) = (
-            agent.client.clone(),
-            heartbeat_for(agent.id, agent.generation),
-        );
-        let (key, generation) = (agent.key.clone(), agent.generation.to_string());
-        let (done, failed) = (done.clone(), failed.clone());
-        tasks.spawn(async move {
-            let mut report = AgentReport::default();
-            let mut sequence = 0;
-            loop {
-                sequence += 1;
-                let heartbeat = fleet::signed_heartbeat(&template, sequence, &key);
-                let sent = TokioInstant::now();
-                if sent >= end {
-                    break;
-                }
-                let result = beat(&client, &heartbeat, &generation).await;
-                let took = micros(sent.elapsed());
-                match result {
-                    Ok(()) => {
-                        done.fetch_add(1, Ordering::Relaxed);
-                        if report.first_us.is_none() {
-                            report.first_us = Some(took);
-                        } else if sent >= measure_from {
-                            report.measured_us.push(took);
-                        }
-                    }
-                    Err(e) => {
-                        failed.fetch_add(1, Ordering::Relaxed);
-                        report.errors.push(e);
-                        // A refused or broken call must not turn into a busy loop.
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-            report
-        });
-    }
+    let tasks = closed_heartbeat_loops(&workers, measure_from, end, &done, &failed);
     let reports = collect(tasks).await?;
     let cpu = CpuTimes::now();
     ticker.abort();
@@ -578,6 +552,58 @@ async fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         })
     );
     Ok(())
+}
+
+/// Closed loop: each of `workers` heartbeats back to back until `end`; latencies from
+/// `measure_from` on (the first heartbeat, which opens the connection, apart).
+fn closed_heartbeat_loops(
+    workers: &[tasks::Worker],
+    measure_from: TokioInstant,
+    end: TokioInstant,
+    done: &Arc<AtomicU64>,
+    failed: &Arc<AtomicU64>,
+) -> JoinSet<AgentReport> {
+    let mut tasks = JoinSet::new();
+    for agent in workers.iter() {
+        let (client, template) = (
+            agent.client.clone(),
+            heartbeat_for(agent.id, agent.generation),
+        );
+        let (key, generation) = (agent.key.clone(), agent.generation.to_string());
+        let (done, failed) = (done.clone(), failed.clone());
+        tasks.spawn(async move {
+            let mut report = AgentReport::default();
+            let mut sequence = 0;
+            loop {
+                sequence += 1;
+                let heartbeat = fleet::signed_heartbeat(&template, sequence, &key);
+                let sent = TokioInstant::now();
+                if sent >= end {
+                    break;
+                }
+                let result = beat(&client, &heartbeat, &generation).await;
+                let took = micros(sent.elapsed());
+                match result {
+                    Ok(()) => {
+                        done.fetch_add(1, Ordering::Relaxed);
+                        if report.first_us.is_none() {
+                            report.first_us = Some(took);
+                        } else if sent >= measure_from {
+                            report.measured_us.push(took);
+                        }
+                    }
+                    Err(e) => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        report.errors.push(e);
+                        // A refused or broken call must not turn into a busy loop.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            report
+        });
+    }
+    tasks
 }
 
 async fn collect(mut tasks: JoinSet<AgentReport>) -> anyhow::Result<Vec<AgentReport>> {

@@ -114,7 +114,7 @@ pub async fn tasks(args: TasksArgs) -> anyhow::Result<()> {
         bail!("--rate must be 0 (closed loop) or positive");
     }
     let total = args.agents + args.heartbeat_agents;
-    let (target, fleet, _) = crate::setup(&args.common, total).await?;
+    let (target, fleet, _) = crate::setup(&args.common, total, None).await?;
     if fleet.agents.len() < total {
         bail!("only {} of {total} agents registered", fleet.agents.len());
     }
