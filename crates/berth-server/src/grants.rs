@@ -152,10 +152,20 @@ pub async fn verify_lease(
 /// only when the JWT mount's keyset is reset, so reset it (in the background: the caller's
 /// answer does not wait on OpenBao). Without OpenBao configured, nothing to do.
 pub fn reset_keyset(state: &SharedState) {
+    supersede_in_openbao(state, Vec::new());
+}
+
+/// [`reset_keyset`], and revokes the OpenBao tokens of superseded grants by their accessors.
+pub fn supersede_in_openbao(state: &SharedState, token_accessors: Vec<String>) {
     let (Some(verifier), Some(settings)) = (state.bao.clone(), state.config.openbao.clone()) else {
         return;
     };
     tokio::spawn(async move {
+        for accessor in token_accessors {
+            if let Err(e) = verifier.revoke_accessor(&accessor).await {
+                tracing::warn!(error = %e, "could not revoke a superseded grant's OpenBao token");
+            }
+        }
         if let Err(e) = verifier.reset_keyset(&settings.auth_mount).await {
             tracing::warn!(error = %e, mount = settings.auth_mount, "could not reset OpenBao's JWT keyset");
         }

@@ -280,12 +280,13 @@ pub async fn kit(
     let now = state.config.clock.now();
     let minted = grants::mint(&state, &env, GrantKind::Kit, now)?;
     let (jti, expires_at) = (minted.grant.jti.clone(), minted.grant.expires_at);
-    state
+    let superseded = state
         .store
         .record_kit_grant(minted.grant, crate::routes::audit::actor(&caller))
         .await?;
-    // The superseded grants leave the JWKS; OpenBao must forget their keys too.
-    grants::reset_keyset(&state);
+    // The superseded grants leave the JWKS, and OpenBao must forget their keys too; the tokens
+    // they were exchanged for are revoked (berth refuses them either way).
+    grants::supersede_in_openbao(&state, superseded.token_accessors);
     Ok(Json(KitView {
         install_command: install_command(
             &state.config.public_url(),

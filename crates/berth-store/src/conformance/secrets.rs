@@ -266,7 +266,15 @@ pub async fn grant_supersede_use_and_jwks(store: &DynStore) {
         .unwrap()
         .is_empty());
 
-    // A kit supersedes every earlier grant of its environment only.
+    // A kit supersedes every earlier grant of its environment only, and names the OpenBao
+    // tokens they were exchanged for.
+    assert_eq!(
+        store
+            .mark_grant_used(&jti("lease1"), "acc-old", now())
+            .await
+            .unwrap(),
+        GrantUse::First
+    );
     let superseded = store
         .record_kit_grant(
             grant(t, env, GrantKind::Kit, &jti("kit2"), hour),
@@ -274,7 +282,8 @@ pub async fn grant_supersede_use_and_jwks(store: &DynStore) {
         )
         .await
         .unwrap();
-    assert_eq!(superseded, 3);
+    assert_eq!(superseded.count, 3);
+    assert_eq!(superseded.token_accessors, vec!["acc-old".to_string()]);
     assert_eq!(
         kids(store.live_grant_jwks(Some(t), now()).await.unwrap()),
         vec![jti("kit2"), jti("prod")]

@@ -163,8 +163,9 @@ pub trait GrantStore: Send + Sync {
     async fn record_grant(&self, grant: Grant) -> Result<()>;
     /// An install kit, in one transaction: every earlier grant of the environment superseded,
     /// the kit's grant recorded, an `environment.kit` audit entry by `actor` (the jti, never the
-    /// JWT). The number of grants it superseded.
-    async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<u64>;
+    /// JWT). What it superseded: how many grants, and the OpenBao token accessors they were
+    /// exchanged for (to revoke).
+    async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<Superseded>;
     /// Marks every live grant of the environment superseded (a retire); how many.
     async fn supersede_grants(
         &self,
@@ -190,6 +191,14 @@ pub trait GrantStore: Send + Sync {
 }
 
 /// The audit entry of an install kit: the grant's jti and what it superseded, never the JWT.
+/// The grants a kit superseded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Superseded {
+    pub count: u64,
+    /// The accessors of the OpenBao tokens those grants were exchanged for.
+    pub token_accessors: Vec<String>,
+}
+
 pub(crate) fn kit_event(grant: &Grant, superseded: u64, actor: AuditActor) -> crate::NewAuditEvent {
     crate::NewAuditEvent {
         tenant_id: grant.tenant_id,

@@ -7,7 +7,7 @@ use sqlx::PgConnection;
 use time::OffsetDateTime;
 
 use super::PostgresStore;
-use crate::domain::secrets::{kit_event, secret_delete_event, secret_put_event};
+use crate::domain::secrets::{kit_event, secret_delete_event, secret_put_event, Superseded};
 use crate::rows::{self, db_error, get, grant_columns, millis, secret_meta_columns};
 use crate::{
     Grant, GrantStore, GrantUse, Result, SealedSecret, SecretMeta, SecretStore, StoreError,
@@ -153,12 +153,12 @@ impl GrantStore for PostgresStore {
         insert_grant(&mut conn, &grant).await
     }
 
-    async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<u64> {
+    async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<Superseded> {
         const OP: &str = "record kit grant";
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let superseded = supersede(&mut tx, grant.environment_id, grant.issued_at).await?;
         insert_grant(&mut tx, &grant).await?;
-        super::audit::append(&mut tx, kit_event(&grant, superseded, actor)).await?;
+        super::audit::append(&mut tx, kit_event(&grant, superseded.count, actor)).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(superseded)
     }
@@ -173,7 +173,9 @@ impl GrantStore for PostgresStore {
             .acquire()
             .await
             .map_err(db_error("supersede grants"))?;
-        supersede(&mut conn, environment, now).await
+        supersede(&mut conn, environment, now)
+            .await
+            .map(|s| s.count)
     }
 
     async fn grant(&self, jti: &str) -> Result<Option<Grant>> {
@@ -272,15 +274,18 @@ async fn supersede(
     conn: &mut PgConnection,
     environment: EnvironmentId,
     now: OffsetDateTime,
-) -> Result<u64> {
-    Ok(sqlx::query(
+) -> Result<Superseded> {
+    let accessors: Vec<Option<String>> = sqlx::query_scalar(
         "UPDATE grants SET superseded_at = $2 \
-         WHERE environment_id = $1 AND superseded_at IS NULL",
+         WHERE environment_id = $1 AND superseded_at IS NULL RETURNING token_accessor",
     )
     .bind(environment.0)
     .bind(millis(now))
-    .execute(&mut *conn)
+    .fetch_all(&mut *conn)
     .await
-    .map_err(db_error("supersede grants"))?
-    .rows_affected())
+    .map_err(db_error("supersede grants"))?;
+    Ok(Superseded {
+        count: accessors.len() as u64,
+        token_accessors: accessors.into_iter().flatten().collect(),
+    })
 }

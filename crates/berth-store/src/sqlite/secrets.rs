@@ -6,7 +6,7 @@ use rusqlite::params;
 use time::OffsetDateTime;
 
 use super::{id_text, json_text, SqliteStore};
-use crate::domain::secrets::{kit_event, secret_delete_event, secret_put_event};
+use crate::domain::secrets::{kit_event, secret_delete_event, secret_put_event, Superseded};
 use crate::rows::{self, grant_columns, secret_meta_columns, unix_millis};
 use crate::{
     Grant, GrantStore, GrantUse, Result, SealedSecret, SecretMeta, SecretStore, StoreError,
@@ -156,12 +156,12 @@ impl GrantStore for SqliteStore {
             .await
     }
 
-    async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<u64> {
+    async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<Superseded> {
         self.writer
             .write("record kit grant", move |tx| {
                 let superseded = supersede(tx, grant.environment_id, grant.issued_at)?;
                 insert_grant(tx, &grant)?;
-                super::audit::append(tx, kit_event(&grant, superseded, actor))?;
+                super::audit::append(tx, kit_event(&grant, superseded.count, actor))?;
                 Ok(superseded)
             })
             .await
@@ -174,7 +174,7 @@ impl GrantStore for SqliteStore {
     ) -> Result<u64> {
         self.writer
             .write("supersede grants", move |tx| {
-                supersede(tx, environment, now)
+                supersede(tx, environment, now).map(|s| s.count)
             })
             .await
     }
@@ -263,11 +263,15 @@ fn supersede(
     tx: &super::threads::Db<'_>,
     environment: EnvironmentId,
     now: OffsetDateTime,
-) -> Result<u64> {
-    let n = tx.execute(
+) -> Result<Superseded> {
+    let accessors: Vec<Option<String>> = tx.all(
         "UPDATE grants SET superseded_at = ?2 \
-         WHERE environment_id = ?1 AND superseded_at IS NULL",
+         WHERE environment_id = ?1 AND superseded_at IS NULL RETURNING token_accessor",
         params![id_text(environment.0), unix_millis(now)],
+        |row| rows::ColumnReader::text_opt(row, "token_accessor"),
     )?;
-    Ok(n as u64)
+    Ok(Superseded {
+        count: accessors.len() as u64,
+        token_accessors: accessors.into_iter().flatten().collect(),
+    })
 }
