@@ -294,7 +294,7 @@ impl DesiredAgent {
         let mut auth = self.auth(&mut log).await?;
         let mut state = self.load_state()?;
         let checkin = self.checkin_body(&state).await;
-        let client = self.client(&auth)?;
+        let mut client = self.client(&auth)?;
         let answer = match client.send(&checkin).await {
             Err(e) if is_unauthenticated(&e) => {
                 // A removed agent or a superseded grant: the credentials are dead.
@@ -302,10 +302,8 @@ impl DesiredAgent {
                     let _ = openbao::delete_token(&self.config.state_dir);
                     tracing::warn!("the server refused the OpenBao token; it is deleted");
                     auth = Auth::Bearer(self.bootstrap(&mut log).await?.token);
-                    self.client(&auth)?
-                        .send(&checkin)
-                        .await
-                        .map_err(|e| self.failure(e))?
+                    client = self.client(&auth)?;
+                    client.send(&checkin).await.map_err(|e| self.failure(e))?
                 } else {
                     return Err(AgentError::Fatal(format!(
                         "{e}: this agent was removed; re-run the install"
@@ -314,7 +312,6 @@ impl DesiredAgent {
             }
             other => other.map_err(|e| self.failure(e))?,
         };
-        let client = self.client(&auth)?;
         self.interval = Duration::from_secs(answer.checkin_interval_s.max(1));
         if let Some(vault) = &answer.vault {
             if self.kv_mount.as_deref() != Some(vault.mount.as_str()) {
@@ -455,6 +452,12 @@ impl DesiredAgent {
         let result = self
             .prepare_and_apply(client, auth, &sha, &tar, state, &mut secrets, log)
             .await?;
+        // In bearer mode the lease's login replaced the token (and revoked the old one): the
+        // report goes out with the new one.
+        let client = match auth {
+            Auth::Bearer(_) => &self.client(auth)?,
+            Auth::Mtls => client,
+        };
         let report = match result {
             Ok(()) => Report {
                 env_id: self.config.env_id.clone(),
