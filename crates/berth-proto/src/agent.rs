@@ -251,6 +251,14 @@ pub fn with_query(base: &str, params: &[(&str, Option<&str>)]) -> String {
     }
 }
 
+/// `GET /api/v1/agents/{id}/artifacts/{sha256}` (agent certificate): an artifact of the agent's
+/// tenant by its SHA-256 (64 lowercase hex), `application/octet-stream`, with `X-Artifact-Sha256`.
+/// What `ssh.deploy` and `upload-files` fetch for an artifact given by reference; the agent writes
+/// it only if the bytes hash to that value (`ARTIFACT_DIGEST_MISMATCH`). 404 `ARTIFACT_NOT_FOUND`.
+pub fn agent_artifact_path(agent: crate::AgentId, sha256: &str) -> String {
+    format!("/api/v1/agents/{agent}/artifacts/{}", encode_query_value(sha256))
+}
+
 /// Percent-encodes everything but unreserved characters (RFC 3986).
 pub fn encode_query_value(v: &str) -> String {
     let mut out = String::with_capacity(v.len());

@@ -163,6 +163,14 @@ pub mod codes {
     pub const LEASE_REQUIRED: &str = "LEASE_REQUIRED";
     pub const LEASE_RATE_LIMITED: &str = "LEASE_RATE_LIMITED";
     pub const SECRET_NOT_FOUND: &str = "SECRET_NOT_FOUND";
+    pub const ARTIFACT_NOT_FOUND: &str = "ARTIFACT_NOT_FOUND";
+    pub const SSH_TARGET_EXISTS: &str = "SSH_TARGET_EXISTS";
+    pub const SSH_TARGET_NOT_FOUND: &str = "SSH_TARGET_NOT_FOUND";
+    /// No online agent can act for the SSH target (`--via` names none, or none is online).
+    pub const SSH_VIA_UNAVAILABLE: &str = "SSH_VIA_UNAVAILABLE";
+    /// The release cannot be deployed to this environment's kind of target (components to SSH
+    /// targets, or an SSH release to agents).
+    pub const RELEASE_TARGET_MISMATCH: &str = "RELEASE_TARGET_MISMATCH";
     /// `docker compose up` or its health wait failed; the previous stack keeps running.
     pub const APPLY_FAILED: &str = "APPLY_FAILED";
     /// The environment's secrets provider is not configured on this server (no OpenBao).

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::payload::{
     CheckPayload, CommandPayload, DeployTaskPayload, HealthCheckPayload, InspectPayload,
-    ReadStickerPayload, RollbackTaskPayload, SshDeployPayload, WriteStickerPayload,
+    ReadStickerPayload, RollbackTaskPayload, SshDeployPayload, UploadFilesPayload,
+    WriteStickerPayload,
 };
 
 /// Seed 000's capability strings, as agents report them and `requiredCapability` names them.
@@ -41,6 +42,8 @@ pub enum TaskKind {
     Rollback,
     #[serde(rename = "ssh.deploy")]
     SshDeploy,
+    #[serde(rename = "upload-files")]
+    UploadFiles,
 }
 
 /// What one task kind means. See [`TaskKind::spec`].
@@ -77,7 +80,7 @@ fn parses<T: DeserializeOwned + CheckPayload>(payload: &serde_json::Value) -> Re
 }
 
 impl TaskKind {
-    pub const ALL: [TaskKind; 9] = [
+    pub const ALL: [TaskKind; 10] = [
         TaskKind::HealthCheck,
         TaskKind::Inspect,
         TaskKind::ReadSticker,
@@ -87,6 +90,7 @@ impl TaskKind {
         TaskKind::ComposeUp,
         TaskKind::Rollback,
         TaskKind::SshDeploy,
+        TaskKind::UploadFiles,
     ];
 
     /// The table.
@@ -158,10 +162,22 @@ impl TaskKind {
                 &["/containerName", "/config/containerName"],
                 parses::<RollbackTaskPayload>,
             ),
-            // The sticker is written into the remote deploy directory, where the agent's
-            // `read-sticker` cannot see it yet: a lost `ssh.deploy` stays `unknown` until a
-            // read-back over SSH exists.
-            TaskKind::SshDeploy => kind("ssh.deploy", true, SSH, &[], parses::<SshDeployPayload>),
+            // The sticker is written into the remote deploy directory: its read-back is a
+            // `read-sticker` over SSH (the payload's `target` and `deployDirectory` go with it).
+            TaskKind::SshDeploy => kind(
+                "ssh.deploy",
+                true,
+                SSH,
+                &["/sticker/name"],
+                parses::<SshDeployPayload>,
+            ),
+            TaskKind::UploadFiles => kind(
+                "upload-files",
+                true,
+                AGENT,
+                &[],
+                parses::<UploadFilesPayload>,
+            ),
         }
     }
 
@@ -283,6 +299,13 @@ mod tests {
                 "ssh",
                 json!({"target": {"host": "h", "user": "u", "hostKey": "ssh-ed25519 AAAA"},
                        "deployDirectory": "/srv/app", "sticker": {"name": "app"}}),
+                Some("app"),
+            ),
+            (
+                TaskKind::UploadFiles,
+                true,
+                "agent",
+                json!({"directory": "/srv/app", "files": [{"name": "a", "content": "x"}]}),
                 None,
             ),
         ];

@@ -118,13 +118,66 @@ const DIRECTORY_RULE: &str = "an absolute path other than /, without . or .. com
 const FILE_NAME_RULE: &str =
     "a plain file name: 1-255 bytes, no / or NUL, not . or .., not berth's own .berth-*";
 
-impl CheckPayload for HealthCheckPayload {}
-impl CheckPayload for InspectPayload {}
 impl CheckPayload for CommandPayload {}
+
+impl CheckPayload for HealthCheckPayload {
+    fn check(&self) -> Result<(), String> {
+        match (self.kind.as_str(), &self.ssh_target) {
+            ("http" | "tcp", _) => Ok(()),
+            ("command", Some(t)) => {
+                t.check("sshTarget")?;
+                check_command("health-check", &self.command, self.timeout)
+            }
+            ("command", None) => Err("a health-check of type command needs an sshTarget".into()),
+            (other, _) => Err(format!(
+                "type {:?} is not one of http, tcp, command",
+                short(other)
+            )),
+        }
+    }
+}
+
+impl CheckPayload for InspectPayload {
+    fn check(&self) -> Result<(), String> {
+        check_remote(&self.ssh_target, &self.deploy_directory)
+    }
+}
 
 impl CheckPayload for ReadStickerPayload {
     fn check(&self) -> Result<(), String> {
-        check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)
+        check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)?;
+        check_remote(&self.ssh_target, &self.deploy_directory)
+    }
+}
+
+impl CheckPayload for UploadFilesPayload {
+    fn check(&self) -> Result<(), String> {
+        check_field(
+            "directory",
+            Some(&self.directory),
+            valid_directory,
+            DIRECTORY_RULE,
+        )?;
+        if self.files.is_empty() {
+            return Err("files is empty".into());
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, f) in self.files.iter().enumerate() {
+            check_field(
+                &format!("files[{i}].name"),
+                Some(&f.name),
+                valid_file_name,
+                FILE_NAME_RULE,
+            )?;
+            if !names.insert(f.name.as_str()) {
+                return Err(format!("files[{i}].name {:?} is not unique", short(&f.name)));
+            }
+            f.check(&format!("files[{i}]"))?;
+        }
+        match &self.ssh_target {
+            Some(t) => t.check("sshTarget"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -170,34 +223,42 @@ impl CheckPayload for RollbackTaskPayload {
     }
 }
 
-impl CheckPayload for SshDeployPayload {
-    fn check(&self) -> Result<(), String> {
-        let t = &self.target;
+impl SshTarget {
+    /// The target's own rules; `field` names it in the error (`target`, `sshTarget`).
+    pub fn check(&self, field: &str) -> Result<(), String> {
+        let t = self;
         if t.host.is_empty() || t.host.len() > 253 || !t.host.bytes().all(|b| b.is_ascii_graphic())
         {
             return Err(format!(
-                "target.host {:?} is invalid: 1-253 printable ASCII characters, no spaces",
+                "{field}.host {:?} is invalid: 1-253 printable ASCII characters, no spaces",
                 short(&t.host)
             ));
         }
         if t.port == Some(0) {
-            return Err("target.port must be 1-65535".into());
+            return Err(format!("{field}.port must be 1-65535"));
         }
         if t.user.is_empty() || t.user.len() > 64 || !t.user.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(format!(
-                "target.user {:?} is invalid: 1-64 printable ASCII characters, no spaces",
+                "{field}.user {:?} is invalid: 1-64 printable ASCII characters, no spaces",
                 short(&t.user)
             ));
         }
         if !valid_host_key_line(&t.host_key) {
             return Err(format!(
-                "target.hostKey {:?} is invalid: an OpenSSH public key line, `ssh-ed25519 AAAA…`",
+                "{field}.hostKey {:?} is invalid: an OpenSSH public key line, `ssh-ed25519 AAAA…`",
                 short(&t.host_key)
             ));
         }
         if t.connect_timeout == Some(0) {
-            return Err("target.connectTimeout must be at least 1 second".into());
+            return Err(format!("{field}.connectTimeout must be at least 1 second"));
         }
+        Ok(())
+    }
+}
+
+impl CheckPayload for SshDeployPayload {
+    fn check(&self) -> Result<(), String> {
+        self.target.check("target")?;
         check_field(
             "deployDirectory",
             Some(&self.deploy_directory),
@@ -218,6 +279,7 @@ impl CheckPayload for SshDeployPayload {
                     short(&a.name)
                 ));
             }
+            a.check(&format!("artifacts[{i}]"))?;
         }
         for (field, command) in [
             ("script", &self.script),
@@ -266,13 +328,19 @@ fn check_command(field: &str, argv: &[String], timeout: Option<u64>) -> Result<(
     Ok(())
 }
 
-/// `health-check`: one probe from the agent's host.
+/// `health-check`: one probe from the agent's host (`http`, `tcp`), or a command run on an SSH
+/// target (`command`, with `sshTarget`; it passes when it exits 0).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HealthCheckPayload {
-    /// `http` or `tcp`.
+    /// `http`, `tcp` or `command`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// `command`: the argument vector run on `sshTarget`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_target: Option<SshTarget>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -284,15 +352,63 @@ pub struct HealthCheckPayload {
     pub timeout: Option<u64>,
 }
 
-/// `inspect` takes no arguments; any object (or none) is accepted.
+/// `inspect`: on the agent's own host it takes no arguments (any other object, or none, is
+/// accepted). With `sshTarget` and `deployDirectory` it reads that SSH target instead: outputs
+/// `{"sticker": <the deploy directory's sticker or null>, "files": [{"name", "size",
+/// "sha256"}]}` (the deploy directory's regular files, berth's own `.berth-*` excluded).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct InspectPayload {}
+#[serde(rename_all = "camelCase")]
+pub struct InspectPayload {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_target: Option<SshTarget>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deploy_directory: Option<String>,
+}
 
-/// `read-sticker`.
+/// `read-sticker`: the agent's sticker `name`; or, with `sshTarget` and `deployDirectory`, the
+/// sticker `ssh.deploy` wrote there (`<deployDirectory>/.berth-sticker.json`), read over SFTP and
+/// reported only if its `name` is `name` (else `outputs.sticker` is null, as for a missing one).
+/// Either way the result's `outputs.sticker` is the sticker as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReadStickerPayload {
     pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_target: Option<SshTarget>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deploy_directory: Option<String>,
+}
+
+/// `upload-files` (seed 000's task list): writes `files` into `directory`, each atomically
+/// (a temporary name, then a rename), creating the directory when missing. With `sshTarget`, on
+/// that host over SFTP (the key in the sealed credentials' `sshPrivateKey`); without, on the
+/// agent's own host, where `directory` must lie inside the agent's upload root
+/// (`berth-agent --upload-root`, default `<state-dir>/uploads`), else `PATH_FORBIDDEN`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UploadFilesPayload {
+    /// Absolute ([`valid_directory`]).
+    pub directory: String,
+    pub files: Vec<SshArtifact>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_target: Option<SshTarget>,
+}
+
+/// Checks an optional SSH target and the deploy directory that must come with it.
+fn check_remote(target: &Option<SshTarget>, directory: &Option<String>) -> Result<(), String> {
+    match (target, directory) {
+        (None, None) => Ok(()),
+        (Some(t), Some(d)) => {
+            t.check("sshTarget")?;
+            check_field(
+                "deployDirectory",
+                Some(d),
+                valid_directory,
+                DIRECTORY_RULE,
+            )
+        }
+        _ => Err("sshTarget and deployDirectory come together".into()),
+    }
 }
 
 /// `write-sticker`.
@@ -471,6 +587,10 @@ pub struct ArtifactReference {
 /// The artifact type of a compose lock file.
 pub const ARTIFACT_COMPOSE_LOCK: &str = "compose_lock";
 
+/// The sealed credential that carries an SSH target's private key (OpenSSH or PKCS#8 PEM; Ed25519,
+/// ECDSA or RSA) to the agent, for every task that reaches an SSH target.
+pub const SSH_PRIVATE_KEY_CREDENTIAL: &str = "sshPrivateKey";
+
 /// `ssh.deploy` (seed 000's `SSHRemoteExecutor.deploy`): an agent deploys to a host that runs no
 /// agent, over one SSH connection. The target's private key is not here: it arrives in the task's
 /// sealed credentials (`sshPrivateKey`). Unknown fields are ignored, as in the other deployment
@@ -516,16 +636,42 @@ pub struct SshTarget {
     pub connect_timeout: Option<u64>,
 }
 
-/// A file shipped inside the payload.
+/// A file to write: shipped inside the payload (`content`), or by reference (`sha256`), fetched
+/// by the agent from the server (`GET /api/v1/agents/{id}/artifacts/{sha256}`,
+/// [`crate::agent::agent_artifact_path`]) and written only if its SHA-256 is that one. Exactly one
+/// of the two.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SshArtifact {
     /// A plain file name ([`valid_file_name`]), written inside the deploy directory.
     pub name: String,
-    pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    /// 64 lowercase hex digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
     /// Mode 0755 instead of 0644.
     #[serde(default)]
     pub executable: bool,
+}
+
+/// 64 lowercase hex digits: an artifact's SHA-256 as berth names it.
+pub fn valid_sha256_hex(v: &str) -> bool {
+    v.len() == 64 && v.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+impl SshArtifact {
+    fn check(&self, field: &str) -> Result<(), String> {
+        match (&self.content, &self.sha256) {
+            (Some(_), None) => Ok(()),
+            (None, Some(sha)) if valid_sha256_hex(sha) => Ok(()),
+            (None, Some(sha)) => Err(format!(
+                "{field}.sha256 {:?} is invalid: 64 lowercase hex digits",
+                short(sha)
+            )),
+            _ => Err(format!("{field} needs exactly one of content and sha256")),
+        }
+    }
 }
 
 /// How `ssh.deploy` proves the deployment healthy: a probe from the agent, or a command on the

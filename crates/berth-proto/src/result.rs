@@ -41,6 +41,13 @@ pub mod error_types {
     /// `ssh.deploy`: the deploy script exited non-zero or ran past its timeout; the deploy
     /// directory was restored from its backup.
     pub const DEPLOY_SCRIPT_FAILED: &str = "DEPLOY_SCRIPT_FAILED";
+    /// An artifact given by reference: the server has none with that SHA-256 (not retriable).
+    pub const ARTIFACT_NOT_FOUND: &str = "ARTIFACT_NOT_FOUND";
+    /// An artifact given by reference hashed to another SHA-256 than its reference; nothing was
+    /// written.
+    pub const ARTIFACT_DIGEST_MISMATCH: &str = "ARTIFACT_DIGEST_MISMATCH";
+    /// `upload-files` on the agent's own host: the directory is outside its upload root.
+    pub const PATH_FORBIDDEN: &str = "PATH_FORBIDDEN";
 }
 
 /// Durations of the phases of a deployment, in milliseconds (DESIGN "Executors").
