@@ -321,13 +321,20 @@ async fn apply(
     for a in &p.artifacts {
         let path = format!("{dir}/{}", a.name);
         let mode = if a.executable { 0o755 } else { 0o644 };
-        stop.guard(remote.upload(&path, a.content.as_bytes(), mode))
+        // TODO(issue 12): artifacts by reference.
+        let content = a.content.as_deref().ok_or_else(|| {
+            ExecError::InvalidPayload(format!(
+                "artifact {:?}: by reference is not supported yet",
+                a.name
+            ))
+        })?;
+        stop.guard(remote.upload(&path, content.as_bytes(), mode))
             .await?;
-        bytes += a.content.len();
+        bytes += content.len();
         run.log.line(format!(
             "uploaded {:?} ({} bytes, mode {mode:o})",
             a.name,
-            a.content.len()
+            content.len()
         ));
     }
     run.metrics.upload_duration_ms = Some(millis_since(started));

@@ -256,7 +256,10 @@ pub fn with_query(base: &str, params: &[(&str, Option<&str>)]) -> String {
 /// What `ssh.deploy` and `upload-files` fetch for an artifact given by reference; the agent writes
 /// it only if the bytes hash to that value (`ARTIFACT_DIGEST_MISMATCH`). 404 `ARTIFACT_NOT_FOUND`.
 pub fn agent_artifact_path(agent: crate::AgentId, sha256: &str) -> String {
-    format!("/api/v1/agents/{agent}/artifacts/{}", encode_query_value(sha256))
+    format!(
+        "/api/v1/agents/{agent}/artifacts/{}",
+        encode_query_value(sha256)
+    )
 }
 
 /// Percent-encodes everything but unreserved characters (RFC 3986).

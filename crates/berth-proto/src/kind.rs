@@ -242,7 +242,7 @@ mod tests {
     #[test]
     fn the_table() {
         // (kind, side effects, capability, payload with a sticker, the sticker read back)
-        let rows: [(TaskKind, bool, &str, serde_json::Value, Option<&str>); 9] = [
+        let rows: [(TaskKind, bool, &str, serde_json::Value, Option<&str>); 10] = [
             (
                 TaskKind::HealthCheck,
                 false,

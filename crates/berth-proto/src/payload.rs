@@ -170,7 +170,10 @@ impl CheckPayload for UploadFilesPayload {
                 FILE_NAME_RULE,
             )?;
             if !names.insert(f.name.as_str()) {
-                return Err(format!("files[{i}].name {:?} is not unique", short(&f.name)));
+                return Err(format!(
+                    "files[{i}].name {:?} is not unique",
+                    short(&f.name)
+                ));
             }
             f.check(&format!("files[{i}]"))?;
         }
@@ -400,12 +403,7 @@ fn check_remote(target: &Option<SshTarget>, directory: &Option<String>) -> Resul
         (None, None) => Ok(()),
         (Some(t), Some(d)) => {
             t.check("sshTarget")?;
-            check_field(
-                "deployDirectory",
-                Some(d),
-                valid_directory,
-                DIRECTORY_RULE,
-            )
+            check_field("deployDirectory", Some(d), valid_directory, DIRECTORY_RULE)
         }
         _ => Err("sshTarget and deployDirectory come together".into()),
     }
