@@ -192,6 +192,7 @@ async fn create_environments(
                     name: name.clone(),
                     tier: Tier::Dev,
                     selector: BTreeMap::from([(LABEL_KEY.to_string(), name.clone())]),
+                    target_type: Default::default(),
                     policy: Default::default(),
                     promote_from: None,
                     approvals: None,

@@ -78,6 +78,7 @@ pub mod dev;
 pub mod docs;
 pub mod output;
 pub mod secret;
+pub mod ssh_target;
 
 /// `90`, `90s`, `30m`, `1h`, `7d`.
 pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {

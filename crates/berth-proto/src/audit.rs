@@ -49,6 +49,11 @@ pub mod actions {
     /// An install kit revealed: `details` the grant's jti and how many grants it superseded,
     /// never the grant itself.
     pub const ENVIRONMENT_KIT: &str = "environment.kit";
+    /// `details`: the SSH target's name, address, via and pinned host key (never the key).
+    pub const SSH_TARGET_CREATE: &str = "ssh_target.create";
+    pub const SSH_TARGET_DELETE: &str = "ssh_target.delete";
+    /// A new artifact stored; `details`: its sha256 and size.
+    pub const ARTIFACT_PUSH: &str = "artifact.push";
     /// A verified agent result; `details` is a [`super::ResultEvidence`].
     pub const TASK_RESULT: &str = "task.result";
 }

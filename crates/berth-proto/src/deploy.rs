@@ -49,6 +49,33 @@ impl Tier {
     }
 }
 
+/// What an environment's selector picks: agents (their labels; a release's components run
+/// there), or SSH targets (their labels; a release's `ssh` part is deployed to each through its
+/// via agent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum TargetType {
+    #[default]
+    Agents,
+    Ssh,
+}
+
+impl TargetType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TargetType::Agents => "agents",
+            TargetType::Ssh => "ssh",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TargetType> {
+        [TargetType::Agents, TargetType::Ssh]
+            .into_iter()
+            .find(|t| t.as_str() == s)
+    }
+}
+
 /// How a deployment rolls out.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -109,8 +136,11 @@ pub const DEFAULT_DRIFT_INTERVAL_SECS: u32 = 300;
 pub struct CreateEnvironment {
     pub name: String,
     pub tier: Tier,
-    /// Agent labels a target carries, every one of them (at least one).
+    /// Labels a target carries, every one of them (at least one).
     pub selector: BTreeMap<String, String>,
+    /// Whether the selector picks agents (default) or SSH targets.
+    #[serde(default)]
+    pub target_type: TargetType,
     #[serde(default)]
     pub policy: RolloutPolicy,
     /// Promotion rule: a release may be deployed here only once it succeeded in this
@@ -145,6 +175,7 @@ pub struct EnvironmentView {
     pub name: String,
     pub tier: Tier,
     pub selector: BTreeMap<String, String>,
+    pub target_type: TargetType,
     pub policy: RolloutPolicy,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub promote_from: Option<String>,

@@ -166,6 +166,8 @@ pub mod codes {
     pub const ARTIFACT_NOT_FOUND: &str = "ARTIFACT_NOT_FOUND";
     pub const SSH_TARGET_EXISTS: &str = "SSH_TARGET_EXISTS";
     pub const SSH_TARGET_NOT_FOUND: &str = "SSH_TARGET_NOT_FOUND";
+    /// An SSH target's `viaAgent` names no agent of the tenant.
+    pub const AGENT_NOT_FOUND: &str = "AGENT_NOT_FOUND";
     /// No online agent can act for the SSH target (`--via` names none, or none is online).
     pub const SSH_VIA_UNAVAILABLE: &str = "SSH_VIA_UNAVAILABLE";
     /// The release cannot be deployed to this environment's kind of target (components to SSH

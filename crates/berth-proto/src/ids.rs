@@ -71,3 +71,8 @@ id_type!(
     /// A deployment: one release rolled out to one environment.
     DeploymentId
 );
+id_type!(
+    /// An SSH target: a host without an agent, deployed to through one. As a deployment target
+    /// (`deployment_targets.agent_id`, drift observations) its id stands where an agent's would.
+    SshTargetId
+);

@@ -18,6 +18,7 @@ pub mod redact;
 pub mod reference;
 pub mod release;
 pub mod result;
+pub mod ssh_target;
 pub mod task;
 pub mod transport;
 
@@ -35,7 +36,8 @@ pub mod headers {
 
 pub use error::ErrorBody;
 pub use ids::{
-    AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, TaskId, TenantId, TokenId,
+    AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, SshTargetId, TaskId, TenantId,
+    TokenId,
 };
 
 /// HTTP method of a typed request.

@@ -262,49 +262,13 @@ impl SshTarget {
 impl CheckPayload for SshDeployPayload {
     fn check(&self) -> Result<(), String> {
         self.target.check("target")?;
-        check_field(
-            "deployDirectory",
-            Some(&self.deploy_directory),
-            valid_directory,
-            DIRECTORY_RULE,
+        check_deploy_spec(
+            &self.deploy_directory,
+            &self.artifacts,
+            &self.script,
+            &self.hooks,
+            &self.health_check,
         )?;
-        let mut names = std::collections::BTreeSet::new();
-        for (i, a) in self.artifacts.iter().enumerate() {
-            check_field(
-                &format!("artifacts[{i}].name"),
-                Some(&a.name),
-                valid_file_name,
-                FILE_NAME_RULE,
-            )?;
-            if !names.insert(a.name.as_str()) {
-                return Err(format!(
-                    "artifacts[{i}].name {:?} is not unique",
-                    short(&a.name)
-                ));
-            }
-            a.check(&format!("artifacts[{i}]"))?;
-        }
-        for (field, command) in [
-            ("script", &self.script),
-            ("hooks.preDeploy", &self.hooks.pre_deploy),
-            ("hooks.postDeploy", &self.hooks.post_deploy),
-        ] {
-            if let Some(c) = command {
-                check_command(field, &c.command, c.timeout)?;
-            }
-        }
-        if let Some(h) = &self.health_check {
-            match h.kind {
-                SshHealthCheckKind::Http if h.url.is_none() => {
-                    return Err("healthCheck of type http needs a url".into())
-                }
-                SshHealthCheckKind::Tcp if h.host.is_none() || h.port.is_none() => {
-                    return Err("healthCheck of type tcp needs a host and a port".into())
-                }
-                SshHealthCheckKind::Command => check_command("healthCheck", &h.command, Some(1))?,
-                _ => {}
-            }
-        }
         check_field(
             "sticker.name",
             Some(&self.sticker.name),
@@ -312,6 +276,61 @@ impl CheckPayload for SshDeployPayload {
             STICKER_RULE,
         )
     }
+}
+
+/// What `ssh.deploy` does on its target, checked: by the payload's check, and by a release's
+/// `ssh` part when it is created ([`crate::release::SshRelease::check`]).
+pub(crate) fn check_deploy_spec(
+    deploy_directory: &str,
+    artifacts: &[SshArtifact],
+    script: &Option<HookConfig>,
+    hooks: &DeployHooks,
+    health_check: &Option<SshHealthCheck>,
+) -> Result<(), String> {
+    check_field(
+        "deployDirectory",
+        Some(deploy_directory),
+        valid_directory,
+        DIRECTORY_RULE,
+    )?;
+    let mut names = std::collections::BTreeSet::new();
+    for (i, a) in artifacts.iter().enumerate() {
+        check_field(
+            &format!("artifacts[{i}].name"),
+            Some(&a.name),
+            valid_file_name,
+            FILE_NAME_RULE,
+        )?;
+        if !names.insert(a.name.as_str()) {
+            return Err(format!(
+                "artifacts[{i}].name {:?} is not unique",
+                short(&a.name)
+            ));
+        }
+        a.check(&format!("artifacts[{i}]"))?;
+    }
+    for (field, command) in [
+        ("script", script),
+        ("hooks.preDeploy", &hooks.pre_deploy),
+        ("hooks.postDeploy", &hooks.post_deploy),
+    ] {
+        if let Some(c) = command {
+            check_command(field, &c.command, c.timeout)?;
+        }
+    }
+    if let Some(h) = health_check {
+        match h.kind {
+            SshHealthCheckKind::Http if h.url.is_none() => {
+                return Err("healthCheck of type http needs a url".into())
+            }
+            SshHealthCheckKind::Tcp if h.host.is_none() || h.port.is_none() => {
+                return Err("healthCheck of type tcp needs a host and a port".into())
+            }
+            SshHealthCheckKind::Command => check_command("healthCheck", &h.command, Some(1))?,
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn short(v: &str) -> String {
@@ -653,16 +672,11 @@ pub struct SshArtifact {
     pub executable: bool,
 }
 
-/// 64 lowercase hex digits: an artifact's SHA-256 as berth names it.
-pub fn valid_sha256_hex(v: &str) -> bool {
-    v.len() == 64 && v.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-}
-
 impl SshArtifact {
     fn check(&self, field: &str) -> Result<(), String> {
         match (&self.content, &self.sha256) {
             (Some(_), None) => Ok(()),
-            (None, Some(sha)) if valid_sha256_hex(sha) => Ok(()),
+            (None, Some(sha)) if crate::desired::valid_sha(sha) => Ok(()),
             (None, Some(sha)) => Err(format!(
                 "{field}.sha256 {:?} is invalid: 64 lowercase hex digits",
                 short(sha)

@@ -61,6 +61,11 @@ pub struct CreateRelease {
     /// `repo@sha256:…` in the release's `composeLock`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compose: Option<String>,
+    /// What the release puts on SSH targets (an environment of `targetType: ssh` deploys only
+    /// this; one of `agents` deploys only components).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub ssh: Option<SshRelease>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registry_username: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -72,6 +77,61 @@ impl Request for CreateRelease {
     const METHOD: Method = Method::Post;
     fn path(&self) -> String {
         "/api/v1/releases".into()
+    }
+}
+
+/// What a release puts on an SSH target, as seed 000's `SSHRemoteExecutor.deploy` does: the
+/// artifacts (by reference only: `sha256` of an artifact pushed to the server) into the deploy
+/// directory, then the hooks and the script, then the health check. Each target's `ssh.deploy`
+/// is this plus the target and a sticker naming the release.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SshRelease {
+    pub deploy_directory: String,
+    pub artifacts: Vec<crate::payload::SshArtifact>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub script: Option<crate::payload::HookConfig>,
+    #[serde(default)]
+    pub hooks: crate::payload::DeployHooks,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<crate::payload::SshHealthCheck>,
+}
+
+impl SshRelease {
+    /// The rules of `ssh.deploy`'s payload, and artifacts by reference only (a release row
+    /// carries no file contents).
+    pub fn check(&self) -> Result<(), String> {
+        crate::payload::check_deploy_spec(
+            &self.deploy_directory,
+            &self.artifacts,
+            &self.script,
+            &self.hooks,
+            &self.health_check,
+        )?;
+        match self.artifacts.iter().find(|a| a.content.is_some()) {
+            Some(a) => Err(format!(
+                "artifact {:?}: a release names artifacts by sha256 (push the file first)",
+                a.name
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The `ssh.deploy` payload that puts this on `target`, writing `sticker`.
+    pub fn payload(
+        &self,
+        target: crate::payload::SshTarget,
+        sticker: crate::payload::WriteStickerPayload,
+    ) -> crate::payload::SshDeployPayload {
+        crate::payload::SshDeployPayload {
+            target,
+            deploy_directory: self.deploy_directory.clone(),
+            artifacts: self.artifacts.clone(),
+            script: self.script.clone(),
+            hooks: self.hooks.clone(),
+            health_check: self.health_check.clone(),
+            sticker,
+        }
     }
 }
 
@@ -110,6 +170,9 @@ pub struct ReleaseView {
     /// The compose file with every service's image pinned by digest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compose_lock: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub ssh: Option<SshRelease>,
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: OffsetDateTime,

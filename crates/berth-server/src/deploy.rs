@@ -25,8 +25,10 @@ use std::time::Duration;
 use berth_proto::agent::AgentStatus;
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{DeploymentKind, DeploymentState, RolloutPolicy, TargetPhase};
+use berth_proto::error::codes;
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
+use berth_proto::payload::WriteStickerPayload;
 use berth_proto::release::Component;
 use berth_proto::transport::ProgressPhase;
 use berth_proto::{AgentId, DeploymentId, TaskId, TenantId};
@@ -38,6 +40,7 @@ use berth_store::{
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use crate::targets::{SshTaskError, Target, TargetKind};
 use crate::SharedState;
 
 /// Deployments advanced per pass.
@@ -111,19 +114,19 @@ pub(crate) async fn matching_agents(
     Ok(agents)
 }
 
-/// `agents` (by name, as [`matching_agents`] gives them) in waves of the policy's `maxParallel`:
-/// what a deployment runs and its plan shows.
+/// `targets` (by name, as [`crate::targets::matching`] gives them) in waves of the policy's
+/// `maxParallel`: what a deployment runs and its plan shows.
 pub(crate) fn waves<'a>(
-    agents: &'a [Agent],
+    targets: &'a [Target],
     policy: &RolloutPolicy,
-) -> impl Iterator<Item = (u32, &'a [Agent])> {
-    agents
+) -> impl Iterator<Item = (u32, &'a [Target])> {
+    targets
         .chunks(policy.max_parallel.max(1) as usize)
         .enumerate()
         .map(|(wave, chunk)| (wave as u32, chunk))
 }
 
-/// Inserts a deployment of `release` into `env` over `agents` (in [`waves`]). A deploy waits for the environment's approvals; a rollback or a heal returns to a
+/// Inserts a deployment of `release` into `env` over `targets` (in [`waves`]). A deploy waits for the environment's approvals; a rollback or a heal returns to a
 /// release the environment already ran and waits for none. A rollback pins the environment.
 /// The deployment's rollback release is the environment's current one.
 pub(crate) async fn create(
@@ -132,7 +135,7 @@ pub(crate) async fn create(
     release: &Release,
     kind: DeploymentKind,
     requested_by: AuditActor,
-    agents: &[Agent],
+    targets: &[Target],
 ) -> Result<DeploymentDetail, StoreError> {
     let now = state.config.clock.now();
     let id = DeploymentId::new();
@@ -140,12 +143,12 @@ pub(crate) async fn create(
         DeploymentKind::Deploy => env.approvals,
         DeploymentKind::Rollback | DeploymentKind::Heal => 0,
     };
-    let targets = waves(agents, &env.policy)
-        .flat_map(|(wave, chunk)| chunk.iter().map(move |agent| (wave, agent)))
-        .map(|(wave, agent)| DeploymentTarget {
+    let targets = waves(targets, &env.policy)
+        .flat_map(|(wave, chunk)| chunk.iter().map(move |target| (wave, target)))
+        .map(|(wave, target)| DeploymentTarget {
             deployment_id: id,
-            agent_id: agent.id,
-            agent_name: agent.name.clone(),
+            agent_id: target.id,
+            agent_name: target.name.clone(),
             wave,
             phase: TargetPhase::Waiting,
             tasks: Vec::new(),
@@ -194,12 +197,12 @@ pub(crate) async fn create(
 }
 
 /// A component's `docker.run` config for one target. Like Octopus's machine-scoped variables,
-/// any string in it may name the target: `{{target.name}}` (the agent's name) and
+/// any string in it may name the target: `{{target.name}}` (the target's name) and
 /// `{{target.labels.KEY}}` (one of its labels), so one release can give each host its own
 /// container name, port or setting. The server substitutes them as text; nothing is evaluated,
 /// and a label the target lacks is an error naming it.
-pub(crate) fn target_config(component: &Component, agent: &Agent) -> Result<Value, String> {
-    fn render(value: &mut Value, agent: &Agent) -> Result<(), String> {
+pub(crate) fn target_config(component: &Component, target: &Target) -> Result<Value, String> {
+    fn render(value: &mut Value, target: &Target) -> Result<(), String> {
         match value {
             Value::String(s) => {
                 let mut out = String::with_capacity(s.len());
@@ -211,10 +214,10 @@ pub(crate) fn target_config(component: &Component, agent: &Agent) -> Result<Valu
                     let name = rest[start + 2..start + end].trim();
                     out.push_str(&rest[..start]);
                     let value = match name.strip_prefix("target.labels.") {
-                        _ if name == "target.name" => agent.name.as_str(),
+                        _ if name == "target.name" => target.name.as_str(),
                         Some(key) => {
-                            agent.labels.get(key).map(String::as_str).ok_or_else(|| {
-                                format!("target {} has no label {key:?}", agent.name)
+                            target.labels.get(key).map(String::as_str).ok_or_else(|| {
+                                format!("target {} has no label {key:?}", target.name)
                             })?
                         }
                         None => return Err(format!("unknown placeholder {{{{{name}}}}}")),
@@ -225,8 +228,8 @@ pub(crate) fn target_config(component: &Component, agent: &Agent) -> Result<Valu
                 out.push_str(rest);
                 *s = out;
             }
-            Value::Array(items) => items.iter_mut().try_for_each(|v| render(v, agent))?,
-            Value::Object(map) => map.values_mut().try_for_each(|v| render(v, agent))?,
+            Value::Array(items) => items.iter_mut().try_for_each(|v| render(v, target))?,
+            Value::Object(map) => map.values_mut().try_for_each(|v| render(v, target))?,
             _ => {}
         }
         Ok(())
@@ -239,13 +242,13 @@ pub(crate) fn target_config(component: &Component, agent: &Agent) -> Result<Valu
     if config.get("containerName").is_none() {
         config["containerName"] = json!(component.name);
     }
-    render(&mut config, agent).map_err(|e| format!("component {}: {e}", component.name))?;
+    render(&mut config, target).map_err(|e| format!("component {}: {e}", component.name))?;
     Ok(config)
 }
 
 /// The container a component runs as on a target.
-pub(crate) fn container_name(component: &Component, agent: &Agent) -> Result<String, String> {
-    Ok(target_config(component, agent)?
+pub(crate) fn container_name(component: &Component, target: &Target) -> Result<String, String> {
+    Ok(target_config(component, target)?
         .get("containerName")
         .and_then(Value::as_str)
         .unwrap_or(&component.name)
@@ -257,10 +260,10 @@ pub(crate) fn container_name(component: &Component, agent: &Agent) -> Result<Str
 pub(crate) fn component_payload(
     release: &Release,
     component: &Component,
-    agent: &Agent,
+    target: &Target,
     policy: &RolloutPolicy,
 ) -> Result<Value, String> {
-    let mut config = target_config(component, agent)?;
+    let mut config = target_config(component, target)?;
     config["releaseId"] = json!(release.id.to_string());
     config["releaseName"] = json!(release.name);
     if let Some(health) = config.get_mut("healthCheck").filter(|h| h.is_object()) {
@@ -515,12 +518,12 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
                                 match create_tasks(state, &detail, t, &release, &policy, ROLLBACK)
                                     .await?
                                 {
-                                    Some(ids) => {
+                                    Ok(ids) => {
                                         t.rollback_tasks = ids;
                                         t.phase = TargetPhase::RollingBack;
                                         t.finished_at = None;
                                     }
-                                    None => gone(t, TargetPhase::RollbackFailed, now),
+                                    Err(why) => why.mark(t, TargetPhase::RollbackFailed, now),
                                 }
                             }
                         }
@@ -543,11 +546,11 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
             for t in &mut targets {
                 if t.wave == next.wave && t.phase == TargetPhase::Waiting {
                     match create_tasks(state, &detail, t, &release, &policy, DEPLOY).await? {
-                        Some(ids) => {
+                        Ok(ids) => {
                             t.tasks = ids;
                             t.phase = TargetPhase::Queued;
                         }
-                        None => gone(t, TargetPhase::Failed, now),
+                        Err(why) => why.mark(t, TargetPhase::Failed, now),
                     }
                 }
             }
@@ -603,12 +606,19 @@ struct Next {
     detail: Option<String>,
 }
 
-/// The target's agent was deleted: nothing can run there.
-fn gone(t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime) {
-    t.phase = phase;
-    t.error_code = Some(AGENT_DELETED.into());
-    t.detail = Some(format!("agent {} was deleted", t.agent_name));
-    t.finished_at = Some(now);
+/// Why a target's tasks cannot be created: it ends the target with this code.
+struct Unplaceable {
+    code: &'static str,
+    detail: String,
+}
+
+impl Unplaceable {
+    fn mark(self, t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime) {
+        t.phase = phase;
+        t.error_code = Some(self.code.into());
+        t.detail = Some(self.detail);
+        t.finished_at = Some(now);
+    }
 }
 
 /// A target's code when its agent is gone.
@@ -656,8 +666,9 @@ async fn cancel_open(
     Ok(())
 }
 
-/// Creates (or finds again, by key) one task per component of `release` for the target; `None`
-/// when the target's agent no longer exists.
+/// Creates (or finds again, by key) the target's tasks for `release`: one `docker.run` per
+/// component on an agent, one `ssh.deploy` on an SSH target's via agent. `Err` when the target
+/// can no longer be deployed to (its agent or SSH target deleted, no via agent, its key gone).
 async fn create_tasks(
     state: &SharedState,
     detail: &DeploymentDetail,
@@ -665,34 +676,86 @@ async fn create_tasks(
     release: &Release,
     policy: &RolloutPolicy,
     purpose: &str,
-) -> Result<Option<Vec<TaskId>>, StoreError> {
+) -> Result<Result<Vec<TaskId>, Unplaceable>, StoreError> {
     let d = &detail.deployment;
-    let Some(agent) = state.store.get_agent(d.tenant_id, target.agent_id).await? else {
-        return Ok(None);
+    let Some(found) = crate::targets::get(state, d.tenant_id, target.agent_id).await? else {
+        return Ok(Err(Unplaceable {
+            code: AGENT_DELETED,
+            detail: format!("target {} was deleted", target.agent_name),
+        }));
     };
+    let mut tasks = Vec::new();
+    match &found.kind {
+        TargetKind::Agent(_) => {
+            for component in &release.components {
+                // Checked for every target when the deployment was created (and its labels
+                // are the agent's own); a label removed since fails the step loudly.
+                let payload = component_payload(release, component, &found, policy)
+                    .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
+                tasks.push((
+                    TaskKind::DockerRun,
+                    target.agent_id,
+                    payload,
+                    None,
+                    component.name.as_str(),
+                ));
+            }
+        }
+        TargetKind::Ssh(ssh) => {
+            let Some(spec) = &release.ssh else {
+                return Err(StoreError::Corrupt(format!(
+                    "deployment {}: release {} has no ssh part",
+                    d.id, release.name
+                )));
+            };
+            let Some(via) = crate::targets::via_agent(state, ssh).await? else {
+                return Ok(Err(Unplaceable {
+                    code: codes::SSH_VIA_UNAVAILABLE,
+                    detail: format!("no agent can act for ssh target {}", ssh.name),
+                }));
+            };
+            let sticker = WriteStickerPayload {
+                name: ssh.name.clone(),
+                release_id: Some(release.id.to_string()),
+                release_name: Some(release.name.clone()),
+                image: None,
+                digest: None,
+                extra: Default::default(),
+            };
+            let payload =
+                serde_json::to_value(spec.payload(crate::targets::payload_target(ssh), sticker))
+                    .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
+            tasks.push((TaskKind::SshDeploy, via.id, payload, Some(ssh), "ssh"));
+        }
+    }
     let mut ids = Vec::new();
-    for component in &release.components {
-        // Checked for every target when the deployment was created (and its labels are the
-        // agent's own); a label removed since fails the step loudly.
-        let payload = component_payload(release, component, &agent, policy)
-            .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
+    for (kind, agent_id, payload, ssh, part) in tasks {
+        let id = TaskId::new();
+        let credentials_sealed = match ssh {
+            None => None,
+            Some(ssh) => match crate::targets::sealed_key(state, ssh, id).await {
+                Ok(sealed) => Some(sealed),
+                Err(SshTaskError::Store(e)) => return Err(e),
+                Err(e) => {
+                    return Ok(Err(Unplaceable {
+                        code: codes::SECRET_NOT_FOUND,
+                        detail: e.to_string(),
+                    }))
+                }
+            },
+        };
         let task = NewTask {
-            id: TaskId::new(),
+            id,
             tenant_id: d.tenant_id,
-            task_type: TaskKind::DockerRun.name().into(),
-            agent_id: target.agent_id,
+            task_type: kind.name().into(),
+            agent_id,
             payload,
-            credentials_sealed: None,
+            credentials_sealed,
             variables: Default::default(),
             timeout_seconds: u32::try_from(policy.task_timeout_secs).unwrap_or(u32::MAX),
             priority: 0,
             side_effects: true,
-            idempotency_key: Some(deployment_task_key(
-                d.id,
-                target.agent_id,
-                purpose,
-                &component.name,
-            )),
+            idempotency_key: Some(deployment_task_key(d.id, target.agent_id, purpose, part)),
             request_hash: None,
             read_back_of: None,
             created_at: state.config.clock.now(),
@@ -701,7 +764,12 @@ async fn create_tasks(
         match state.store.create_task(task).await {
             Err(StoreError::Conflict {
                 constraint: "task_agent",
-            }) => return Ok(None),
+            }) => {
+                return Ok(Err(Unplaceable {
+                    code: AGENT_DELETED,
+                    detail: format!("the agent of target {} was deleted", target.agent_name),
+                }))
+            }
             Err(e) => return Err(e),
             Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => ids.push(t.id),
             Ok(CreateTaskOutcome::KeyConflict) => {
@@ -712,7 +780,7 @@ async fn create_tasks(
             }
         }
     }
-    Ok(Some(ids))
+    Ok(Ok(ids))
 }
 
 #[cfg(test)]
@@ -720,9 +788,9 @@ mod tests {
     use super::*;
     use berth_proto::agent::AgentStatus;
 
-    fn agent(name: &str, labels: &[(&str, &str)]) -> Agent {
+    fn agent(name: &str, labels: &[(&str, &str)]) -> Target {
         let now = time::OffsetDateTime::UNIX_EPOCH;
-        Agent {
+        Target::agent(Agent {
             id: AgentId::new(),
             tenant_id: TenantId::new(),
             name: name.into(),
@@ -742,7 +810,7 @@ mod tests {
             previous_certificate_fingerprint: None,
             created_at: now,
             updated_at: now,
-        }
+        })
     }
 
     fn component(config: Value) -> Component {

@@ -15,10 +15,10 @@ use std::time::Duration;
 use berth_proto::deploy::{DeploymentKind, Drift, ObservedComponent};
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
-use berth_proto::payload::InspectedContainer;
+use berth_proto::payload::{InspectedContainer, ReadStickerPayload};
 use berth_proto::{AgentId, TaskId};
 use berth_store::{
-    drift_check_key, Agent, CreateTaskOutcome, Environment, NewTask, Release, StoreError,
+    drift_check_key, CreateTaskOutcome, Environment, NewTask, Release, StoreError,
     TargetObservation, TaskState,
 };
 use serde_json::Value;
@@ -26,6 +26,7 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use crate::deploy::container_name;
+use crate::targets::{SshTaskError, Target, TargetKind};
 use crate::SharedState;
 
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -85,7 +86,7 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
     };
     let now = state.config.clock.now();
     let period = Duration::from_secs(env.drift_interval_secs.into());
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
+    let targets = crate::targets::matching(state, env).await?;
     let known: HashMap<AgentId, TargetObservation> = state
         .store
         .target_observations(env.id)
@@ -94,14 +95,14 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
         .map(|o| (o.agent_id, o))
         .collect();
     let mut drifted = false;
-    for agent in agents {
-        let old = known.get(&agent.id);
+    for target in targets {
+        let old = known.get(&target.id);
         let mut obs = old.cloned().unwrap_or_else(|| TargetObservation {
             tenant_id: env.tenant_id,
             environment_id: env.id,
-            agent_id: agent.id,
+            agent_id: target.id,
             check_task_id: None,
-            next_check_at: now + offset(agent.id, period),
+            next_check_at: now + offset(target.id, period),
             drift: Drift::Unverified,
             running_release: None,
             components: Vec::new(),
@@ -120,7 +121,7 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
                     .is_some_and(|f| f >= env.updated_at && obs.verified_at.is_none_or(|v| v < f));
                 if task.state == TaskState::Succeeded && fresh {
                     let (drift, running, components) =
-                        observe(&release, &agent, task.result.as_ref());
+                        observe(&release, &target, task.result.as_ref());
                     obs.drift = drift;
                     obs.running_release = running;
                     obs.components = components;
@@ -130,14 +131,14 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
             }
         }
         if !open && obs.next_check_at <= now {
-            if let Some(id) = schedule_check(state, env, agent.id, obs.next_check_at).await? {
+            if let Some(id) = schedule_check(state, env, &target, obs.next_check_at).await? {
                 obs.check_task_id = Some(id);
                 obs.next_check_at = now + period;
             }
         }
         if old != Some(&obs) {
             if obs.drift == Drift::Drifted && old.map(|o| o.drift) != Some(Drift::Drifted) {
-                tracing::warn!(environment = %env.name, agent = %agent.name, running = ?obs.running_release, desired = %current.name, "target drifted from the environment's release");
+                tracing::warn!(environment = %env.name, target = %target.name, running = ?obs.running_release, desired = %current.name, "target drifted from the environment's release");
             }
             state.store.put_target_observation(obs.clone()).await?;
         }
@@ -149,27 +150,66 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
     Ok(())
 }
 
-/// Queues the `inspect` that reads the target back; `None` when its agent is gone.
+/// Queues the read-back of the target: an `inspect` on an agent; on an SSH target, a
+/// `read-sticker` over SSH by its via agent (the sticker `ssh.deploy` wrote names the release).
+/// `None` when the agent is gone, or no agent can act for the SSH target.
 async fn schedule_check(
     state: &SharedState,
     env: &Environment,
-    agent: AgentId,
+    target: &Target,
     due: OffsetDateTime,
 ) -> Result<Option<TaskId>, StoreError> {
+    let id = TaskId::new();
+    let (kind, agent, payload, credentials_sealed) = match &target.kind {
+        TargetKind::Agent(agent) => (TaskKind::Inspect, agent.id, serde_json::json!({}), None),
+        TargetKind::Ssh(ssh) => {
+            let (Some(via), Some(release)) = (
+                crate::targets::via_agent(state, ssh).await?,
+                env.current_release.as_ref(),
+            ) else {
+                return Ok(None);
+            };
+            let Some(directory) = state
+                .store
+                .get_release(env.tenant_id, &release.name)
+                .await?
+                .and_then(|r| r.ssh)
+                .map(|s| s.deploy_directory)
+            else {
+                return Ok(None);
+            };
+            let sealed = match crate::targets::sealed_key(state, ssh, id).await {
+                Ok(sealed) => sealed,
+                Err(SshTaskError::Store(e)) => return Err(e),
+                Err(e) => {
+                    tracing::warn!(environment = %env.name, target = %ssh.name, error = %ErrorChain(&e), "drift: cannot read the ssh target back");
+                    return Ok(None);
+                }
+            };
+            let payload = ReadStickerPayload {
+                name: ssh.name.clone(),
+                ssh_target: Some(crate::targets::payload_target(ssh)),
+                deploy_directory: Some(directory),
+            };
+            let payload = serde_json::to_value(payload)
+                .map_err(|e| StoreError::Corrupt(format!("read-sticker payload: {e}")))?;
+            (TaskKind::ReadSticker, via.id, payload, Some(sealed))
+        }
+    };
     let task = NewTask {
-        id: TaskId::new(),
+        id,
         tenant_id: env.tenant_id,
-        task_type: TaskKind::Inspect.name().into(),
+        task_type: kind.name().into(),
         agent_id: agent,
-        payload: serde_json::json!({}),
-        credentials_sealed: None,
+        payload,
+        credentials_sealed,
         variables: Default::default(),
         timeout_seconds: CHECK_TIMEOUT_SECS,
         priority: 0,
         side_effects: false,
         idempotency_key: Some(drift_check_key(
             env.id,
-            agent,
+            target.id,
             (due.unix_timestamp_nanos() / 1_000_000) as i64,
         )),
         request_hash: None,
@@ -187,12 +227,24 @@ async fn schedule_check(
     }
 }
 
-/// What an `inspect` result says of each component of the release.
+/// What a read-back says of the target: an `inspect` result, of each component of the release;
+/// an SSH target's sticker, of the release as a whole.
 fn observe(
     release: &Release,
-    agent: &Agent,
+    target: &Target,
     result: Option<&Value>,
 ) -> (Drift, Option<String>, Vec<ObservedComponent>) {
+    if let TargetKind::Ssh(_) = target.kind {
+        let sticker = result.and_then(|r| r.pointer("/outputs/sticker"));
+        let field = |name: &str| sticker.and_then(|s| s.get(name)).and_then(Value::as_str);
+        let in_sync = field("releaseId") == Some(release.id.to_string().as_str());
+        let drift = if in_sync {
+            Drift::InSync
+        } else {
+            Drift::Drifted
+        };
+        return (drift, field("releaseName").map(str::to_string), Vec::new());
+    }
     let containers: Vec<InspectedContainer> = result
         .and_then(|r| r.pointer("/outputs/containers"))
         .and_then(|c| serde_json::from_value(c.clone()).ok())
@@ -201,7 +253,7 @@ fn observe(
     let mut running = None;
     let mut components = Vec::new();
     for component in &release.components {
-        let name = container_name(component, agent).ok();
+        let name = container_name(component, target).ok();
         let found = containers.iter().find(|c| Some(&c.name) == name.as_ref());
         // The digest the container was created from, not what its labels claim.
         let digest = found.and_then(|c| {
@@ -234,14 +286,14 @@ fn observe(
 
 /// Redeploys the environment's current release, unless a deployment is already running there.
 async fn heal(state: &SharedState, env: &Environment, release: &Release) -> Result<(), StoreError> {
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
+    let targets = crate::targets::matching(state, env).await?;
     let created = crate::deploy::create(
         state,
         env,
         release,
         DeploymentKind::Heal,
         env.created_by.clone(),
-        &agents,
+        &targets,
     )
     .await;
     match created {

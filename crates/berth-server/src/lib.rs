@@ -24,6 +24,7 @@ mod reconcile;
 mod registry;
 mod routes;
 mod secrets;
+mod targets;
 mod tls;
 mod wake;
 

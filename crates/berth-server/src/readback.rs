@@ -28,13 +28,28 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         return;
     };
     let now = state.config.clock.now();
+    let id = TaskId::new();
+    let mut payload = json!({ "name": name });
+    let mut credentials_sealed = None;
+    if TaskKind::parse(&task.task_type) == Some(TaskKind::SshDeploy) {
+        // The sticker is on the SSH target: read it there, with the deploy's own key.
+        payload["sshTarget"] = task.payload["target"].clone();
+        payload["deployDirectory"] = task.payload["deployDirectory"].clone();
+        credentials_sealed = match reseal(state, task, id) {
+            Ok(sealed) => sealed,
+            Err(e) => {
+                tracing::error!(task_id = %task.id, error = %ErrorChain(&*e), "read-back: the task's credentials cannot be opened");
+                return;
+            }
+        };
+    }
     let read_back = NewTask {
-        id: TaskId::new(),
+        id,
         tenant_id: task.tenant_id,
         task_type: TaskKind::ReadSticker.name().into(),
         agent_id: task.agent_id,
-        payload: json!({ "name": name }),
-        credentials_sealed: None,
+        payload,
+        credentials_sealed,
         variables: Default::default(),
         timeout_seconds: 30,
         priority: i32::MAX,
@@ -55,6 +70,20 @@ pub async fn schedule(state: &SharedState, task: &Task) {
             tracing::error!(task_id = %task.id, error = %ErrorChain(&e), "could not schedule the read-back")
         }
     }
+}
+
+/// The task's sealed credentials, sealed again for the read-back `to` (credentials are sealed
+/// for one task id).
+fn reseal(
+    state: &SharedState,
+    task: &Task,
+    to: TaskId,
+) -> Result<Option<Vec<u8>>, Box<dyn std::error::Error + Send + Sync>> {
+    let Some(sealed) = &task.credentials_sealed else {
+        return Ok(None);
+    };
+    let clear = state.master_key.open(sealed, task.id.0.as_bytes())?;
+    Ok(Some(state.master_key.seal(&clear, to.0.as_bytes())?))
 }
 
 /// Decides an `unknown` task from its finished read-back. Idempotent: the store only moves a

@@ -70,6 +70,7 @@ async fn environment(server: &common::TestServer, name: &str) {
             name: name.to_string(),
             tier: Tier::Qa,
             selector: BTreeMap::from([("env".to_string(), name.to_string())]),
+            target_type: Default::default(),
             policy: Default::default(),
             promote_from: None,
             approvals: None,

@@ -25,6 +25,7 @@ pub use domain::desired::{
 pub use domain::events::*;
 pub use domain::releases::*;
 pub use domain::secrets::*;
+pub use domain::ssh_targets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use postgres::PostgresStore;
@@ -39,7 +40,7 @@ pub enum StoreError {
     /// `deployment_id`, `deployment_target`, `deployment_in_progress` (the environment has a
     /// pending, awaiting or running deployment), `task_agent` (a task for an agent that is not,
     /// or no longer, the tenant's), `approval_token` (an approval by other than an API token), `secret_version` (a concurrent put
-    /// took that version) or `grant_jti`.
+    /// took that version), `grant_jti` or `ssh_target_name`.
     #[error("conflict on {constraint}")]
     Conflict { constraint: &'static str },
     #[error("database error during {operation}")]
@@ -88,6 +89,8 @@ pub trait Store:
     + DesiredStore
     + SecretStore
     + GrantStore
+    + SshTargetStore
+    + ArtifactStore
     + Send
     + Sync
     + 'static

@@ -8,19 +8,20 @@ use berth_proto::admin::Role;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
 use berth_proto::transport::ProgressPhase;
 use berth_proto::{
-    AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, TaskId, TenantId, TokenId,
+    AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, SshTargetId, TaskId, TenantId,
+    TokenId,
 };
 use sqlx::error::ErrorKind;
 use time::{Duration, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use berth_proto::audit::AuditActor;
-use berth_proto::deploy::{DeploymentKind, DeploymentState, Drift, TargetPhase, Tier};
+use berth_proto::deploy::{DeploymentKind, DeploymentState, Drift, TargetPhase, TargetType, Tier};
 
 use crate::{
-    Agent, ApiToken, Approval, Attempt, AttemptState, Deployment, DeploymentTarget, Environment,
-    Event, Grant, GrantKind, HeartbeatRecord, Page, Release, ReleaseRef, SealedSecret, SecretMeta,
-    StoreError, TargetObservation, Task, TaskState, Tenant,
+    Agent, ApiToken, Approval, Artifact, Attempt, AttemptState, Deployment, DeploymentTarget,
+    Environment, Event, Grant, GrantKind, HeartbeatRecord, Page, Release, ReleaseRef, SealedSecret,
+    SecretMeta, SshTarget, StoreError, TargetObservation, Task, TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -113,7 +114,7 @@ fn labels(column: &str, v: serde_json::Value) -> Result<BTreeMap<String, String>
 /// The release columns every `SELECT`/`RETURNING` reads.
 macro_rules! release_columns {
     () => {
-        "id, tenant_id, name, components, compose_lock, created_at"
+        "id, tenant_id, name, components, compose_lock, ssh, created_at"
     };
 }
 pub(crate) use release_columns;
@@ -126,6 +127,10 @@ pub(crate) fn read_release(row: &impl ColumnReader) -> Result<Release, StoreErro
         components: serde_json::from_value(row.json("components")?)
             .map_err(|e| StoreError::Corrupt(format!("releases.components: {e}")))?,
         compose_lock: row.text_opt("compose_lock")?,
+        ssh: row
+            .json_opt("ssh")?
+            .map(|v| from_json("releases.ssh", v))
+            .transpose()?,
         created_at: row.time("created_at")?,
     })
 }
@@ -354,6 +359,11 @@ const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
         "secret_version",
     ),
     ("grants_pkey", "grants.jti", "grant_jti"),
+    (
+        "ssh_targets_tenant_id_name_key",
+        "ssh_targets.tenant_id, ssh_targets.name",
+        "ssh_target_name",
+    ),
 ];
 
 /// The `Conflict` name of the unique constraint `err` violated, if it is a known one.
@@ -395,7 +405,8 @@ pub(crate) fn db_error(operation: &'static str) -> impl FnOnce(sqlx::Error) -> S
 /// its plain column names (`WHERE tenant_id = … AND id > …`) without ambiguity.
 macro_rules! environment_rows {
     () => {
-        "SELECT * FROM (SELECT e.id, e.tenant_id, e.name, e.tier, e.selector, e.policy, \
+        "SELECT * FROM (SELECT e.id, e.tenant_id, e.name, e.tier, e.selector, e.target_type, \
+         e.policy, \
          e.promote_from, e.approvals, e.auto_heal, e.drift_interval_secs, \
          e.current_release_id, cr.name AS current_release_name, \
          e.previous_release_id, pr.name AS previous_release_name, \
@@ -480,6 +491,10 @@ pub(crate) fn read_environment(row: &impl ColumnReader) -> Result<Environment, S
         name: row.text("name")?,
         tier: Tier::parse(&tier).ok_or_else(|| unknown("environments.tier", &tier))?,
         selector: labels("environments.selector", row.json("selector")?)?,
+        target_type: {
+            let t = row.text("target_type")?;
+            TargetType::parse(&t).ok_or_else(|| unknown("environments.target_type", &t))?
+        },
         policy: from_json("environments.policy", row.json("policy")?)?,
         promote_from: row.text_opt("promote_from")?,
         approvals: narrow("environments.approvals", row.int("approvals")?)?,
@@ -688,4 +703,45 @@ mod tests {
         assert_eq!(merged["a"], "1");
         assert_eq!(merged["b"], "3");
     }
+}
+
+macro_rules! ssh_target_columns {
+    () => {
+        "id, tenant_id, name, host, port, user_name, via_agent, via_selector, host_key, \
+         key_secret, labels, created_at"
+    };
+}
+pub(crate) use ssh_target_columns;
+
+pub(crate) fn read_ssh_target(row: &impl ColumnReader) -> Result<SshTarget, StoreError> {
+    Ok(SshTarget {
+        id: SshTargetId(row.uuid("id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        name: row.text("name")?,
+        host: row.text("host")?,
+        port: narrow("ssh_targets.port", row.int("port")?)?,
+        user: row.text("user_name")?,
+        via_agent: row.text_opt("via_agent")?,
+        via_selector: labels("ssh_targets.via_selector", row.json("via_selector")?)?,
+        host_key: row.text("host_key")?,
+        key_secret: row.text("key_secret")?,
+        labels: labels("ssh_targets.labels", row.json("labels")?)?,
+        created_at: row.time("created_at")?,
+    })
+}
+
+macro_rules! artifact_columns {
+    () => {
+        "tenant_id, sha256, size, created_at"
+    };
+}
+pub(crate) use artifact_columns;
+
+pub(crate) fn read_artifact(row: &impl ColumnReader) -> Result<Artifact, StoreError> {
+    Ok(Artifact {
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        sha256: row.text("sha256")?,
+        size: narrow("artifacts.size", row.int("size")?)?,
+        created_at: row.time("created_at")?,
+    })
 }

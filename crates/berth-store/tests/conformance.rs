@@ -260,6 +260,7 @@ async fn release_rows_refuse_updates(store: &DynStore, update: impl Future<Outpu
                 name: "r1".into(),
                 components: vec![],
                 compose_lock: None,
+                ssh: None,
                 created_at: time::OffsetDateTime::now_utc(),
             },
             berth_proto::audit::AuditActor::Agent {

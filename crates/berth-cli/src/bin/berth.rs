@@ -17,7 +17,7 @@ use berth_proto::audit::ListAudit;
 use berth_proto::deploy::{
     ApproveDeployment, CancelDeployment, CreateDeployment, CreateEnvironment, DeploymentView,
     EnvironmentStatusRequest, GetDeployment, GetEnvironment, ListDeployments, ListEnvironments,
-    PlanDeployment, RollbackEnvironment, RolloutPolicy, Tier, UnpinEnvironment,
+    PlanDeployment, RollbackEnvironment, RolloutPolicy, TargetType, Tier, UnpinEnvironment,
 };
 use berth_proto::error::ErrorChain;
 use berth_proto::event::{EventQuery, TaskStateEvent, TASK_STATE};
@@ -94,6 +94,12 @@ enum Command {
     /// Builtin secrets: sealed on the server, read by agents with a lease. Never printed.
     #[command(subcommand)]
     Secret(SecretCommand),
+    /// Hosts without an agent, deployed to through one over SSH.
+    #[command(subcommand, name = "ssh-target")]
+    SshTarget(berth_cli::ssh_target::SshTargetCommand),
+    /// Files releases ship to SSH targets, stored by sha256.
+    #[command(subcommand)]
+    Artifact(berth_cli::ssh_target::ArtifactCommand),
     /// Deploy a release into an environment.
     Deploy {
         release: String,
@@ -131,9 +137,12 @@ enum EnvCommand {
         /// dev, qa or prod.
         #[arg(long, value_parser = parse_tier)]
         tier: Tier,
-        /// An agent label every target carries, KEY=VALUE (repeatable, at least one).
+        /// A label every target carries, KEY=VALUE (repeatable, at least one).
         #[arg(long = "selector", required = true)]
         selector: Vec<String>,
+        /// The selector picks SSH targets (`berth ssh-target`), not agents.
+        #[arg(long)]
+        ssh_targets: bool,
         /// Targets per wave.
         #[arg(long, default_value_t = 1)]
         max_parallel: u32,
@@ -254,6 +263,8 @@ enum ReleaseCommand {
         /// Its password; prefer the environment variable to the command line.
         #[arg(long, env = "BERTH_REGISTRY_PASSWORD", hide_env_values = true)]
         registry_password: Option<String>,
+        #[command(flatten)]
+        ssh: berth_cli::ssh_target::SshReleaseArgs,
     },
     /// List releases.
     #[command(alias = "list")]
@@ -644,6 +655,12 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             berth_cli::desired::push_bundle(&admin_client(&cli.conn)?, out, file, environment).await
         }
         Command::Secret(cmd) => secret_command(&cli.conn, out, cmd).await,
+        Command::SshTarget(cmd) => {
+            berth_cli::ssh_target::run(&admin_client(&cli.conn)?, out, cmd).await
+        }
+        Command::Artifact(cmd) => {
+            berth_cli::ssh_target::artifact(&admin_client(&cli.conn)?, out, cmd).await
+        }
         Command::Deploy {
             release,
             environment,
@@ -763,6 +780,7 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
             name,
             tier,
             selector,
+            ssh_targets,
             max_parallel,
             no_stop_on_failure,
             no_auto_rollback,
@@ -778,6 +796,11 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
                     name,
                     tier,
                     selector: deploy::selector(&selector)?,
+                    target_type: if ssh_targets {
+                        TargetType::Ssh
+                    } else {
+                        TargetType::Agents
+                    },
                     policy: RolloutPolicy {
                         max_parallel,
                         stop_on_failure: !no_stop_on_failure,
@@ -929,6 +952,7 @@ async fn release_command(
             lock,
             registry_username,
             registry_password,
+            ssh,
         } => {
             let mut components = Vec::new();
             for image in &images {
@@ -972,6 +996,7 @@ async fn release_command(
                     name,
                     components,
                     compose: compose_text,
+                    ssh: berth_cli::ssh_target::ssh_release(&client, ssh).await?,
                     registry_username,
                     registry_password,
                 })

@@ -9,13 +9,13 @@ use berth_proto::deploy::{
     valid_environment_name, ApprovalView, CreateDeployment, CreateEnvironment, DeploymentKind,
     DeploymentList, DeploymentPlan, DeploymentTargetView, DeploymentView, Drift, EnvironmentList,
     EnvironmentStatus, EnvironmentView, ListDeployments, PlanComponent, PlanTarget, PlanWave,
-    TargetStatus, DEFAULT_DRIFT_INTERVAL_SECS,
+    TargetStatus, TargetType, DEFAULT_DRIFT_INTERVAL_SECS,
 };
 use berth_proto::error::codes;
 use berth_proto::kind::TaskKind;
 use berth_proto::{DeploymentId, EnvironmentId, ErrorBody};
 use berth_store::{
-    Agent, ApproveOutcome, DeploymentDetail, Environment, Release, StoreError, TargetObservation,
+    ApproveOutcome, DeploymentDetail, Environment, Release, StoreError, TargetObservation,
 };
 
 use crate::auth::Caller;
@@ -23,6 +23,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::admin::validate_labels;
 use crate::routes::audit::actor;
+use crate::targets::{Target, TargetKind};
 use crate::SharedState;
 
 /// Seconds a health check may be given at most.
@@ -40,6 +41,7 @@ fn env_view(e: Environment) -> EnvironmentView {
         name: e.name,
         tier: e.tier,
         selector: e.selector,
+        target_type: e.target_type,
         policy: e.policy,
         promote_from: e.promote_from,
         approvals: e.approvals,
@@ -186,6 +188,7 @@ pub async fn create_environment(
         name: req.name,
         tier: req.tier,
         selector: req.selector,
+        target_type: req.target_type,
         policy,
         promote_from: req.promote_from,
         approvals: req.approvals.unwrap_or(req.tier.default_approvals()),
@@ -250,14 +253,14 @@ pub async fn environment_status(
 ) -> ApiResult<Json<EnvironmentStatus>> {
     caller.can_read()?;
     let env = environment(&state, &caller, &name).await?;
-    let agents = crate::deploy::matching_agents(&state, env.tenant_id, &env.selector, None).await?;
+    let targets = crate::targets::matching(&state, &env).await?;
     let observations = state.store.target_observations(env.id).await?;
     let desired = env.current_release.as_ref().map(|r| r.name.clone());
-    let targets = agents
+    let targets = targets
         .into_iter()
-        .map(|agent| {
-            let obs = observations.iter().find(|o| o.agent_id == agent.id);
-            target_status(&agent, desired.clone(), obs, &env)
+        .map(|target| {
+            let obs = observations.iter().find(|o| o.agent_id == target.id);
+            target_status(&target, desired.clone(), obs, &env)
         })
         .collect();
     Ok(Json(EnvironmentStatus {
@@ -267,7 +270,7 @@ pub async fn environment_status(
 }
 
 fn target_status(
-    agent: &Agent,
+    target: &Target,
     desired_release: Option<String>,
     obs: Option<&TargetObservation>,
     env: &Environment,
@@ -275,8 +278,8 @@ fn target_status(
     // A verification older than the current release says nothing about it.
     let current = obs.filter(|o| o.verified_at.is_some_and(|v| v >= env.updated_at));
     TargetStatus {
-        agent_id: agent.id,
-        agent_name: agent.name.clone(),
+        agent_id: target.id,
+        agent_name: target.name.clone(),
         desired_release,
         running_release: obs.and_then(|o| o.running_release.clone()),
         drift: current.map_or(Drift::Unverified, |o| o.drift),
@@ -335,14 +338,14 @@ pub async fn rollback_environment(
         )
     })?;
     let release = release(&state, &caller, &previous.name).await?;
-    let agents = targets(&state, &env, &release).await?;
+    let targets = targets(&state, &env, &release).await?;
     start(
         &state,
         &env,
         &release,
         DeploymentKind::Rollback,
         &caller,
-        &agents,
+        &targets,
     )
     .await
 }
@@ -361,25 +364,46 @@ async fn release(state: &SharedState, caller: &Caller, name: &str) -> ApiResult<
         })
 }
 
-/// The environment's targets for this release: at least one, each able to run it.
+/// The environment's targets for this release: at least one, each able to run it. Agents run a
+/// component release (`docker.run` per component); SSH targets a release's `ssh` part.
 async fn targets(
     state: &SharedState,
     env: &Environment,
     release: &Release,
-) -> ApiResult<Vec<Agent>> {
-    if release.components.is_empty() || release.compose_lock.is_some() {
-        return Err(invalid(format!(
-            "release {:?} is a compose release; environments deploy component releases \
-             (docker.run per component) only",
-            release.name
-        )));
+) -> ApiResult<Vec<Target>> {
+    match env.target_type {
+        TargetType::Agents if release.components.is_empty() || release.compose_lock.is_some() => {
+            return Err(ApiError::unprocessable(
+                codes::RELEASE_TARGET_MISMATCH,
+                format!(
+                    "release {:?} has no components to run, or is a compose release; \
+                     environments of agents deploy component releases (docker.run per \
+                     component) only",
+                    release.name
+                ),
+            ));
+        }
+        TargetType::Ssh if release.ssh.is_none() => {
+            return Err(ApiError::unprocessable(
+                codes::RELEASE_TARGET_MISMATCH,
+                format!(
+                    "release {:?} has no ssh part, and environment {:?} deploys to ssh targets",
+                    release.name, env.name
+                ),
+            ));
+        }
+        _ => {}
     }
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
-    if agents.is_empty() {
+    let targets = crate::targets::matching(state, env).await?;
+    if targets.is_empty() {
         return Err(ApiError::unprocessable(
             codes::NO_TARGETS,
             format!(
-                "no agent carries the labels of environment {:?} ({})",
+                "no {} carries the labels of environment {:?} ({})",
+                match env.target_type {
+                    TargetType::Agents => "agent",
+                    TargetType::Ssh => "ssh target",
+                },
                 env.name,
                 env.selector
                     .iter()
@@ -389,36 +413,56 @@ async fn targets(
             ),
         ));
     }
-    let kind = TaskKind::DockerRun;
-    let unable: Vec<&str> = agents
-        .iter()
-        .filter(|a| !crate::routes::tasks::can_run(a, kind))
-        .map(|a| a.name.as_str())
-        .collect();
+    let kind = match env.target_type {
+        TargetType::Agents => TaskKind::DockerRun,
+        TargetType::Ssh => TaskKind::SshDeploy,
+    };
+    let mut unable = Vec::new();
+    for target in &targets {
+        let able = match &target.kind {
+            TargetKind::Agent(agent) => crate::routes::tasks::can_run(agent, kind),
+            TargetKind::Ssh(ssh) => crate::targets::via_agent(state, ssh).await?.is_some(),
+        };
+        if !able {
+            unable.push(target.name.as_str());
+        }
+    }
     if !unable.is_empty() {
-        return Err(ApiError::unprocessable(
-            codes::CAPABILITY_MISSING,
-            format!(
-                "these targets do not report the {:?} capability: {}",
-                kind.required_capability(),
-                unable.join(", ")
+        return Err(match env.target_type {
+            TargetType::Agents => ApiError::unprocessable(
+                codes::CAPABILITY_MISSING,
+                format!(
+                    "these targets do not report the {:?} capability: {}",
+                    kind.required_capability(),
+                    unable.join(", ")
+                ),
             ),
-        ));
+            TargetType::Ssh => ApiError::unprocessable(
+                codes::SSH_VIA_UNAVAILABLE,
+                format!(
+                    "no online agent can act for these ssh targets: {}",
+                    unable.join(", ")
+                ),
+            ),
+        });
     }
     // Every target's config must render and pass the kind's payload checks now, not in a wave.
-    for agent in &agents {
+    for target in &targets {
         for component in &release.components {
-            let payload = crate::deploy::component_payload(release, component, agent, &env.policy)
+            let TargetKind::Agent(_) = target.kind else {
+                break;
+            };
+            let payload = crate::deploy::component_payload(release, component, target, &env.policy)
                 .map_err(invalid)?;
             kind.check_payload(&payload).map_err(|e| {
                 ApiError::unprocessable(
                     codes::INVALID_PAYLOAD,
-                    format!("component {} on {}: {e}", component.name, agent.name),
+                    format!("component {} on {}: {e}", component.name, target.name),
                 )
             })?;
         }
     }
-    Ok(agents)
+    Ok(targets)
 }
 
 /// Everything a deployment of `req` needs, checked in the order an operator fixes them: the
@@ -428,7 +472,7 @@ async fn prepare(
     state: &SharedState,
     caller: &Caller,
     req: &CreateDeployment,
-) -> ApiResult<(Environment, Release, Vec<Agent>)> {
+) -> ApiResult<(Environment, Release, Vec<Target>)> {
     let env = environment(state, caller, &req.environment).await?;
     let release = release(state, caller, &req.release).await?;
     if let Some(pin) = env.pinned_release.as_ref().filter(|p| p.id != release.id) {
@@ -456,8 +500,8 @@ async fn prepare(
             ));
         }
     }
-    let agents = targets(state, &env, &release).await?;
-    Ok((env, release, agents))
+    let targets = targets(state, &env, &release).await?;
+    Ok((env, release, targets))
 }
 
 async fn start(
@@ -466,9 +510,9 @@ async fn start(
     release: &Release,
     kind: DeploymentKind,
     caller: &Caller,
-    agents: &[Agent],
+    targets: &[Target],
 ) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
-    match crate::deploy::create(state, env, release, kind, actor(caller), agents).await {
+    match crate::deploy::create(state, env, release, kind, actor(caller), targets).await {
         Ok(d) => Ok((StatusCode::CREATED, Json(deployment_view(d)))),
         Err(StoreError::Conflict {
             constraint: "deployment_in_progress",
@@ -501,14 +545,14 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateDeployment>,
 ) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
     caller.require_deployer()?;
-    let (env, release, agents) = prepare(&state, &caller, &req).await?;
+    let (env, release, targets) = prepare(&state, &caller, &req).await?;
     start(
         &state,
         &env,
         &release,
         DeploymentKind::Deploy,
         &caller,
-        &agents,
+        &targets,
     )
     .await
 }
@@ -528,18 +572,18 @@ pub async fn plan(
     ApiJson(req): ApiJson<CreateDeployment>,
 ) -> ApiResult<Json<DeploymentPlan>> {
     caller.can_read()?;
-    let (env, release, agents) = prepare(&state, &caller, &req).await?;
+    let (env, release, targets) = prepare(&state, &caller, &req).await?;
     let observations = state.store.target_observations(env.id).await?;
-    let waves = crate::deploy::waves(&agents, &env.policy)
+    let waves = crate::deploy::waves(&targets, &env.policy)
         .map(|(wave, chunk)| PlanWave {
             wave,
             targets: chunk
                 .iter()
-                .map(|agent| {
-                    let obs = observations.iter().find(|o| o.agent_id == agent.id);
+                .map(|target| {
+                    let obs = observations.iter().find(|o| o.agent_id == target.id);
                     PlanTarget {
-                        agent_id: agent.id,
-                        agent_name: agent.name.clone(),
+                        agent_id: target.id,
+                        agent_name: target.name.clone(),
                         current_release: obs.and_then(|o| o.running_release.clone()),
                         verified_at: obs.and_then(|o| o.verified_at),
                         components: release

@@ -20,6 +20,7 @@ pub mod events;
 pub mod meta;
 pub mod releases;
 pub mod secrets;
+pub mod ssh_targets;
 pub mod tasks;
 pub mod transport;
 
@@ -89,6 +90,13 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(secrets::api_agent_lease))
         .routes(routes!(secrets::agent_kv))
         .routes(routes!(secrets::api_agent_kv))
+        .routes(routes!(ssh_targets::create, ssh_targets::list))
+        .routes(routes!(ssh_targets::get, ssh_targets::delete))
+        .routes(routes!(
+            ssh_targets::push_artifact,
+            ssh_targets::list_artifacts
+        ))
+        .routes(routes!(ssh_targets::agent_artifact))
         .routes(routes!(audit::list))
         .routes(routes!(events::stream))
 }

@@ -31,6 +31,7 @@ fn to_view(r: Release) -> ReleaseView {
         name: r.name,
         components: r.components,
         compose_lock: r.compose_lock,
+        ssh: r.ssh,
         created_at: r.created_at,
     }
 }
@@ -124,7 +125,7 @@ async fn lock_compose(
         (status = 201, body = ReleaseView, description = "created"),
         (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
         (status = 409, body = ErrorBody, description = "RELEASE_EXISTS: the tenant has a release of that name"),
-        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, DIGEST_UNRESOLVABLE (names the component and why) or REGISTRY_UNAUTHORIZED"),
+        (status = 422, body = ErrorBody, description = "INVALID_REQUEST, DIGEST_UNRESOLVABLE (names the component and why), REGISTRY_UNAUTHORIZED or ARTIFACT_NOT_FOUND (the ssh part names an artifact never pushed)"),
     ))]
 pub async fn create(
     State(state): State<SharedState>,
@@ -137,8 +138,27 @@ pub async fn create(
             "name must be 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit",
         ));
     }
-    if req.components.is_empty() && req.compose.is_none() {
-        return Err(invalid("give components, a compose file, or both"));
+    if req.components.is_empty() && req.compose.is_none() && req.ssh.is_none() {
+        return Err(invalid(
+            "give components, a compose file, an ssh part, or several of them",
+        ));
+    }
+    if let Some(ssh) = &req.ssh {
+        ssh.check().map_err(|e| invalid(format!("ssh: {e}")))?;
+        for a in &ssh.artifacts {
+            let sha = a.sha256.as_deref().unwrap_or_default();
+            if state
+                .store
+                .get_artifact(caller.tenant(), sha)
+                .await?
+                .is_none()
+            {
+                return Err(ApiError::unprocessable(
+                    codes::ARTIFACT_NOT_FOUND,
+                    format!("ssh: artifact {:?}: no artifact {sha} was pushed", a.name),
+                ));
+            }
+        }
     }
     if req.components.len() > MAX_COMPONENTS {
         return Err(invalid(format!(
@@ -203,6 +223,7 @@ pub async fn create(
                 name: req.name.clone(),
                 components,
                 compose_lock,
+                ssh: req.ssh,
                 created_at: state.config.clock.now(),
             },
             crate::routes::audit::actor(&caller),

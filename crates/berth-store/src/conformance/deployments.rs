@@ -31,6 +31,7 @@ fn environment(tenant: TenantId, name: &str, tier: Tier) -> Environment {
         name: name.to_string(),
         tier,
         selector: labels(&[("env", name), ("role", "web")]),
+        target_type: Default::default(),
         policy: RolloutPolicy {
             max_parallel: 2,
             stop_on_failure: true,
@@ -71,6 +72,7 @@ async fn release(store: &DynStore, tenant: TenantId, name: &str) -> ReleaseRef {
                 name: name.to_string(),
                 components: Vec::new(),
                 compose_lock: Some("services: {}\n".to_string()),
+                ssh: None,
                 created_at: now(),
             },
             operator(),

@@ -22,6 +22,7 @@ async fn desired_env(store: &DynStore, tenant: TenantId, name: &str) -> DesiredE
                 name: name.to_string(),
                 tier: Tier::Qa,
                 selector: labels(&[("env", name)]),
+                target_type: Default::default(),
                 policy: RolloutPolicy {
                     max_parallel: 1,
                     stop_on_failure: true,

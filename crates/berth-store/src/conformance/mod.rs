@@ -31,6 +31,7 @@ mod desired;
 mod events;
 mod releases;
 mod secrets;
+mod ssh_targets;
 mod tasks;
 mod tenants;
 
@@ -41,6 +42,7 @@ pub use desired::*;
 pub use events::*;
 pub use releases::*;
 pub use secrets::*;
+pub use ssh_targets::*;
 pub use tasks::*;
 pub use tenants::*;
 
@@ -121,6 +123,8 @@ macro_rules! conformance_cases {
             deployment_tenant_isolation,
             desired_bundles_and_set_desired,
             desired_checkins_and_reports,
+            ssh_targets_create_get_delete,
+            artifacts_content_addressed,
         }
     };
 }

@@ -23,6 +23,7 @@ fn release(tenant: TenantId, name: &str) -> Release {
         name: name.to_string(),
         components: vec![component("web"), component("worker")],
         compose_lock: None,
+        ssh: None,
         created_at: now(),
     }
 }

@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{
-    DeploymentKind, DeploymentState, Drift, ObservedComponent, RolloutPolicy, TargetPhase, Tier,
+    DeploymentKind, DeploymentState, Drift, ObservedComponent, RolloutPolicy, TargetPhase,
+    TargetType, Tier,
 };
 use berth_proto::{AgentId, DeploymentId, EnvironmentId, ReleaseId, TaskId, TenantId, TokenId};
 use time::OffsetDateTime;
@@ -24,6 +25,7 @@ pub struct Environment {
     pub name: String,
     pub tier: Tier,
     pub selector: BTreeMap<String, String>,
+    pub target_type: TargetType,
     pub policy: RolloutPolicy,
     /// The environment a release must have succeeded in first (by name).
     pub promote_from: Option<String>,

@@ -8,5 +8,6 @@ pub mod desired;
 pub mod events;
 pub mod releases;
 pub mod secrets;
+pub mod ssh_targets;
 pub mod tasks;
 pub mod tenants;

@@ -22,6 +22,9 @@ pub(crate) fn release_event(release: &Release, actor: AuditActor) -> crate::NewA
                 "name": c.name, "image": c.image, "digest": c.digest,
             })).collect::<Vec<_>>(),
             "composeLock": release.compose_lock.is_some(),
+            "sshArtifacts": release.ssh.as_ref().map(|s| s.artifacts.iter().map(|a| serde_json::json!({
+                "name": a.name, "sha256": a.sha256,
+            })).collect::<Vec<_>>()),
         }),
         at: release.created_at,
     }
@@ -34,6 +37,8 @@ pub struct Release {
     pub name: String,
     pub components: Vec<Component>,
     pub compose_lock: Option<String>,
+    /// What it deploys to SSH targets.
+    pub ssh: Option<berth_proto::release::SshRelease>,
     pub created_at: OffsetDateTime,
 }
 

@@ -194,8 +194,9 @@ impl DeploymentStore for PostgresStore {
         sqlx::query(
             "INSERT INTO environments (id, tenant_id, name, tier, selector, policy, \
              promote_from, approvals, auto_heal, drift_interval_secs, current_release_id, \
-             previous_release_id, pinned_release_id, created_by, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
+             previous_release_id, pinned_release_id, created_by, created_at, updated_at, \
+             target_type) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
         )
         .bind(env.id.0)
         .bind(env.tenant_id.0)
@@ -213,6 +214,7 @@ impl DeploymentStore for PostgresStore {
         .bind(Json(&env.created_by))
         .bind(millis(env.created_at))
         .bind(millis(env.updated_at))
+        .bind(env.target_type.as_str())
         .execute(&mut *tx)
         .await
         .map_err(db_error(OP))?;

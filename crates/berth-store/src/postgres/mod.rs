@@ -26,6 +26,7 @@ mod desired;
 mod events;
 mod releases;
 mod secrets;
+mod ssh_targets;
 mod tasks;
 mod tenants;
 

@@ -16,8 +16,8 @@ impl ReleaseStore for PostgresStore {
         const OP: &str = "create release";
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         let row = sqlx::query(concat!(
-            "INSERT INTO releases (id, tenant_id, name, components, compose_lock, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6) RETURNING ",
+            "INSERT INTO releases (id, tenant_id, name, components, compose_lock, ssh, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING ",
             release_columns!()
         ))
         .bind(release.id.0)
@@ -25,6 +25,7 @@ impl ReleaseStore for PostgresStore {
         .bind(&release.name)
         .bind(Json(&release.components))
         .bind(&release.compose_lock)
+        .bind(release.ssh.as_ref().map(Json))
         .bind(millis(release.created_at))
         .fetch_one(&mut *tx)
         .await

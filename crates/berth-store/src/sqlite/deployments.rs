@@ -152,8 +152,8 @@ impl DeploymentStore for SqliteStore {
                     "INSERT INTO environments (id, tenant_id, name, tier, selector, policy, \
                      promote_from, approvals, auto_heal, drift_interval_secs, \
                      current_release_id, previous_release_id, pinned_release_id, created_by, \
-                     created_at, updated_at) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                     created_at, updated_at, target_type) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
                     params![
                         id_text(env.id.0),
                         id_text(env.tenant_id.0),
@@ -171,6 +171,7 @@ impl DeploymentStore for SqliteStore {
                         created_by,
                         unix_millis(env.created_at),
                         unix_millis(env.updated_at),
+                        env.target_type.as_str(),
                     ],
                 )?;
                 let created = environment_by_id(tx, env.id)?

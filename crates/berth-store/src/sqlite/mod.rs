@@ -30,6 +30,7 @@ mod desired;
 mod events;
 mod releases;
 mod secrets;
+mod ssh_targets;
 mod tasks;
 mod tenants;
 mod threads;

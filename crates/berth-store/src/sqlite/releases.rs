@@ -13,13 +13,18 @@ use berth_proto::audit::AuditActor;
 impl ReleaseStore for SqliteStore {
     async fn create_release(&self, release: Release, actor: AuditActor) -> Result<Release> {
         let components = json_text("releases.components", &release.components)?;
+        let ssh = release
+            .ssh
+            .as_ref()
+            .map(|s| json_text("releases.ssh", s))
+            .transpose()?;
         self.writer
             .write("create release", move |tx| {
                 let created = tx.one(
                     concat!(
                         "INSERT INTO releases \
-                         (id, tenant_id, name, components, compose_lock, created_at) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6) RETURNING ",
+                         (id, tenant_id, name, components, compose_lock, ssh, created_at) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) RETURNING ",
                         release_columns!()
                     ),
                     params![
@@ -28,6 +33,7 @@ impl ReleaseStore for SqliteStore {
                         release.name,
                         components,
                         release.compose_lock,
+                        ssh,
                         unix_millis(release.created_at),
                     ],
                     |row| rows::read_release(row),
