@@ -16,6 +16,8 @@ pub struct AgentConfig {
     pub allow_hooks: Vec<PathBuf>,
     /// Where version stickers live; default `<state_dir>/stickers`.
     pub sticker_dir: Option<PathBuf>,
+    /// `upload-files` on this host writes only below it; default `<state_dir>/uploads`.
+    pub upload_root: Option<PathBuf>,
     /// Tasks run at once.
     pub max_concurrent_tasks: usize,
 }
@@ -36,6 +38,13 @@ impl AgentConfig {
         Ok(())
     }
 
+    /// The directory local `upload-files` tasks write below (created at the first upload).
+    pub fn upload_root(&self) -> PathBuf {
+        self.upload_root
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("uploads"))
+    }
+
     /// Where compose registry logins live while a task runs (0700; swept at start).
     pub fn credentials_dir(&self) -> PathBuf {
         self.state_dir.join("tmp")
@@ -49,6 +58,7 @@ impl AgentConfig {
             allow_commands: Vec::new(),
             allow_hooks: Vec::new(),
             sticker_dir: None,
+            upload_root: None,
             max_concurrent_tasks: 8,
         }
     }

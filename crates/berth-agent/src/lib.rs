@@ -10,6 +10,7 @@
 //! Invariant: this crate never depends on the store or the server. It talks to the control plane
 //! only through `berth-client` and the wire types in `berth-proto`.
 
+mod artifacts;
 mod backoff;
 mod capabilities;
 mod config;

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use berth_exec::builtin::{ExecuteCommand, HealthCheck, Inspect, Stickers};
 use berth_exec::sticker::StickerStore;
 use berth_exec::{
-    Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck, Outcome,
-    SshExecutor, Task,
+    ArtifactSource, Capabilities, ComposeExecutor, DockerExecutor, Executor, Lease, LeaseCheck,
+    Outcome, SshExecutor, Task, UploadFiles,
 };
 use berth_proto::headers::{GENERATION_HEADER, KNOWN_CANCELLATIONS_HEADER};
 use berth_proto::kind::TaskKind;
@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::artifacts::ServerArtifacts;
 use crate::config::AgentConfig;
 use crate::journal::Journal;
 use crate::link::SharedLink;
@@ -82,6 +83,10 @@ impl Runner {
         let docker = Arc::new(
             DockerExecutor::new(stickers.clone()).with_allowed_hooks(config.allow_hooks.clone()),
         );
+        let artifacts: Arc<dyn ArtifactSource> = Arc::new(ServerArtifacts {
+            agent_id,
+            link: link.clone(),
+        });
         let executors: Vec<Arc<dyn Executor>> = vec![
             Arc::new(HealthCheck),
             Arc::new(Stickers(stickers.clone())),
@@ -98,7 +103,8 @@ impl Runner {
             Arc::new(ExecuteCommand {
                 allowed: config.allow_commands.clone(),
             }),
-            Arc::new(SshExecutor),
+            Arc::new(SshExecutor::with_artifacts(artifacts.clone())),
+            Arc::new(UploadFiles::new(config.upload_root()).with_artifacts(artifacts)),
         ];
         let executors = executors
             .into_iter()

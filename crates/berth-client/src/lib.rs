@@ -251,6 +251,29 @@ impl Client {
         Ok((headers, body.to_vec()))
     }
 
+    /// GET a path; the body as bytes, or `None` once it proves longer than `limit` bytes (by its
+    /// `Content-Length` or while it is read, so no more than `limit` bytes are ever buffered).
+    pub async fn get_bytes_capped(
+        &self,
+        path: &str,
+        limit: u64,
+    ) -> Result<Option<Vec<u8>>, ClientError> {
+        let mut response = self
+            .execute(self.http.get(format!("{}{path}", self.server)))
+            .await?;
+        if response.content_length().is_some_and(|n| n > limit) {
+            return Ok(None);
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(ClientError::Decode)? {
+            if body.len() as u64 + chunk.len() as u64 > limit {
+                return Ok(None);
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(Some(body))
+    }
+
     /// GET a path with extra headers, the answer as untyped JSON (a KV read).
     pub async fn get_value(
         &self,

@@ -14,7 +14,8 @@
 use std::process::Command;
 use std::time::Instant;
 
-use berth_exec::{Executor, SshExecutor, CREDENTIAL_SSH_PRIVATE_KEY};
+use berth_exec::{Executor, SshExecutor};
+use berth_proto::payload::SSH_PRIVATE_KEY_CREDENTIAL;
 use berth_test_utils::docker::task;
 use serde_json::json;
 
@@ -98,14 +99,14 @@ async fn main() {
     let (mut berth, mut upload, mut deploy, mut manual) = (vec![], vec![], vec![], vec![]);
     let mut t = task("ssh.deploy", payload);
     t.credentials.insert(
-        CREDENTIAL_SSH_PRIVATE_KEY.into(),
+        SSH_PRIVATE_KEY_CREDENTIAL.into(),
         env.private_key.trim().to_string(),
     );
     for i in 0..n {
         for side in if i % 2 == 0 { [0, 1] } else { [1, 0] } {
             let started = Instant::now();
             if side == 0 {
-                let o = SshExecutor.execute(&t).await;
+                let o = SshExecutor::default().execute(&t).await;
                 assert!(o.success, "{}: {}", o.message, o.logs);
                 berth.push(started.elapsed().as_millis() as u64);
                 upload.push(o.metrics.upload_duration_ms.unwrap());

@@ -1,6 +1,8 @@
 //! The executors that need nothing but the host: `health-check`, `read-sticker`,
 //! `write-sticker`, `inspect` and `execute-command` (off unless the agent was started with an
-//! allow-list of programs; an argument vector, never a shell).
+//! allow-list of programs; an argument vector, never a shell). `health-check` (type `command`),
+//! `read-sticker` and `inspect` with an `sshTarget` read that SSH target instead, through
+//! [`crate::ssh`].
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -9,14 +11,15 @@ use std::time::{Duration, Instant};
 use berth_proto::agent::Capability;
 use berth_proto::kind::{capability, TaskKind};
 use berth_proto::payload::{
-    CommandPayload, HealthCheckPayload, InspectPayload, ReadStickerPayload, WriteStickerPayload,
+    CheckPayload, CommandPayload, HealthCheckPayload, InspectPayload, ReadStickerPayload,
+    WriteStickerPayload,
 };
 use berth_proto::result::{error_types, TaskMetrics};
 use serde_json::json;
 
 use crate::redact::redact;
 use crate::sticker::{Sticker, StickerStore};
-use crate::{parse_payload, probe, ExecError, Executor, Outcome, Task};
+use crate::{parse_payload, probe, ssh, ExecError, Executor, Outcome, Task};
 
 const MAX_OUTPUT: usize = 64 * 1024;
 
@@ -33,6 +36,12 @@ impl Executor for HealthCheck {
             Ok(p) => p,
             Err(o) => return *o,
         };
+        if let Err(e) = p.check() {
+            return Outcome::failed(error_types::INVALID_PAYLOAD, e, false);
+        }
+        if p.kind == "command" {
+            return ssh::health_command(task, &p).await;
+        }
         let timeout = Duration::from_secs(p.timeout.unwrap_or(5).clamp(1, 300));
         let started = Instant::now();
         let result = match (p.kind.as_str(), &p.url, &p.host, p.port) {
@@ -87,6 +96,12 @@ impl Executor for Stickers {
                 Ok(p) => p,
                 Err(o) => return *o,
             };
+            if let Err(e) = p.check() {
+                return Outcome::failed(error_types::INVALID_PAYLOAD, e, false);
+            }
+            if let (Some(target), Some(dir)) = (&p.ssh_target, &p.deploy_directory) {
+                return ssh::read_sticker(task, &p.name, target, dir).await;
+            }
             return match self.0.read(&p.name) {
                 Ok(Some(s)) => Outcome::ok(format!("sticker {} found", p.name))
                     .with_output("sticker", json!(s)),
@@ -179,8 +194,15 @@ impl Executor for Inspect {
     }
 
     async fn execute(&self, task: &Task) -> Outcome {
-        if let Err(o) = parse_payload::<InspectPayload>(task) {
-            return *o;
+        let p: InspectPayload = match parse_payload(task) {
+            Ok(p) => p,
+            Err(o) => return *o,
+        };
+        if let Err(e) = p.check() {
+            return Outcome::failed(error_types::INVALID_PAYLOAD, e, false);
+        }
+        if let (Some(target), Some(dir)) = (&p.ssh_target, &p.deploy_directory) {
+            return ssh::inspect(task, target, dir).await;
         }
         let read = |p: &str| {
             std::fs::read_to_string(p)

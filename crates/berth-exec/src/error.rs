@@ -4,7 +4,8 @@
 
 use berth_proto::result::error_types;
 
-/// A failed step of `docker.run`, `rollback`, `compose.up` or `ssh.deploy`.
+/// A failed step of `docker.run`, `rollback`, `compose.up`, `ssh.deploy`, `upload-files` or a
+/// task run over SSH.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     #[error("{0}")]
@@ -77,6 +78,16 @@ pub enum ExecError {
     Ssh(String),
     #[error("{0}")]
     DeployScriptFailed(String),
+    #[error("{0}")]
+    StickerUnreadable(String),
+    #[error("{0}")]
+    ArtifactNotFound(String),
+    #[error("{detail}")]
+    ArtifactUnavailable { detail: String, retriable: bool },
+    #[error("{0}")]
+    ArtifactDigestMismatch(String),
+    #[error("{0}")]
+    PathForbidden(String),
     #[error("the delivery's lease no longer holds, so nothing irreversible was done: {0}")]
     LeaseLost(String),
     #[error("the task was cancelled")]
@@ -116,6 +127,11 @@ impl ExecError {
             ExecError::SshAuthFailed(_) => error_types::SSH_AUTH_FAILED,
             ExecError::Ssh(_) => error_types::SSH_FAILED,
             ExecError::DeployScriptFailed(_) => error_types::DEPLOY_SCRIPT_FAILED,
+            ExecError::StickerUnreadable(_) => error_types::STICKER_UNREADABLE,
+            ExecError::ArtifactNotFound(_) => error_types::ARTIFACT_NOT_FOUND,
+            ExecError::ArtifactUnavailable { .. } => "ARTIFACT_UNAVAILABLE",
+            ExecError::ArtifactDigestMismatch(_) => error_types::ARTIFACT_DIGEST_MISMATCH,
+            ExecError::PathForbidden(_) => error_types::PATH_FORBIDDEN,
             ExecError::LeaseLost(_) => error_types::LEASE_LOST,
             ExecError::Cancelled => error_types::CANCELLED,
             ExecError::TimedOut => error_types::TIMEOUT,
@@ -124,6 +140,9 @@ impl ExecError {
 
     /// Whether running the same task again may succeed without anyone changing anything.
     pub fn retriable(&self) -> bool {
+        if let ExecError::ArtifactUnavailable { retriable, .. } = self {
+            return *retriable;
+        }
         matches!(
             self,
             ExecError::DockerUnavailable(_)

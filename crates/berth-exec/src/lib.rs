@@ -1,4 +1,5 @@
-//! Task executors: the code that does what a task asks, on the agent's host.
+//! Task executors: the code that does what a task asks, on the agent's host or, over SSH, on a
+//! host that runs no agent.
 //!
 //! An executor gets a [`Task`] and returns an [`Outcome`]; it never talks to the control plane,
 //! never signs anything and never decides retries on its own (it says whether a failure is
@@ -15,6 +16,7 @@ use berth_proto::result::{error_types, TaskMetrics};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+pub mod artifact;
 pub mod builtin;
 pub mod compose;
 pub mod docker;
@@ -29,7 +31,9 @@ mod run;
 pub mod ssh;
 pub mod stack;
 pub mod sticker;
+pub mod upload;
 
+pub use artifact::{ArtifactSource, FetchError};
 pub use builtin::Capabilities;
 pub use compose::ComposeExecutor;
 pub use docker::DockerExecutor;
@@ -38,7 +42,8 @@ pub use engine::{
     LABEL_DEPLOYED_AT, LABEL_DIGEST, LABEL_IMAGE, LABEL_RELEASE_ID, LABEL_RELEASE_NAME,
 };
 pub use error::ExecError;
-pub use ssh::{SshExecutor, CREDENTIAL_SSH_PRIVATE_KEY};
+pub use ssh::{scan_host_key, SshExecutor};
+pub use upload::UploadFiles;
 
 /// One delivery of a task, as the executor sees it.
 #[derive(Debug, Clone)]

@@ -2,7 +2,9 @@
 //! host that runs no agent, over ONE SSH connection (russh, pure Rust) opened for the task and
 //! closed at its end.
 //!
-//! Order: connect, and check the host key against the payload's pin during the key exchange,
+//! Order: resolve every artifact (those given by reference fetched through the executor's
+//! [`ArtifactSource`] and checked against their SHA-256; any failure here leaves the target
+//! untouched) → connect, and check the host key against the payload's pin during the key exchange,
 //! before authenticating (a mismatch is `HOST_KEY_MISMATCH` and nothing of ours is sent) →
 //! authenticate with the `sshPrivateKey` credential → confirm the lease → create the deploy
 //! directory and copy its contents into `.berth-backup` → upload the artifacts over SFTP →
@@ -16,6 +18,11 @@
 //! directory and the payload's argument vectors as positional parameters, and every argument is
 //! single-quoted by [`sh_quote`], the one quoting function. File contents and names travel over
 //! SFTP. The login shell must be a POSIX shell (sh, dash, bash, zsh).
+//!
+//! The other kinds that reach an SSH target (`read-sticker`, `inspect` and `health-check` with an
+//! `sshTarget`, `upload-files` with one) run through the functions below from their own
+//! executors, over the same connect / host-key / authentication path. [`scan_host_key`] reads a
+//! host's key for a person to confirm (`berth ssh-target scan`).
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -23,28 +30,32 @@ use std::time::Duration;
 
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::{
-    CheckPayload, HookConfig, SshDeployPayload, SshHealthCheck, SshHealthCheckKind, SshTarget,
+    CheckPayload, HealthCheckPayload, HookConfig, SshDeployPayload, SshHealthCheck,
+    SshHealthCheckKind, SshTarget, SSH_PRIVATE_KEY_CREDENTIAL,
 };
 use berth_proto::result::error_types;
-use russh::keys::{HashAlg, PrivateKey, PrivateKeyWithHashAlg, PublicKey, PublicKeyOrCertificate};
+use russh::keys::{
+    Algorithm, HashAlg, PrivateKey, PrivateKeyWithHashAlg, PublicKey, PublicKeyOrCertificate,
+};
 use russh::{client, ChannelMsg, Disconnect, Sig};
 use russh_sftp::client::SftpSession;
 use russh_sftp::protocol::{FileAttributes, OpenFlags, StatusCode};
-use tokio::io::AsyncWriteExt;
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
+use crate::artifact::{self, ArtifactSource, Resolved};
 use crate::error::ExecError;
 use crate::probe;
 use crate::run::{millis_since, Run, Stop};
 use crate::sticker::Sticker;
 use crate::{parse_payload, Executor, Outcome, Task};
-
-/// The credential holding the target's private key (OpenSSH format, unencrypted).
-pub const CREDENTIAL_SSH_PRIVATE_KEY: &str = "sshPrivateKey";
 /// The copy of the deploy directory's contents, inside it, while a deployment runs.
 pub const BACKUP_DIR: &str = ".berth-backup";
 /// The sticker, inside the deploy directory.
 pub const STICKER_FILE: &str = ".berth-sticker.json";
+/// A sticker larger than this is not one `ssh.deploy` wrote.
+const MAX_STICKER_BYTES: u64 = 1024 * 1024;
 
 const DEFAULT_CONNECT_TIMEOUT_SECS: u64 = 15;
 /// Scripts and hooks that name no timeout.
@@ -83,6 +94,11 @@ for f in .berth-backup/.[!.]* .berth-backup/..?* .berth-backup/*; do
   mv -- "$f" .
 done
 rmdir -- .berth-backup"#;
+/// Renames `$1` to `$2`, replacing a file or symlink there; never into a directory of that name
+/// (which `mv` would do).
+const REPLACE: &str = r#"set -e
+if [ -d "$2" ]; then echo "$2 is a directory" >&2; exit 1; fi
+exec mv -f -- "$1" "$2""#;
 
 /// `arg` as one single-quoted POSIX shell word: `'…'`, with each `'` written as `'\''`. Inside
 /// single quotes a POSIX shell gives no character a meaning (`$`, backticks, `\`, `;`, newlines
@@ -118,8 +134,20 @@ fn script_line<S: AsRef<str>>(script: &str, args: &[S]) -> String {
 }
 
 /// Runs `ssh.deploy`. Reported as the agent's `ssh` capability: it needs nothing on the host.
-#[derive(Debug, Default)]
-pub struct SshExecutor;
+/// Without an artifact source, artifacts given by reference fail (`ARTIFACT_UNAVAILABLE`).
+#[derive(Default, Clone)]
+pub struct SshExecutor {
+    artifacts: Option<Arc<dyn ArtifactSource>>,
+}
+
+impl SshExecutor {
+    /// Fetches artifacts given by reference from `source`.
+    pub fn with_artifacts(source: Arc<dyn ArtifactSource>) -> SshExecutor {
+        SshExecutor {
+            artifacts: Some(source),
+        }
+    }
+}
 
 #[async_trait::async_trait]
 impl Executor for SshExecutor {
@@ -141,38 +169,52 @@ impl Executor for SshExecutor {
         };
         let mut run = Run::new(task);
         let result = match payload.check() {
-            Ok(()) => deploy(&mut run, &payload).await,
+            Ok(()) => deploy(&mut run, &payload, self.artifacts.as_ref()).await,
             Err(e) => Err(ExecError::InvalidPayload(e)),
         };
         run.finish(result)
     }
 }
 
-/// Everything checked before a connection is opened.
-struct Plan {
+/// How a task reaches its target: the client key and the pinned host key.
+struct Access {
     key: PrivateKey,
     pinned: PublicKey,
-    dir: String,
-    http: Option<probe::HttpTarget>,
 }
 
-fn plan(run: &Run<'_>, p: &SshDeployPayload) -> Result<Plan, ExecError> {
-    let key = run
-        .task
+/// The `sshPrivateKey` credential (OpenSSH, PKCS#8 or PKCS#1 PEM, unencrypted; Ed25519, ECDSA or
+/// RSA) and the target's pin.
+fn access(task: &Task, target: &SshTarget) -> Result<Access, ExecError> {
+    let key = task
         .credentials
-        .get(CREDENTIAL_SSH_PRIVATE_KEY)
+        .get(SSH_PRIVATE_KEY_CREDENTIAL)
         .ok_or_else(|| {
             ExecError::InvalidPayload(format!(
-                "the task carries no {CREDENTIAL_SSH_PRIVATE_KEY} credential"
+                "the task carries no {SSH_PRIVATE_KEY_CREDENTIAL} credential"
             ))
         })?;
     // The decoder's message names no key material, and the outcome is redacted anyway.
     let key = russh::keys::decode_secret_key(key, None).map_err(|e| {
         ExecError::InvalidPayload(format!(
-            "the {CREDENTIAL_SSH_PRIVATE_KEY} credential is not an unencrypted OpenSSH private key: {e}"
+            "the {SSH_PRIVATE_KEY_CREDENTIAL} credential is not an unencrypted private key \
+             (OpenSSH, PKCS#8 or PKCS#1 PEM): {e}"
         ))
     })?;
-    let pinned = parse_host_key(&p.target.host_key)?;
+    Ok(Access {
+        key,
+        pinned: parse_host_key(&target.host_key)?,
+    })
+}
+
+/// Everything checked before a connection is opened.
+struct Plan {
+    access: Access,
+    dir: String,
+    http: Option<probe::HttpTarget>,
+}
+
+fn plan(run: &Run<'_>, p: &SshDeployPayload) -> Result<Plan, ExecError> {
+    let access = access(run.task, &p.target)?;
     let http = match &p.health_check {
         Some(h) if h.kind == SshHealthCheckKind::Http => Some(
             probe::parse_http_url(h.url.as_deref().unwrap_or_default())
@@ -181,8 +223,7 @@ fn plan(run: &Run<'_>, p: &SshDeployPayload) -> Result<Plan, ExecError> {
         _ => None,
     };
     Ok(Plan {
-        key,
-        pinned,
+        access,
         dir: p.deploy_directory.trim_end_matches('/').to_string(),
         http,
     })
@@ -216,14 +257,22 @@ fn fingerprint(key: &PublicKey) -> String {
     )
 }
 
-async fn deploy(run: &mut Run<'_>, p: &SshDeployPayload) -> Result<String, ExecError> {
+async fn deploy(
+    run: &mut Run<'_>,
+    p: &SshDeployPayload,
+    source: Option<&Arc<dyn ArtifactSource>>,
+) -> Result<String, ExecError> {
     let plan = plan(run, p)?;
     let t = &p.target;
     run.output("host", t.host.clone());
     run.output("deployDirectory", plan.dir.clone());
     let stop = run.stop.clone();
-    let remote = stop.guard(Remote::connect(t, &plan, &mut run.log)).await?;
-    let result = steps(run, &remote, p, &plan).await;
+    // Every artifact is in hand, its digest checked, before the target is touched.
+    let files = artifact::resolve(&p.artifacts, source, &stop).await?;
+    let remote = stop
+        .guard(Remote::connect(t, &plan.access, &mut run.log))
+        .await?;
+    let result = steps(run, &remote, p, &plan, &files).await;
     remote.close(&mut run.log).await;
     result
 }
@@ -235,6 +284,7 @@ async fn steps(
     remote: &Remote,
     p: &SshDeployPayload,
     plan: &Plan,
+    files: &[Resolved],
 ) -> Result<String, ExecError> {
     let dir = plan.dir.as_str();
     run.confirm_lease("changing the deploy directory").await?;
@@ -251,7 +301,7 @@ async fn steps(
     run.log
         .line(format!("{dir}: contents backed up to {BACKUP_DIR}"));
 
-    if let Err(failed) = apply(run, remote, p, plan).await {
+    if let Err(failed) = apply(run, remote, p, plan, files).await {
         let restore = Stop::cleanup(RESTORE_BUDGET);
         let restored = remote
             .exec(&script_line(RESTORE, &[dir]), STEP_TIMEOUT, &restore)
@@ -311,6 +361,7 @@ async fn apply(
     remote: &Remote,
     p: &SshDeployPayload,
     plan: &Plan,
+    files: &[Resolved],
 ) -> Result<(), ExecError> {
     let dir = plan.dir.as_str();
     let stop = run.stop.clone();
@@ -318,23 +369,16 @@ async fn apply(
     // 1. Artifacts, over SFTP.
     let started = Instant::now();
     let mut bytes = 0usize;
-    for a in &p.artifacts {
+    for a in files {
         let path = format!("{dir}/{}", a.name);
-        let mode = if a.executable { 0o755 } else { 0o644 };
-        // TODO(issue 12): artifacts by reference.
-        let content = a.content.as_deref().ok_or_else(|| {
-            ExecError::InvalidPayload(format!(
-                "artifact {:?}: by reference is not supported yet",
-                a.name
-            ))
-        })?;
-        stop.guard(remote.upload(&path, content.as_bytes(), mode))
-            .await?;
-        bytes += content.len();
+        stop.guard(remote.upload(&path, &a.bytes, a.mode)).await?;
+        bytes += a.bytes.len();
         run.log.line(format!(
-            "uploaded {:?} ({} bytes, mode {mode:o})",
+            "uploaded {:?} ({} bytes, sha256 {}, mode {:o})",
             a.name,
-            content.len()
+            a.bytes.len(),
+            a.sha256,
+            a.mode
         ));
     }
     run.metrics.upload_duration_ms = Some(millis_since(started));
@@ -382,19 +426,7 @@ async fn apply(
     let tmp = format!("{dir}/{STICKER_FILE}.tmp");
     let path = format!("{dir}/{STICKER_FILE}");
     stop.guard(remote.upload(&tmp, &json, 0o644)).await?;
-    let moved = remote
-        .exec(
-            &command_line(&["mv", "-f", "--", &tmp, &path]),
-            STEP_TIMEOUT,
-            &stop,
-        )
-        .await?;
-    if !moved.success() {
-        return Err(ExecError::Ssh(format!(
-            "cannot put the sticker in place: {}",
-            moved.summary()
-        )));
-    }
+    remote.replace(&tmp, &path, &stop).await?;
     run.log.line(format!("sticker written to {path}"));
     Ok(())
 }
@@ -611,7 +643,7 @@ struct Remote {
 impl Remote {
     async fn connect(
         t: &SshTarget,
-        plan: &Plan,
+        access: &Access,
         log: &mut crate::run::Log,
     ) -> Result<Remote, ExecError> {
         let port = t.port.unwrap_or(22);
@@ -634,31 +666,10 @@ impl Remote {
         let _ = tcp.set_nodelay(true);
 
         // Offer only the pinned key's algorithm family, so the server presents that key.
-        let pinned_algorithm = plan.pinned.algorithm();
-        let preferred = russh::Preferred::default();
-        let keys: Vec<_> = preferred
-            .key
-            .iter()
-            .filter(|a| same_key_type(a, &pinned_algorithm))
-            .cloned()
-            .collect();
-        let config = client::Config {
-            inactivity_timeout: None,
-            keepalive_interval: Some(Duration::from_secs(15)),
-            keepalive_max: 4,
-            preferred: russh::Preferred {
-                key: if keys.is_empty() {
-                    preferred.key.clone()
-                } else {
-                    Cow::Owned(keys)
-                },
-                ..preferred
-            },
-            ..Default::default()
-        };
+        let config = client_config(Some(&access.pinned.algorithm()));
         let refused = Arc::new(Mutex::new(None));
         let handler = PinnedHostKey {
-            pinned: plan.pinned.clone(),
+            pinned: access.pinned.clone(),
             refused: refused.clone(),
         };
         let handshake = tokio::time::timeout_at(
@@ -673,7 +684,7 @@ impl Remote {
                 if let Some(seen) = refused.lock().ok().and_then(|r| r.clone()) {
                     return Err(ExecError::HostKeyMismatch {
                         target,
-                        pinned: fingerprint(&plan.pinned),
+                        pinned: fingerprint(&access.pinned),
                         presented: seen,
                     });
                 }
@@ -686,12 +697,25 @@ impl Remote {
         };
         log.line(format!(
             "connected to {target}; host key {} matches the pin",
-            fingerprint(&plan.pinned)
+            fingerprint(&access.pinned)
         ));
 
-        let key = Arc::new(plan.key.clone());
+        let rsa = matches!(access.key.algorithm(), Algorithm::Rsa { .. });
+        let key = Arc::new(access.key.clone());
         let auth = tokio::time::timeout_at(deadline, async {
-            let hash = handle.best_supported_rsa_hash().await?.flatten();
+            // An RSA key signs with rsa-sha2-512 or -256, never SHA-1 `ssh-rsa`: the server's
+            // best, or SHA-256 when it names none (OpenSSH ≥ 7.2 takes both).
+            let hash = if rsa {
+                Some(
+                    handle
+                        .best_supported_rsa_hash()
+                        .await?
+                        .flatten()
+                        .unwrap_or(HashAlg::Sha256),
+                )
+            } else {
+                None
+            };
             handle
                 .authenticate_publickey(t.user.clone(), PrivateKeyWithHashAlg::new(key, hash))
                 .await
@@ -702,7 +726,7 @@ impl Remote {
         if !auth.success() {
             let _ = handle.disconnect(Disconnect::ByApplication, "", "en").await;
             return Err(ExecError::SshAuthFailed(format!(
-                "{target} refused the key of the {CREDENTIAL_SSH_PRIVATE_KEY} credential"
+                "{target} refused the key of the {SSH_PRIVATE_KEY_CREDENTIAL} credential"
             )));
         }
         log.line(format!("authenticated as {}", t.user));
@@ -816,6 +840,64 @@ impl Remote {
         self.sftp.set_metadata(path, attrs).await.map_err(failed)
     }
 
+    /// Renames `tmp` over `path` (see [`REPLACE`]).
+    async fn replace(&self, tmp: &str, path: &str, stop: &Stop) -> Result<(), ExecError> {
+        let moved = self
+            .exec(&script_line(REPLACE, &[tmp, path]), STEP_TIMEOUT, stop)
+            .await?;
+        if !moved.success() {
+            return Err(ExecError::Ssh(format!(
+                "cannot put {path:?} in place: {}",
+                moved.summary()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `None` when nothing is at `path`.
+    async fn read_sticker(&self, path: &str) -> Result<Option<Sticker>, ExecError> {
+        let unreadable = |e: String| ExecError::StickerUnreadable(format!("{path}: {e}"));
+        let meta = match self.sftp.metadata(path).await {
+            Ok(m) => m,
+            Err(russh_sftp::client::error::Error::Status(s))
+                if s.status_code == StatusCode::NoSuchFile =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(unreadable(e.to_string())),
+        };
+        if meta.size.unwrap_or(0) > MAX_STICKER_BYTES {
+            return Err(unreadable(format!("larger than {MAX_STICKER_BYTES} bytes")));
+        }
+        let bytes = self
+            .sftp
+            .read(path)
+            .await
+            .map_err(|e| unreadable(e.to_string()))?;
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| unreadable(format!("not a sticker: {e}")))
+    }
+
+    /// The size and lowercase hex SHA-256 of the file at `path`, read in chunks.
+    async fn hash_file(&self, path: &str) -> Result<(u64, String), ExecError> {
+        let failed =
+            |e: &dyn std::fmt::Display| ExecError::Ssh(format!("reading {path:?} failed: {e}"));
+        let mut file = self.sftp.open(path).await.map_err(|e| failed(&e))?;
+        let mut hasher = Sha256::new();
+        let mut size = 0u64;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = file.read(&mut buf).await.map_err(|e| failed(&e))?;
+            if n == 0 {
+                break;
+            }
+            size += n as u64;
+            hasher.update(&buf[..n]);
+        }
+        Ok((size, hex::encode(hasher.finalize())))
+    }
+
     /// Ends the SFTP session and the connection.
     async fn close(self, log: &mut crate::run::Log) {
         let _ = self.sftp.close().await;
@@ -833,13 +915,342 @@ impl Remote {
     }
 }
 
-/// Whether a host key algorithm the client offers belongs to the pinned key's type (RSA keys
-/// sign with several hashes).
-fn same_key_type(offered: &russh::keys::Algorithm, pinned: &russh::keys::Algorithm) -> bool {
-    use russh::keys::Algorithm;
+/// The client's configuration: russh's defaults without SHA-1 `ssh-rsa` host key signatures,
+/// and with `pinned`, only the host key algorithms of the pinned key's type (an RSA key signs
+/// with rsa-sha2-512 or -256).
+fn client_config(pinned: Option<&Algorithm>) -> client::Config {
+    let preferred = russh::Preferred::default();
+    let keys: Vec<Algorithm> = preferred
+        .key
+        .iter()
+        .filter(|a| !matches!(a, Algorithm::Rsa { hash: None }))
+        .filter(|a| pinned.is_none_or(|p| same_key_type(a, p)))
+        .cloned()
+        .collect();
+    client::Config {
+        inactivity_timeout: None,
+        keepalive_interval: Some(Duration::from_secs(15)),
+        keepalive_max: 4,
+        preferred: russh::Preferred {
+            key: if keys.is_empty() {
+                preferred.key.clone()
+            } else {
+                Cow::Owned(keys)
+            },
+            ..preferred
+        },
+        ..Default::default()
+    }
+}
+
+/// Whether a host key algorithm the client offers belongs to the pinned key's type.
+fn same_key_type(offered: &Algorithm, pinned: &Algorithm) -> bool {
     match (offered, pinned) {
         (Algorithm::Rsa { .. }, Algorithm::Rsa { .. }) => true,
         (a, b) => a == b,
+    }
+}
+
+/// Opens the task's connection to `target`, or says why not.
+async fn open(run: &mut Run<'_>, target: &SshTarget) -> Result<Remote, ExecError> {
+    let access = access(run.task, target)?;
+    let stop = run.stop.clone();
+    stop.guard(Remote::connect(target, &access, &mut run.log))
+        .await
+}
+
+/// `read-sticker` with `sshTarget`: `outputs.sticker` is the sticker in `dir` as written, or null
+/// when there is none or it names another target than `name`.
+pub(crate) async fn read_sticker(
+    task: &Task,
+    name: &str,
+    target: &SshTarget,
+    dir: &str,
+) -> Outcome {
+    let mut run = Run::new(task);
+    let dir = dir.trim_end_matches('/');
+    let result = match open(&mut run, target).await {
+        Err(e) => Err(e),
+        Ok(remote) => {
+            let path = format!("{dir}/{STICKER_FILE}");
+            let read = remote.read_sticker(&path).await;
+            remote.close(&mut run.log).await;
+            read.map(|found| match found {
+                Some(s) if s.name == name => {
+                    run.output("sticker", serde_json::json!(s));
+                    format!("sticker {name} found in {}:{dir}", target.host)
+                }
+                Some(s) => {
+                    run.output("sticker", serde_json::Value::Null);
+                    format!(
+                        "the sticker in {}:{dir} is {:?}'s, not {name:?}'s",
+                        target.host, s.name
+                    )
+                }
+                None => {
+                    run.output("sticker", serde_json::Value::Null);
+                    format!("no sticker in {}:{dir}", target.host)
+                }
+            })
+        }
+    };
+    run.finish(result)
+}
+
+/// `inspect` with `sshTarget`: the sticker of `dir` (or null) and its regular files, each with
+/// size and SHA-256, berth's own `.berth-*` left out. A missing directory holds nothing.
+pub(crate) async fn inspect(task: &Task, target: &SshTarget, dir: &str) -> Outcome {
+    let mut run = Run::new(task);
+    let dir = dir.trim_end_matches('/');
+    let result = match open(&mut run, target).await {
+        Err(e) => Err(e),
+        Ok(remote) => {
+            let listed = list_files(&remote, dir, &run.stop).await;
+            let sticker = remote.read_sticker(&format!("{dir}/{STICKER_FILE}")).await;
+            remote.close(&mut run.log).await;
+            match (listed, sticker) {
+                (Ok(files), Ok(sticker)) => {
+                    let n = files.len();
+                    run.output("sticker", serde_json::json!(sticker));
+                    run.output("files", serde_json::Value::Array(files));
+                    Ok(format!("inspected {}:{dir}: {n} file(s)", target.host))
+                }
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            }
+        }
+    };
+    run.finish(result)
+}
+
+async fn list_files(
+    remote: &Remote,
+    dir: &str,
+    stop: &Stop,
+) -> Result<Vec<serde_json::Value>, ExecError> {
+    let entries = match remote.sftp.read_dir(dir).await {
+        Ok(entries) => entries,
+        Err(russh_sftp::client::error::Error::Status(s))
+            if s.status_code == StatusCode::NoSuchFile =>
+        {
+            return Ok(vec![])
+        }
+        Err(e) => return Err(ExecError::Ssh(format!("listing {dir:?} failed: {e}"))),
+    };
+    // The server lists with lstat: a symlink is not a regular file here.
+    let mut names: Vec<String> = entries
+        .filter(|e| e.file_type().is_file() && !e.file_name().starts_with(".berth-"))
+        .map(|e| e.file_name())
+        .collect();
+    names.sort();
+    let mut files = Vec::with_capacity(names.len());
+    for name in names {
+        let (size, sha256) = stop
+            .guard(remote.hash_file(&format!("{dir}/{name}")))
+            .await?;
+        files.push(serde_json::json!({"name": name, "size": size, "sha256": sha256}));
+    }
+    Ok(files)
+}
+
+/// `health-check` of type `command` with `sshTarget`: the argument vector run on the target
+/// (in the user's home directory); healthy when it exits 0 within `timeout` (default 5 s).
+pub(crate) async fn health_command(task: &Task, p: &HealthCheckPayload) -> Outcome {
+    let mut run = Run::new(task);
+    let started = Instant::now();
+    let result = match &p.ssh_target {
+        None => Err(ExecError::InvalidPayload(
+            "a health-check of type command needs an sshTarget".into(),
+        )),
+        Some(target) => match open(&mut run, target).await {
+            Err(e) => Err(e),
+            Ok(remote) => {
+                let seconds = p.timeout.unwrap_or(5).clamp(1, 300);
+                let stop = run.stop.clone();
+                let done = remote
+                    .exec(
+                        &command_line(&p.command),
+                        Duration::from_secs(seconds),
+                        &stop,
+                    )
+                    .await;
+                remote.close(&mut run.log).await;
+                done.and_then(|done| {
+                    if !done.output.is_empty() {
+                        run.log.line(format!("output:\n{}", done.output));
+                    }
+                    run.output("probe", serde_json::json!({"exitStatus": done.exit_status}));
+                    if done.success() {
+                        Ok(format!(
+                            "healthy: {:?} exited 0 on {}",
+                            p.command, target.host
+                        ))
+                    } else {
+                        Err(ExecError::HealthCheckFailed(format!(
+                            "{:?} on {}: {}",
+                            p.command,
+                            target.host,
+                            done.summary()
+                        )))
+                    }
+                })
+            }
+        },
+    };
+    run.metrics.health_check_duration_ms = Some(millis_since(started));
+    let mut outcome = run.finish(result);
+    if outcome.error_type.as_deref() == Some(error_types::HEALTH_CHECK_FAILED) {
+        // As for a probe from the agent: the task is read-only and may pass later.
+        outcome.retriable = true;
+    }
+    outcome
+}
+
+/// `upload-files` with `sshTarget`: creates `dir` on the target, sends every file under a
+/// temporary name beside its final one, then renames each into place. A failure removes the
+/// temporary files it left.
+pub(crate) async fn upload_files(
+    run: &mut Run<'_>,
+    target: &SshTarget,
+    dir: &str,
+    files: &[Resolved],
+) -> Result<String, ExecError> {
+    let remote = open(run, target).await?;
+    let result = upload_steps(run, &remote, dir, files)
+        .await
+        .map(|n| format!("wrote {n} file(s) to {}@{}:{dir}", target.user, target.host));
+    remote.close(&mut run.log).await;
+    result
+}
+
+async fn upload_steps(
+    run: &mut Run<'_>,
+    remote: &Remote,
+    dir: &str,
+    files: &[Resolved],
+) -> Result<usize, ExecError> {
+    run.confirm_lease("writing the files").await?;
+    let stop = run.stop.clone();
+    let made = remote
+        .exec(
+            &command_line(&["mkdir", "-p", "--", dir]),
+            STEP_TIMEOUT,
+            &stop,
+        )
+        .await?;
+    if !made.success() {
+        return Err(ExecError::Ssh(format!(
+            "cannot create {dir:?}: {}",
+            made.summary()
+        )));
+    }
+    let temps: Vec<String> = (0..files.len())
+        .map(|i| format!("{dir}/.berth-upload-{}-{i}.tmp", run.task.task_id))
+        .collect();
+    let sent = async {
+        for (f, tmp) in files.iter().zip(&temps) {
+            stop.guard(remote.upload(tmp, &f.bytes, f.mode)).await?;
+        }
+        for (f, tmp) in files.iter().zip(&temps) {
+            remote
+                .replace(tmp, &format!("{dir}/{}", f.name), &stop)
+                .await?;
+        }
+        Ok::<(), ExecError>(())
+    }
+    .await;
+    if let Err(e) = &sent {
+        let mut argv = vec!["rm", "-f", "--"];
+        argv.extend(temps.iter().map(String::as_str));
+        let _ = remote
+            .exec(
+                &command_line(&argv),
+                STEP_TIMEOUT,
+                &Stop::cleanup(STEP_TIMEOUT),
+            )
+            .await;
+        run.log.line(format!("upload failed: {}", e.chain()));
+    }
+    sent?;
+    for f in files {
+        run.log.line(format!(
+            "wrote {:?} ({} bytes, sha256 {}, mode {:o})",
+            f.name,
+            f.bytes.len(),
+            f.sha256,
+            f.mode
+        ));
+    }
+    Ok(files.len())
+}
+
+/// Connects to `host:port`, completes the key exchange (the server proves it holds the key) and
+/// returns the server's host key as an OpenSSH line, `ssh-ed25519 AAAA…`, for a person to confirm
+/// before pinning it. Authenticates nothing and runs nothing. The key offered is the server's
+/// first in russh's order of preference (Ed25519, ECDSA, then RSA).
+pub async fn scan_host_key(host: &str, port: u16, timeout: Duration) -> Result<String, ExecError> {
+    let unreachable = |detail: String| ExecError::SshUnreachable {
+        target: format!("{host}:{port}"),
+        detail,
+    };
+    let deadline = Instant::now() + timeout;
+    let timed_out = || unreachable(format!("no answer within {}s", timeout.as_secs()));
+    let tcp = tokio::time::timeout_at(deadline, tokio::net::TcpStream::connect((host, port)))
+        .await
+        .map_err(|_| timed_out())?
+        .map_err(|e| unreachable(e.to_string()))?;
+    let seen = Arc::new(Mutex::new(None));
+    let handler = RecordHostKey(seen.clone());
+    let handle = tokio::time::timeout_at(
+        deadline,
+        client::connect_stream(Arc::new(client_config(None)), tcp, handler),
+    )
+    .await
+    .map_err(|_| timed_out())?
+    .map_err(|e| match e {
+        russh::Error::IO(_) | russh::Error::Disconnect => unreachable(e.to_string()),
+        e => ExecError::Ssh(format!("SSH handshake with {host}:{port} failed: {e}")),
+    })?;
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        handle.disconnect(Disconnect::ByApplication, "berth: host key scanned", "en"),
+    )
+    .await;
+    let key = seen
+        .lock()
+        .ok()
+        .and_then(|k| k.clone())
+        .ok_or_else(|| ExecError::Ssh(format!("{host}:{port} presented no host key")))?;
+    let line = key
+        .to_openssh()
+        .map_err(|e| ExecError::Ssh(format!("cannot encode the host key: {e}")))?;
+    // Without the comment: the pin is `<algorithm> <base64>`.
+    Ok(line
+        .split_ascii_whitespace()
+        .take(2)
+        .collect::<Vec<_>>()
+        .join(" "))
+}
+
+/// Accepts and remembers the server's plain host key (a certificate is refused: scanning pins
+/// keys, not certificate authorities).
+struct RecordHostKey(Arc<Mutex<Option<PublicKey>>>);
+
+impl client::Handler for RecordHostKey {
+    type Error = russh::Error;
+
+    async fn check_server_key(
+        &mut self,
+        presented: &PublicKeyOrCertificate,
+    ) -> Result<bool, Self::Error> {
+        match presented {
+            PublicKeyOrCertificate::PublicKey { key, .. } => {
+                if let Ok(mut seen) = self.0.lock() {
+                    *seen = Some(key.clone());
+                }
+                Ok(true)
+            }
+            PublicKeyOrCertificate::Certificate(_) => Ok(false),
+        }
     }
 }
 

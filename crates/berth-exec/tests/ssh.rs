@@ -13,7 +13,8 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
-use berth_exec::{Executor, Outcome, SshExecutor, CREDENTIAL_SSH_PRIVATE_KEY};
+use berth_exec::{Executor, Outcome, SshExecutor};
+use berth_proto::payload::SSH_PRIVATE_KEY_CREDENTIAL;
 use berth_proto::result::error_types;
 use berth_test_utils::docker::{assert_failed, assert_success, task};
 use berth_test_utils::free_port;
@@ -34,9 +35,9 @@ async fn deploy(env: &SshEnv, payload: Value) -> Outcome {
 async fn deploy_with_key(payload: Value, key: &str) -> Outcome {
     let mut t = task("ssh.deploy", payload);
     t.credentials
-        .insert(CREDENTIAL_SSH_PRIVATE_KEY.into(), key.to_string());
+        .insert(SSH_PRIVATE_KEY_CREDENTIAL.into(), key.to_string());
     t.credentials.insert("deployToken".into(), TOKEN.into());
-    let outcome = SshExecutor.execute(&t).await;
+    let outcome = SshExecutor::default().execute(&t).await;
     assert!(
         !outcome.logs.contains("PRIVATE KEY") && !outcome.message.contains("PRIVATE KEY"),
         "the key leaked: {outcome:?}"
@@ -393,11 +394,11 @@ async fn without_its_lease_nothing_changes_on_the_target() {
     let dir = root.path().join("app");
     let mut t = task("ssh.deploy", payload(&env, &dir, json!({})));
     t.credentials.insert(
-        CREDENTIAL_SSH_PRIVATE_KEY.into(),
+        SSH_PRIVATE_KEY_CREDENTIAL.into(),
         env.private_key.trim().to_string(),
     );
     t.lease = berth_exec::Lease::new(std::sync::Arc::new(Fenced));
-    let o = SshExecutor.execute(&t).await;
+    let o = SshExecutor::default().execute(&t).await;
     assert_failed(&o, error_types::LEASE_LOST);
     assert!(o.retriable, "not journaled: a later delivery runs it");
     assert!(!dir.exists(), "the target changed without a lease");

@@ -98,3 +98,33 @@ pub fn chown(path: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::chown(path, Some(uid), Some(gid))
         .unwrap_or_else(|e| panic!("chown {}: {e}", path.display()));
 }
+
+/// The sshd's second client key and host key, both RSA (`BERTH_TEST_SSH_RSA_*`).
+#[derive(Debug, Clone)]
+pub struct RsaKeys {
+    /// OpenSSH format; the SSH user is let in with it.
+    pub private_key: String,
+    /// `ssh-rsa AAAA…`, the server's RSA host key to pin.
+    pub host_key: String,
+}
+
+/// The RSA keys, or `None` (SKIP; a failure when services are required).
+pub fn rsa(test: &str) -> Option<RsaKeys> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let (Some(key), Some(host_key)) = (
+        var("BERTH_TEST_SSH_RSA_KEY"),
+        var("BERTH_TEST_SSH_RSA_HOST_KEY"),
+    ) else {
+        return require_service(
+            test,
+            "BERTH_TEST_SSH_RSA_* are not set (run scripts/sshd.sh again and export what it prints)",
+        );
+    };
+    match std::fs::read_to_string(&key) {
+        Ok(private_key) => Some(RsaKeys {
+            private_key,
+            host_key,
+        }),
+        Err(e) => require_service(test, &format!("cannot read {key}: {e}")),
+    }
+}

@@ -56,6 +56,10 @@ struct Args {
     /// Where version stickers are kept (default <state-dir>/stickers).
     #[arg(long)]
     sticker_dir: Option<PathBuf>,
+    /// upload-files tasks for this host write only below this directory (symlinks resolved;
+    /// anything else is PATH_FORBIDDEN). Default <state-dir>/uploads.
+    #[arg(long, value_name = "DIR", env = "BERTH_AGENT_UPLOAD_ROOT")]
+    upload_root: Option<PathBuf>,
     /// Tasks run at once.
     #[arg(long, default_value_t = 8)]
     max_concurrent_tasks: usize,
@@ -180,6 +184,7 @@ async fn agent(args: Args) -> Result<(), AgentError> {
         allow_commands: args.allow_commands,
         allow_hooks: args.allow_hooks,
         sticker_dir: args.sticker_dir,
+        upload_root: args.upload_root,
         max_concurrent_tasks: args.max_concurrent_tasks,
         ..AgentConfig::new(args.state_dir)
     };
