@@ -53,6 +53,13 @@ pub enum SshTargetCommand {
     Rm {
         name: String,
     },
+    /// Print a host's SSH host key for a person to check before pinning it: nothing is
+    /// trusted automatically, and nothing is authenticated.
+    Scan {
+        host: String,
+        #[arg(long, default_value_t = 22)]
+        port: u16,
+    },
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -134,6 +141,18 @@ pub async fn run(client: &Client, out: Output, cmd: SshTargetCommand) -> anyhow:
         SshTargetCommand::Rm { name } => {
             let d: Deleted = client.send(&DeleteSshTarget { name: name.clone() }).await?;
             out.print(&d, || format!("{name} removed"))
+        }
+        SshTargetCommand::Scan { host, port } => {
+            let key =
+                berth_exec::ssh::scan_host_key(&host, port, std::time::Duration::from_secs(15))
+                    .await
+                    .with_context(|| format!("scanning {host}:{port}"))?;
+            out.print(&serde_json::json!({ "hostKey": key }), || {
+                format!(
+                    "{key}\n\ncheck it against the host's own key (on the host: \
+                     ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub) before --host-key"
+                )
+            })
         }
     }
 }

@@ -129,7 +129,7 @@ impl ExecError {
             ExecError::DeployScriptFailed(_) => error_types::DEPLOY_SCRIPT_FAILED,
             ExecError::StickerUnreadable(_) => error_types::STICKER_UNREADABLE,
             ExecError::ArtifactNotFound(_) => error_types::ARTIFACT_NOT_FOUND,
-            ExecError::ArtifactUnavailable { .. } => "ARTIFACT_UNAVAILABLE",
+            ExecError::ArtifactUnavailable { .. } => error_types::ARTIFACT_UNAVAILABLE,
             ExecError::ArtifactDigestMismatch(_) => error_types::ARTIFACT_DIGEST_MISMATCH,
             ExecError::PathForbidden(_) => error_types::PATH_FORBIDDEN,
             ExecError::LeaseLost(_) => error_types::LEASE_LOST,

@@ -43,6 +43,9 @@ pub mod error_types {
     pub const DEPLOY_SCRIPT_FAILED: &str = "DEPLOY_SCRIPT_FAILED";
     /// An artifact given by reference: the server has none with that SHA-256 (not retriable).
     pub const ARTIFACT_NOT_FOUND: &str = "ARTIFACT_NOT_FOUND";
+    /// An artifact given by reference could not be fetched from the server now (retriable
+    /// unless the agent has no way to fetch at all).
+    pub const ARTIFACT_UNAVAILABLE: &str = "ARTIFACT_UNAVAILABLE";
     /// An artifact given by reference hashed to another SHA-256 than its reference; nothing was
     /// written.
     pub const ARTIFACT_DIGEST_MISMATCH: &str = "ARTIFACT_DIGEST_MISMATCH";
