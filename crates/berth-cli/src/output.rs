@@ -267,6 +267,18 @@ pub fn print_release(out: Output, r: &ReleaseView) -> anyhow::Result<()> {
                 format!("{}{from}", c.pinned()),
             ]);
         }
+        if let Some(ssh) = &r.ssh {
+            rows.push(vec!["ssh deploy dir".into(), ssh.deploy_directory.clone()]);
+            for a in &ssh.artifacts {
+                rows.push(vec![
+                    format!("ssh artifact {}", a.name),
+                    a.sha256.clone().unwrap_or_default(),
+                ]);
+            }
+            if let Some(script) = &ssh.script {
+                rows.push(vec!["ssh script".into(), script.command.join(" ")]);
+            }
+        }
         table(&["FIELD", "VALUE"], &rows)
     })
 }
