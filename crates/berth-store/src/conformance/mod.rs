@@ -54,6 +54,7 @@ macro_rules! conformance_cases {
             ping_and_backend,
             tenants,
             api_tokens,
+            ui_sessions,
             registration_succeeds,
             registration_token_is_single_use,
             registration_token_expired,
