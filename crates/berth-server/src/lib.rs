@@ -25,6 +25,7 @@ mod registry;
 mod routes;
 mod secrets;
 mod tls;
+mod ui;
 mod wake;
 
 use std::future::Future;

@@ -9,7 +9,8 @@ use super::PostgresStore;
 use crate::domain::audit::{admin_event, agent_token_event, api_token_event};
 use crate::rows::{self, db_error, get, millis, ColumnReader};
 use crate::{
-    ApiToken, NewApiToken, NewRegistrationToken, NewUiSession, Result, Tenant, TenantStore, UiSession,
+    ApiToken, NewApiToken, NewRegistrationToken, NewUiSession, Result, Tenant, TenantStore,
+    UiSession,
 };
 use berth_proto::audit::actions::TENANT_CREATE;
 use berth_proto::audit::AuditActor;

@@ -9,7 +9,8 @@ use super::{id_text, json_text, SqliteStore};
 use crate::domain::audit::{admin_event, agent_token_event, api_token_event};
 use crate::rows::{self, unix_millis, ColumnReader};
 use crate::{
-    ApiToken, NewApiToken, NewRegistrationToken, NewUiSession, Result, Tenant, TenantStore, UiSession,
+    ApiToken, NewApiToken, NewRegistrationToken, NewUiSession, Result, Tenant, TenantStore,
+    UiSession,
 };
 use berth_proto::audit::actions::TENANT_CREATE;
 use berth_proto::audit::AuditActor;
