@@ -29,14 +29,12 @@ fn chromedriver(test: &str) -> Option<Driver> {
     let found = ["/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists());
-    let Some(program) = found.or_else(|| {
+    let program = found.or_else(|| {
         berth_test_utils::require_service(
             test,
             "chromedriver is not installed (scripts/test.sh installs chromium-driver)",
         )
-    }) else {
-        return None;
-    };
+    })?;
     let port = free_port();
     let mut cmd = Command::new(program);
     cmd.arg(format!("--port={port}"))
