@@ -8,6 +8,7 @@
 mod common;
 
 use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -19,10 +20,18 @@ use serde_json::{json, Value};
 const DESKTOP: (u32, u32) = (1280, 900);
 const PHONE: (u32, u32) = (390, 844);
 
-/// A running chromedriver on a free loopback port; killed when dropped (its [`Proc`]).
+/// A running chromedriver on a free loopback port, in a process group of its own with the
+/// Chromium it starts: dropping it kills that group, so a failed test leaves no browser behind.
 struct Driver {
-    _proc: Proc,
+    proc: Proc,
     url: String,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // SAFETY: signals the process group this test created for chromedriver (pgid = its pid).
+        unsafe { libc::kill(-self.proc.pid(), libc::SIGKILL) };
+    }
 }
 
 fn chromedriver(test: &str) -> Option<Driver> {
@@ -38,7 +47,8 @@ fn chromedriver(test: &str) -> Option<Driver> {
     let port = free_port();
     let mut cmd = Command::new(program);
     cmd.arg(format!("--port={port}"))
-        .arg("--allowed-ips=127.0.0.1");
+        .arg("--allowed-ips=127.0.0.1")
+        .process_group(0);
     let mut proc = Proc::spawn("chromedriver", cmd);
     wait_for(SETTLE, "chromedriver to listen", || {
         proc.assert_running();
@@ -47,7 +57,7 @@ fn chromedriver(test: &str) -> Option<Driver> {
             .map_err(|e| e.to_string())
     });
     Some(Driver {
-        _proc: proc,
+        proc,
         url: format!("http://127.0.0.1:{port}"),
     })
 }
