@@ -394,3 +394,51 @@ async fn labels_are_shown_as_text() {
     }
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_task_shows_its_signed_result_and_the_audit_chain_verifies() {
+    use berth_proto::task::{CreateTask, TaskView};
+    let server = common::start().await;
+    let agent = server.agent("worker").await;
+    let generation = agent.session().await;
+    let task: TaskView = server
+        .admin()
+        .send(&CreateTask {
+            task_type: "inspect".into(),
+            agent_id: Some(agent.id),
+            payload: serde_json::json!({}),
+            ..Default::default()
+        })
+        .await
+        .expect("create task");
+    let assignment = agent
+        .poll(generation)
+        .await
+        .expect("poll")
+        .assignment
+        .expect("an assignment");
+    let envelope = agent.sign(agent.envelope(assignment.assignment_id, common::ok(task.id)));
+    agent
+        .submit(generation, envelope.clone())
+        .await
+        .expect("result accepted");
+
+    let browser = Browser::sign_in(&server, &server.admin_token).await;
+    let page = browser.page(&format!("/tasks/{}", task.id)).await;
+    assert!(page.contains("verified: the agent"), "{page}");
+    assert!(page.contains("Signed result as received"));
+    let signature = envelope["signature"].as_str().expect("signature");
+    assert!(page.contains(signature), "the envelope as received");
+    let list = browser.page("/tasks?state=succeeded&type=inspect").await;
+    assert!(list.contains(&format!("/tasks/{}", task.id)), "{list}");
+    let none = browser.page("/tasks?state=failed&type=").await;
+    assert!(!none.contains(&format!("/tasks/{}", task.id)));
+
+    let audit = browser.page("/audit").await;
+    assert!(audit.contains("chain verified"), "{audit}");
+    assert!(audit.contains("task.result"), "{audit}");
+    // The audit log is the API's: admins only.
+    let viewer = Browser::sign_in(&server, &api_token(&server, Role::Viewer, "viewer").await).await;
+    assert_eq!(viewer.get("/audit").await.status(), StatusCode::FORBIDDEN);
+    server.stop().await;
+}
