@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+use berth_test_utils::docker::{self as fixtures, make_image, Cleanup, Variant};
 use common::*;
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{json, Value};
@@ -445,4 +446,157 @@ fn events_between(server: &Server, after: u64, upto: u64) -> u64 {
         .filter_map(|id| id.trim().parse::<u64>().ok())
         .filter(|id| *id <= upto)
         .count() as u64
+}
+
+/// Registers a Docker agent (the host's engine) named `name` with `labels`, online with docker.
+fn docker_target(server: &Server, root: &std::path::Path, name: &str, labels: &[String]) -> Agent {
+    let agent = Agent::spawn_registered(server, root, name, &[], |dir, args| {
+        let mut cmd = command(BERTH_AGENT);
+        cmd.arg("--state-dir").arg(dir).args(args);
+        cmd
+    });
+    let mut args = vec!["agents", "label", agent.id.as_str()];
+    args.extend(labels.iter().map(String::as_str));
+    server.cli(&args);
+    server.wait_agent(&agent.id, "online with docker", |a| {
+        a["status"] == "online"
+            && a["capabilities"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|c| c["name"] == "docker"))
+    });
+    agent
+}
+
+#[tokio::test]
+async fn deploy_from_the_form_approve_as_another_user_and_watch_it_go_green() {
+    const TEST: &str = "deploy_from_the_form_approve_as_another_user_and_watch_it_go_green";
+    let Some(env) = fixtures::env(TEST) else {
+        return;
+    };
+    let Some(driver) = chromedriver(TEST) else {
+        return;
+    };
+    let cleanup = Cleanup::new(&fixtures::unique("berth-e2e"));
+    let prefix = cleanup.prefix.clone();
+    let dir = tempdir();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    let port = free_port();
+    let _agent = docker_target(
+        &server,
+        dir.path(),
+        "web-1",
+        &["app=web".into(), format!("port={port}")],
+    );
+    let image = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
+    let config = json!({
+        "containerName": format!("{prefix}-{{{{target.name}}}}"),
+        "ports": ["127.0.0.1:{{target.labels.port}}:8080/tcp"],
+        "restartPolicy": "no",
+        "healthCheck": {"type": "http", "interval": 1,
+                        "url": "http://127.0.0.1:{{target.labels.port}}/"},
+    });
+    server.cli(&[
+        "release",
+        "create",
+        "r1",
+        "--image",
+        &format!("web={}", image.reference()),
+        "--config",
+        &format!("web={config}"),
+    ]);
+    server.cli(&[
+        "env",
+        "create",
+        "web",
+        "--tier",
+        "dev",
+        "--selector",
+        "app=web",
+        "--approvals",
+        "1",
+    ]);
+
+    // The first deployer plans, then confirms, from the environment's page.
+    let alice = browser(&driver).await;
+    sign_in(&alice, &server, &api_token(&server, "deployer")).await;
+    alice
+        .goto(&format!("{}/environments/web", server.url))
+        .await
+        .expect("environment");
+    alice
+        .find(Locator::Css("#release"))
+        .await
+        .expect("release field")
+        .send_keys("r1")
+        .await
+        .expect("type");
+    alice
+        .find(Locator::Css("[data-action=plan]"))
+        .await
+        .expect("plan button")
+        .click()
+        .await
+        .expect("plan");
+    wait_js(&alice, "the plan", "!!document.querySelector('ol.waves')").await;
+    screenshots(&alice, "deploy-plan").await;
+    alice
+        .find(Locator::Css("[data-action=deploy]"))
+        .await
+        .expect("confirm button")
+        .click()
+        .await
+        .expect("deploy");
+    wait_js(
+        &alice,
+        "the deployment awaiting approval",
+        "!!document.querySelector('main .badge[data-state=awaiting_approval]')",
+    )
+    .await;
+    let url = alice.current_url().await.expect("url").to_string();
+    assert!(
+        alice
+            .find_all(Locator::Css("[data-action=approve]"))
+            .await
+            .expect("find")
+            .is_empty(),
+        "the requester has no approve button"
+    );
+    wait_js(
+        &alice,
+        "the live stream",
+        "document.getElementById('main').dataset.stream === 'open'",
+    )
+    .await;
+    alice
+        .execute("window.berthMark = 1; return true;", vec![])
+        .await
+        .expect("mark");
+
+    // A second deployer approves; the first one's page follows the rollout live.
+    let bob = browser(&driver).await;
+    sign_in(&bob, &server, &api_token(&server, "deployer")).await;
+    bob.goto(&url).await.expect("deployment");
+    bob.find(Locator::Css("[data-action=approve]"))
+        .await
+        .expect("approve button")
+        .click()
+        .await
+        .expect("approve");
+    wait_js(
+        &alice,
+        "the target to turn green",
+        "!!document.querySelector('ul.targets .badge[data-state=succeeded]') \
+         && !!document.querySelector('dl .badge[data-state=succeeded]') \
+         && !!document.querySelector('svg.timeline rect[data-phase=succeeded]')",
+    )
+    .await;
+    let mark = alice
+        .execute("return window.berthMark === 1;", vec![])
+        .await
+        .expect("mark");
+    assert_eq!(mark, Value::Bool(true), "followed live, without a reload");
+    screenshots(&alice, "deployment-succeeded").await;
+    alice.close().await.expect("close");
+    bob.close().await.expect("close");
+    drop(cleanup);
 }

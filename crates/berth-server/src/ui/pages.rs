@@ -10,12 +10,17 @@ use axum::response::Response;
 use axum::Json;
 use berth_proto::agent::{Agent, AgentStatus, ListAgents, ResourceUsage};
 use berth_proto::audit::{hash_input, AuditActor, AuditEntry, ListAudit, GENESIS_HASH};
-use berth_proto::deploy::{DeploymentPlan, DeploymentView, ListDeployments};
+use berth_proto::deploy::{
+    DeploymentPlan, DeploymentTargetEvent, DeploymentView, ListDeployments, TargetPhase,
+    DEPLOYMENT_TARGET_EVENT,
+};
 use berth_proto::task::{ListTasks, TaskState, TaskView};
 use berth_proto::{AgentId, DeploymentId, TaskId};
+use berth_store::EventFilter;
 use maud::{html, Markup};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use time::OffsetDateTime;
 
 use super::layout::{self, badge, labels, page, status_badge, time, Live, Nav};
 use super::session::{ReadCaller, UiCaller};
@@ -908,8 +913,16 @@ pub(super) async fn deployment_page(
     let id: DeploymentId = parse_id(id)?;
     let live = live(state, ui, format!("deployment={id}")).await?;
     let Json(d) = deployments::get(State(state.clone()), caller(ui), ApiPath(id)).await?;
+    // The requester cannot approve its own deployment (the API's SELF_APPROVAL), nor can a
+    // token approve twice: neither sees the button.
+    let token = ui.caller.0.id.0;
+    let is_token =
+        |actor: &AuditActor| matches!(actor, AuditActor::Token { id, .. } if *id == token);
     let can_approve = ui.caller.require_deployer().is_ok()
-        && d.state == berth_proto::deploy::DeploymentState::AwaitingApproval;
+        && d.state == berth_proto::deploy::DeploymentState::AwaitingApproval
+        && !is_token(&d.requested_by)
+        && !d.approvals.iter().any(|a| is_token(&a.by));
+    let timeline = phase_history(state, ui, &d).await?;
     let mut waves: BTreeMap<u32, Vec<_>> = BTreeMap::new();
     for t in &d.targets {
         waves.entry(t.wave).or_default().push(t);
@@ -937,6 +950,12 @@ pub(super) async fn deployment_page(
                     button.primary type="submit" data-action="approve" { "Approve" }
                 }
             }
+            @if !timeline.is_empty() {
+                section aria-labelledby="timeline" {
+                    h2 #timeline { "Timeline" }
+                    (timeline_chart(&timeline))
+                }
+            }
             @for (wave, targets) in &waves {
                 section.card {
                     h2 { "Wave " (wave) @if *wave == d.current_wave { " " span.muted { "(current)" } } }
@@ -952,4 +971,69 @@ pub(super) async fn deployment_page(
             }
         },
     ))
+}
+
+/// Each target's phases with the time each began, from the deployment's `deployment.target`
+/// events (the store's event log: the same rows the stream sends), in the targets' order.
+type Timeline = Vec<(String, Vec<(OffsetDateTime, TargetPhase)>)>;
+
+async fn phase_history(
+    state: &SharedState,
+    ui: &UiCaller,
+    d: &DeploymentView,
+) -> ApiResult<Timeline> {
+    let filter = EventFilter {
+        deployment: Some(d.id),
+        ..Default::default()
+    };
+    let events = state
+        .store
+        .read_events(ui.caller.tenant(), &filter, 0, 1000)
+        .await?;
+    let mut timeline: Timeline = d
+        .targets
+        .iter()
+        .map(|t| (t.agent_name.clone(), Vec::new()))
+        .collect();
+    for e in events.iter().filter(|e| e.kind == DEPLOYMENT_TARGET_EVENT) {
+        let Ok(data) = serde_json::from_value::<DeploymentTargetEvent>(e.data.clone()) else {
+            continue;
+        };
+        if let Some(i) = d.targets.iter().position(|t| t.agent_id == data.agent_id) {
+            timeline[i].1.push((e.created_at, data.phase));
+        }
+    }
+    timeline.retain(|(_, phases)| !phases.is_empty());
+    Ok(timeline)
+}
+
+/// The timeline as an SVG: a row per target, a bar per phase from its start to the next one's
+/// (the last one to the latest event), coloured by phase; time runs from the first phase change.
+fn timeline_chart(timeline: &Timeline) -> Markup {
+    let times = || timeline.iter().flat_map(|(_, p)| p.iter().map(|(t, _)| *t));
+    let (Some(start), Some(end)) = (times().min(), times().max()) else {
+        return html! {};
+    };
+    let span = (end - start).as_seconds_f64().max(1.0);
+    let (label_w, bar_w, row_h) = (110.0, 480.0, 26.0);
+    let x = |t: OffsetDateTime| label_w + (t - start).as_seconds_f64().max(0.0) / span * bar_w;
+    let height = timeline.len() as f64 * row_h + 18.0;
+    html! {
+        svg.timeline viewBox={ "0 0 600 " (height) } role="img" aria-label="Each target's phases over time" {
+            @for (row, (name, phases)) in timeline.iter().enumerate() {
+                @let y = row as f64 * row_h;
+                text x="0" y=(y + 16.0) class="axis" { (name) }
+                @for (i, (at, phase)) in phases.iter().enumerate() {
+                    @let x0 = x(*at);
+                    @let x1 = phases.get(i + 1).map_or(label_w + bar_w, |(next, _)| x(*next));
+                    // A phase that began at the last event has no length yet: a visible stub.
+                    rect x=(format!("{x0:.1}")) y=(y + 4.0) width=(format!("{:.1}", (x1 - x0).max(6.0))) height="16" data-phase=(phase.as_str()) {
+                        title { (phase.as_str()) " from " (at.time().to_string()) }
+                    }
+                }
+            }
+            text x=(label_w) y=(height - 2.0) class="note" { "0 s" }
+            text x=(label_w + bar_w) y=(height - 2.0) class="note" text-anchor="end" { (format!("{span:.0} s")) }
+        }
+    }
 }
