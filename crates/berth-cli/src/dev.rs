@@ -79,6 +79,9 @@ pub async fn run(
 
     println!("berth dev is running: a server and one local agent.\n");
     println!("  URL:            {url}");
+    println!(
+        "  web UI:         {url}/ (sign in with the admin token; the browser must trust the CA)"
+    );
     println!("  admin token:    {admin_token}");
     println!("  CA fingerprint: {}", boot.ca_fingerprint);
     println!("  data dir:       {}\n", data_dir.display());

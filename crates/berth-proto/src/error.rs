@@ -177,6 +177,10 @@ pub mod codes {
     pub const APPLY_FAILED: &str = "APPLY_FAILED";
     /// The environment's secrets provider is not configured on this server (no OpenBao).
     pub const PROVIDER_UNAVAILABLE: &str = "PROVIDER_UNAVAILABLE";
+    /// A web UI form without the session's CSRF token (or with another one): nothing was done.
+    pub const CSRF_INVALID: &str = "CSRF_INVALID";
+    /// A web UI action without a live session (none, expired, signed out, or its token deleted).
+    pub const SESSION_REQUIRED: &str = "SESSION_REQUIRED";
 }
 
 #[cfg(test)]

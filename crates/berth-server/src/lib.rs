@@ -26,6 +26,7 @@ mod routes;
 mod secrets;
 mod targets;
 mod tls;
+mod ui;
 mod wake;
 
 use std::future::Future;

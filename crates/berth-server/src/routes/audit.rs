@@ -10,6 +10,7 @@ use berth_proto::ErrorBody;
 use crate::auth::Caller;
 use crate::error::ApiResult;
 use crate::extract::ApiQuery;
+use crate::ui::session::ReadCaller;
 use crate::SharedState;
 
 /// The caller as the audit log names it: by token id, name and role, never the secret.
@@ -28,7 +29,7 @@ pub(crate) fn actor(caller: &Caller) -> AuditActor {
         (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin")))]
 pub async fn list(
     State(state): State<SharedState>,
-    caller: Caller,
+    ReadCaller(caller): ReadCaller,
     ApiQuery(query): ApiQuery<ListAudit>,
 ) -> ApiResult<Json<AuditPage>> {
     caller.require_admin()?;

@@ -1,7 +1,8 @@
 //! `GET /api/v1/events`: the tenant's events as Server-Sent Events, read from the store's
 //! durable event table after a cursor (`Last-Event-ID`, or `?after=` / `?lastEventId=`), so a
 //! client that reconnects with the last id it saw misses nothing and sees nothing twice — on
-//! any replica, since the cursor is the database's commit-ordered sequence number.
+//! any replica, since the cursor is the database's commit-ordered sequence number. The web UI's
+//! script reads it with its session cookie (`ui::session::ReadCaller`).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -18,9 +19,9 @@ use berth_store::{DynStore, Event, EventFilter};
 use futures_util::Stream;
 use tokio::sync::watch;
 
-use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::ApiQuery;
+use crate::ui::session::ReadCaller;
 use crate::SharedState;
 
 /// A comment line this often keeps proxies (and clients' read timeouts) from closing a quiet
@@ -40,7 +41,7 @@ const PAGE: u32 = 500;
     ))]
 pub async fn stream(
     State(state): State<SharedState>,
-    caller: Caller,
+    ReadCaller(caller): ReadCaller,
     headers: HeaderMap,
     ApiQuery(query): ApiQuery<EventQuery>,
 ) -> ApiResult<Response> {

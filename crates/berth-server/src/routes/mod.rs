@@ -105,6 +105,7 @@ pub fn router(state: SharedState) -> Router {
     let body_limit = state.config.body_limit;
     let (router, _) = declared().split_for_parts();
     router
+        .merge(crate::ui::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

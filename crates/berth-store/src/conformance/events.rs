@@ -155,6 +155,26 @@ pub async fn events_tenant_isolation(store: &DynStore) {
     }
 }
 
+pub async fn events_latest_id(store: &DynStore) {
+    let owner = tenant(store).await;
+    let other = tenant(store).await;
+    assert_eq!(store.latest_event_id(owner.id).await.expect("latest"), 0);
+    let agent = register(store, owner.id, new_agent("latest")).await;
+    let latest = store.latest_event_id(owner.id).await.expect("latest");
+    let seen = events(store, owner.id, &EventFilter::default(), 0).await;
+    assert_eq!(seen.last().map(|e| e.id), Some(latest));
+    assert!(events(store, owner.id, &EventFilter::default(), latest)
+        .await
+        .is_empty());
+    create(store, new_task(owner.id, agent.id, now())).await;
+    let after = events(store, owner.id, &EventFilter::default(), latest).await;
+    assert!(
+        !after.is_empty(),
+        "a change after the cursor is read after it"
+    );
+    assert_eq!(store.latest_event_id(other.id).await.expect("other"), 0);
+}
+
 pub async fn events_wake_readers(store: &DynStore) {
     let owner = tenant(store).await;
     let agent = register(store, owner.id, new_agent("waking")).await;

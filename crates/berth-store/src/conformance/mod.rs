@@ -56,6 +56,8 @@ macro_rules! conformance_cases {
             ping_and_backend,
             tenants,
             api_tokens,
+            ui_sessions,
+            events_latest_id,
             registration_succeeds,
             registration_token_is_single_use,
             registration_token_expired,

@@ -151,3 +151,71 @@ pub async fn api_tokens(store: &DynStore) {
         .await
         .expect("other has operator"));
 }
+
+/// Web UI sessions: found by the hash only while unexpired, acting as their token (tenant and
+/// role), gone once deleted; creating one sweeps the expired.
+pub async fn ui_sessions(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let token = store
+        .create_api_token(NewApiToken {
+            created_by: None,
+            id: TokenId::new(),
+            tenant_id: tenant.id,
+            name: "browser".to_string(),
+            role: Role::Viewer,
+            operator: false,
+            token_hash: token_hash(),
+            created_at: now(),
+        })
+        .await
+        .expect("create api token");
+    let at = now();
+    let (live, old) = (token_hash(), token_hash());
+    store
+        .create_ui_session(crate::NewUiSession {
+            id_hash: old.clone(),
+            token_id: token.id,
+            created_at: at - Duration::hours(13),
+            expires_at: at - Duration::hours(1),
+        })
+        .await
+        .expect("create an old session");
+    assert_eq!(
+        store.ui_session(&old, at).await.expect("look up expired"),
+        None,
+        "an expired session is not found"
+    );
+    store
+        .create_ui_session(crate::NewUiSession {
+            id_hash: live.clone(),
+            token_id: token.id,
+            created_at: at,
+            expires_at: at + Duration::hours(12),
+        })
+        .await
+        .expect("create session");
+    let found = store
+        .ui_session(&live, at + Duration::hours(1))
+        .await
+        .expect("look up")
+        .expect("the live session is found");
+    assert_eq!(found.token, token);
+    assert_eq!(found.expires_at, millis(at + Duration::hours(12)));
+    assert_eq!(
+        store
+            .ui_session(&live, at + Duration::hours(12))
+            .await
+            .expect("look up at expiry"),
+        None,
+        "a session ends at its expiry"
+    );
+    assert_eq!(
+        store.ui_session(&token_hash(), at).await.expect("unknown"),
+        None
+    );
+    // The old one was swept by the second create: deleting it finds nothing.
+    assert!(!store.delete_ui_session(&old).await.expect("delete swept"));
+    assert!(store.delete_ui_session(&live).await.expect("sign out"));
+    assert_eq!(store.ui_session(&live, at).await.expect("after"), None);
+    assert!(!store.delete_ui_session(&live).await.expect("again"));
+}

@@ -46,6 +46,10 @@ pub trait EventStore: Send + Sync {
         limit: u32,
     ) -> Result<Vec<Event>>;
 
+    /// The id of the tenant's newest visible event (0 without any): a cursor taken before a
+    /// page reads its data, so a reader resuming from it misses no later change.
+    async fn latest_event_id(&self, tenant: TenantId) -> Result<i64>;
+
     /// Changes after a commit that may have written events — in this process and, on
     /// PostgreSQL, in every replica (LISTEN/NOTIFY on `berth_events`). Only a wake-up: readers
     /// read again after their cursor. A change may carry no new event for a given reader.

@@ -1,5 +1,6 @@
-//! Tenants and their tokens: API tokens (bearer credentials of a tenant's users) and
-//! registration tokens (single-use admissions of agents into a tenant).
+//! Tenants and their tokens: API tokens (bearer credentials of a tenant's users), the web UI's
+//! sessions made from them, and registration tokens (single-use admissions of agents into a
+//! tenant).
 
 use std::collections::BTreeMap;
 
@@ -43,6 +44,24 @@ pub struct NewApiToken {
     pub created_by: Option<AuditActor>,
 }
 
+/// A web UI session (migration 0018): made by signing in with an API token, it acts as that
+/// token. Only the hash of its random id is stored.
+#[derive(Debug, Clone)]
+pub struct NewUiSession {
+    /// SHA-256 of the session id, hex (`berth_crypto::hash_token`).
+    pub id_hash: String,
+    pub token_id: TokenId,
+    pub created_at: OffsetDateTime,
+    pub expires_at: OffsetDateTime,
+}
+
+/// A live session: its token as it is now (tenant, current role) and when the session ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UiSession {
+    pub token: ApiToken,
+    pub expires_at: OffsetDateTime,
+}
+
 #[derive(Debug, Clone)]
 pub struct NewRegistrationToken {
     pub id: TokenId,
@@ -79,6 +98,16 @@ pub trait TenantStore: Send + Sync {
     async fn api_token_by_hash(&self, token_hash: &str) -> Result<Option<ApiToken>>;
     /// Whether the tenant already has an operator token (bootstrap runs once).
     async fn has_operator_token(&self, tenant: TenantId) -> Result<bool>;
+
+    // --- web UI sessions ---
+
+    /// Records a session; expired sessions (at `created_at`) are deleted in the same write.
+    async fn create_ui_session(&self, session: NewUiSession) -> Result<()>;
+    /// The session with this id hash and its token, when it exists and `now` is before its
+    /// expiry; a deleted token has no sessions left (the foreign key cascades).
+    async fn ui_session(&self, id_hash: &str, now: OffsetDateTime) -> Result<Option<UiSession>>;
+    /// Ends a session (sign out); whether it existed.
+    async fn delete_ui_session(&self, id_hash: &str) -> Result<bool>;
 
     // --- registration tokens ---
 

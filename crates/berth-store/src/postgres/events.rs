@@ -2,7 +2,7 @@ use sqlx::{Postgres, QueryBuilder};
 use tokio::sync::watch;
 
 use super::PostgresStore;
-use crate::rows::{self, db_error};
+use crate::rows::{self, db_error, ColumnReader};
 use crate::{Event, EventFilter, EventStore, Result};
 
 #[async_trait::async_trait]
@@ -47,6 +47,20 @@ impl EventStore for PostgresStore {
             .iter()
             .map(rows::read_event)
             .collect()
+    }
+
+    async fn latest_event_id(&self, tenant: berth_proto::TenantId) -> Result<i64> {
+        // Ids are numbered in commit order, so the highest visible one has every lower one
+        // visible too: a reader after it misses nothing.
+        let row = sqlx::query(
+            "SELECT COALESCE(MAX(id), 0)::BIGINT AS latest FROM events \
+             WHERE tenant_id = $1 AND id IS NOT NULL",
+        )
+        .bind(tenant.0)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db_error("latest event id"))?;
+        row.int("latest")
     }
 
     fn events_written(&self) -> watch::Receiver<u64> {

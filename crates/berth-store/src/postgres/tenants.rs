@@ -7,8 +7,11 @@ use time::OffsetDateTime;
 use super::audit::append;
 use super::PostgresStore;
 use crate::domain::audit::{admin_event, agent_token_event, api_token_event};
-use crate::rows::{self, db_error, get, millis};
-use crate::{ApiToken, NewApiToken, NewRegistrationToken, Result, Tenant, TenantStore};
+use crate::rows::{self, db_error, get, millis, ColumnReader};
+use crate::{
+    ApiToken, NewApiToken, NewRegistrationToken, NewUiSession, Result, Tenant, TenantStore,
+    UiSession,
+};
 use berth_proto::audit::actions::TENANT_CREATE;
 use berth_proto::audit::AuditActor;
 use serde_json::json;
@@ -124,6 +127,58 @@ impl TenantStore for PostgresStore {
         .await
         .map_err(db_error("check operator token"))?;
         get(&row, "found")
+    }
+
+    async fn create_ui_session(&self, session: NewUiSession) -> Result<()> {
+        const OP: &str = "create ui session";
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= $1")
+            .bind(millis(session.created_at))
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+        sqlx::query(
+            "INSERT INTO ui_sessions (id_hash, token_id, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(&session.id_hash)
+        .bind(session.token_id.0)
+        .bind(millis(session.created_at))
+        .bind(millis(session.expires_at))
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        tx.commit().await.map_err(db_error(OP))
+    }
+
+    async fn ui_session(&self, id_hash: &str, now: OffsetDateTime) -> Result<Option<UiSession>> {
+        sqlx::query(
+            "SELECT t.id, t.tenant_id, t.name, t.role, t.operator, t.created_at, \
+             s.expires_at AS session_expires_at \
+             FROM ui_sessions s JOIN api_tokens t ON t.id = s.token_id \
+             WHERE s.id_hash = $1 AND s.expires_at > $2",
+        )
+        .bind(id_hash)
+        .bind(millis(now))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_error("look up ui session"))?
+        .map(|row| {
+            Ok(UiSession {
+                token: rows::read_api_token(&row)?,
+                expires_at: row.time("session_expires_at")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn delete_ui_session(&self, id_hash: &str) -> Result<bool> {
+        let done = sqlx::query("DELETE FROM ui_sessions WHERE id_hash = $1")
+            .bind(id_hash)
+            .execute(&self.pool)
+            .await
+            .map_err(db_error("delete ui session"))?;
+        Ok(done.rows_affected() > 0)
     }
 
     async fn create_registration_token(&self, token: NewRegistrationToken) -> Result<()> {

@@ -2,7 +2,7 @@ use rusqlite::params_from_iter;
 use tokio::sync::watch;
 
 use super::{id_text, Query, SqliteStore};
-use crate::rows;
+use crate::rows::{self, ColumnReader};
 use crate::{Event, EventFilter, EventStore, Result};
 
 #[async_trait::async_trait]
@@ -44,6 +44,18 @@ impl EventStore for SqliteStore {
                 db.all(&query.sql, params_from_iter(query.params), |row| {
                     rows::read_event(row)
                 })
+            })
+            .await
+    }
+
+    async fn latest_event_id(&self, tenant: berth_proto::TenantId) -> Result<i64> {
+        self.readers
+            .read("latest event id", move |db| {
+                db.one(
+                    "SELECT COALESCE(MAX(id), 0) AS latest FROM events WHERE tenant_id = ?1",
+                    [id_text(tenant.0)],
+                    |row| row.int("latest"),
+                )
             })
             .await
     }

@@ -8,7 +8,10 @@ use super::audit::append;
 use super::{id_text, json_text, SqliteStore};
 use crate::domain::audit::{admin_event, agent_token_event, api_token_event};
 use crate::rows::{self, unix_millis, ColumnReader};
-use crate::{ApiToken, NewApiToken, NewRegistrationToken, Result, Tenant, TenantStore};
+use crate::{
+    ApiToken, NewApiToken, NewRegistrationToken, NewUiSession, Result, Tenant, TenantStore,
+    UiSession,
+};
 use berth_proto::audit::actions::TENANT_CREATE;
 use berth_proto::audit::AuditActor;
 use serde_json::json;
@@ -122,6 +125,56 @@ impl TenantStore for SqliteStore {
                     [id_text(tenant.0)],
                     |row| row.flag("found"),
                 )
+            })
+            .await
+    }
+
+    async fn create_ui_session(&self, session: NewUiSession) -> Result<()> {
+        self.writer
+            .write("create ui session", move |tx| {
+                let created = unix_millis(session.created_at);
+                tx.execute("DELETE FROM ui_sessions WHERE expires_at <= ?1", [created])?;
+                tx.execute(
+                    "INSERT INTO ui_sessions (id_hash, token_id, created_at, expires_at) \
+                     VALUES (?1, ?2, ?3, ?4)",
+                    params![
+                        session.id_hash,
+                        id_text(session.token_id.0),
+                        created,
+                        unix_millis(session.expires_at),
+                    ],
+                )?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn ui_session(&self, id_hash: &str, now: OffsetDateTime) -> Result<Option<UiSession>> {
+        let (id_hash, now) = (id_hash.to_owned(), unix_millis(now));
+        self.readers
+            .read("look up ui session", move |db| {
+                db.optional(
+                    "SELECT t.id, t.tenant_id, t.name, t.role, t.operator, t.created_at, \
+                     s.expires_at AS session_expires_at \
+                     FROM ui_sessions s JOIN api_tokens t ON t.id = s.token_id \
+                     WHERE s.id_hash = ?1 AND s.expires_at > ?2",
+                    params![id_hash, now],
+                    |row| {
+                        Ok(UiSession {
+                            token: rows::read_api_token(row)?,
+                            expires_at: row.time("session_expires_at")?,
+                        })
+                    },
+                )
+            })
+            .await
+    }
+
+    async fn delete_ui_session(&self, id_hash: &str) -> Result<bool> {
+        let id_hash = id_hash.to_owned();
+        self.writer
+            .write("delete ui session", move |tx| {
+                Ok(tx.execute("DELETE FROM ui_sessions WHERE id_hash = ?1", [id_hash])? > 0)
             })
             .await
     }

@@ -1,0 +1,168 @@
+//! The page shell (head, navigation, sign-out form) and the small pieces every page uses.
+//! Everything is interpolated through maud, which escapes it.
+
+use berth_proto::agent::AgentStatus;
+use maud::{html, Markup, DOCTYPE};
+use time::OffsetDateTime;
+
+use super::session::UiCaller;
+use super::{SCRIPT_ASSET, STYLE_ASSET};
+use crate::error::ApiError;
+
+/// Which navigation entry a page belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Nav {
+    Overview,
+    Agents,
+    Environments,
+    Tasks,
+    Audit,
+}
+
+const NAV: [(Nav, &str, &str); 5] = [
+    (Nav::Overview, "/", "Overview"),
+    (Nav::Agents, "/agents", "Agents"),
+    (Nav::Environments, "/environments", "Environments"),
+    (Nav::Tasks, "/tasks", "Tasks"),
+    (Nav::Audit, "/audit", "Audit"),
+];
+
+fn head(title: &str) -> Markup {
+    html! {
+        head {
+            meta charset="utf-8";
+            meta name="viewport" content="width=device-width, initial-scale=1";
+            meta name="color-scheme" content="light dark";
+            title { (title) " · berth" }
+            link rel="stylesheet" href=(STYLE_ASSET.path);
+            script src=(SCRIPT_ASSET.path) defer {}
+        }
+    }
+}
+
+/// What makes a page live: the event filter (query string of `/api/v1/events`) whose events make
+/// the script re-render `<main>`, and the newest event id before the page read its data, so the
+/// stream resumes from there and misses no change the page does not show.
+pub struct Live {
+    pub filter: String,
+    pub cursor: i64,
+}
+
+/// A signed-in page; `live` is `None` for a page that does not change by itself.
+pub fn page(ui: &UiCaller, nav: Nav, title: &str, live: Option<Live>, body: Markup) -> Markup {
+    let token = &ui.caller.0;
+    let (filter, cursor) = match live {
+        Some(l) => (Some(l.filter), Some(l.cursor)),
+        None => (None, None),
+    };
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            (head(title))
+            body {
+                a.skip href="#main" { "Skip to content" }
+                header.top {
+                    a.brand href="/" { "berth" }
+                    nav aria-label="Main" {
+                        ul {
+                            @for (entry, href, label) in NAV {
+                                li {
+                                    @if entry == nav {
+                                        a href=(href) aria-current="page" { (label) }
+                                    } @else {
+                                        a href=(href) { (label) }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    div.who {
+                        span { (token.name) " · " (token.role.as_str()) }
+                        form method="post" action="/logout" {
+                            input type="hidden" name="csrf" value=(ui.csrf);
+                            button.link type="submit" { "Sign out" }
+                        }
+                    }
+                }
+                main #main data-live=[filter] data-cursor=[cursor] {
+                    h1 { (title) }
+                    (body)
+                }
+                p.live-status aria-live="polite" hidden { }
+            }
+        }
+    }
+}
+
+/// A page without a session: sign-in and errors.
+pub fn bare(title: &str, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            (head(title))
+            body.bare {
+                main #main {
+                    p.brand { "berth" }
+                    h1 { (title) }
+                    (body)
+                }
+            }
+        }
+    }
+}
+
+pub fn error(e: &ApiError) -> Markup {
+    bare(
+        e.status.canonical_reason().unwrap_or("Error"),
+        html! {
+            p.error role="alert" { code { (e.code) } ": " (e.detail) }
+            p { a href="/" { "Back to the overview" } }
+        },
+    )
+}
+
+pub fn status_badge(status: AgentStatus) -> Markup {
+    let text = match status {
+        AgentStatus::Registered => "registered",
+        AgentStatus::Online => "online",
+        AgentStatus::Degraded => "degraded",
+        AgentStatus::Offline => "offline",
+    };
+    badge(text)
+}
+
+/// A state word with a class of the same name, so the stylesheet colours it.
+pub fn badge(state: &str) -> Markup {
+    html! { span.badge data-state=(state) { (state) } }
+}
+
+pub fn time(t: Option<OffsetDateTime>) -> Markup {
+    match t {
+        Some(t) => {
+            let text = t
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default();
+            html! { time datetime=(text) { (text.replace('T', " ")) } }
+        }
+        None => html! { span.muted { "—" } },
+    }
+}
+
+pub fn labels(labels: &std::collections::BTreeMap<String, String>) -> Markup {
+    html! {
+        @if labels.is_empty() {
+            span.muted { "—" }
+        } @else {
+            ul.chips {
+                @for (k, v) in labels {
+                    li.chip { (k) "=" (v) }
+                }
+            }
+        }
+    }
+}
+
+/// A hidden CSRF field for a form of this session.
+pub fn csrf(ui: &UiCaller) -> Markup {
+    html! { input type="hidden" name="csrf" value=(ui.csrf); }
+}

@@ -1,0 +1,134 @@
+//! The web UI, served at `/` on the API's listener: server-rendered HTML (maud), one script for
+//! live updates (`assets/app.js`: an `EventSource` on `/api/v1/events` that re-renders the page's
+//! `<main>` from the server) and one stylesheet, both compiled into the binary and served under
+//! a content-hashed name.
+//!
+//! What stays true: every response carries [`CSP`] (no inline script or style anywhere, so the
+//! templates use neither) and `nosniff`/`no-referrer`/`frame-ancestors 'none'`; every value is
+//! interpolated through maud, which escapes it (nothing here uses `PreEscaped` on data); every
+//! POST checks the session's CSRF token before anything else; and every page and action acts as
+//! the session's API token through the API's own handlers, so the roles and tenant scoping are
+//! the API's (`session.rs`). These routes are not part of the JSON API: they are merged into the
+//! router outside `routes::declared`, so the OpenAPI document does not list them.
+
+use std::sync::LazyLock;
+
+use axum::extract::Path;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::map_response;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use maud::Markup;
+
+use crate::error::ApiError;
+use crate::SharedState;
+
+mod actions;
+mod layout;
+mod pages;
+pub mod session;
+
+/// The Content-Security-Policy of every UI response.
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+    img-src 'self' data:; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; \
+    base-uri 'none'";
+
+const SCRIPT: &str = include_str!("assets/app.js");
+const STYLE: &str = include_str!("assets/app.css");
+
+/// An embedded asset under its content-hashed name: the name changes when the bytes do, so it
+/// can be cached for a year.
+pub struct Asset {
+    pub path: String,
+    body: &'static str,
+    content_type: &'static str,
+}
+
+fn asset(stem: &str, ext: &str, body: &'static str, content_type: &'static str) -> Asset {
+    let hash = berth_crypto::sha256_hex(body.as_bytes());
+    Asset {
+        path: format!("/assets/{stem}.{}.{ext}", &hash[..16]),
+        body,
+        content_type,
+    }
+}
+
+pub static SCRIPT_ASSET: LazyLock<Asset> =
+    LazyLock::new(|| asset("app", "js", SCRIPT, "text/javascript; charset=utf-8"));
+pub static STYLE_ASSET: LazyLock<Asset> =
+    LazyLock::new(|| asset("app", "css", STYLE, "text/css; charset=utf-8"));
+
+pub(crate) fn router() -> Router<SharedState> {
+    Router::new()
+        .route("/", get(pages::overview))
+        .route("/login", get(session::login_page).post(session::login))
+        .route("/logout", post(session::logout))
+        .route("/agents", get(pages::agents))
+        .route("/agents/{id}", get(pages::agent))
+        .route("/tasks", get(pages::tasks))
+        .route("/tasks/{id}", get(pages::task))
+        .route("/audit", get(pages::audit))
+        .route("/environments", get(pages::environments))
+        .route("/environments/{name}", get(pages::environment))
+        .route("/environments/{name}/plan", post(actions::plan))
+        .route("/environments/{name}/deploy", post(actions::deploy))
+        .route("/environments/{name}/rollback", post(actions::rollback))
+        .route("/deployments/{id}", get(pages::deployment))
+        .route("/deployments/{id}/approve", post(actions::approve))
+        .route("/assets/{file}", get(serve_asset))
+        .layer(map_response(security_headers))
+}
+
+/// The headers every UI response carries, whatever produced it.
+async fn security_headers(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers
+        .entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
+}
+
+async fn serve_asset(Path(file): Path<String>) -> Response {
+    for asset in [&*SCRIPT_ASSET, &*STYLE_ASSET] {
+        if asset.path.strip_prefix("/assets/") == Some(file.as_str()) {
+            return (
+                [
+                    (header::CONTENT_TYPE, asset.content_type),
+                    (header::CACHE_CONTROL, "public, max-age=31536000, immutable"),
+                ],
+                asset.body,
+            )
+                .into_response();
+        }
+    }
+    error_page(&ApiError::not_found("asset"))
+}
+
+/// An HTML page with its status.
+pub(crate) fn page_response(status: StatusCode, markup: Markup) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        markup.into_string(),
+    )
+        .into_response()
+}
+
+/// A refusal as a page: the API's status, code and detail.
+pub(crate) fn error_page(error: &ApiError) -> Response {
+    page_response(error.status, layout::error(error))
+}

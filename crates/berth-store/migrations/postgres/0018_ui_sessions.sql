@@ -1,0 +1,16 @@
+-- Web UI sessions (issue 13), PostgreSQL flavour. Keep it column-for-column symmetric with
+-- migrations/sqlite/0018_ui_sessions.sql.
+
+-- A browser session made by signing in with an API token. Only the SHA-256 of the random
+-- session id is kept (the id itself lives in the browser's HttpOnly cookie). The session acts as
+-- its token: the lookup joins `api_tokens`, so it has the token's current tenant and role, and
+-- deleting the token deletes its sessions (the cascade).
+CREATE TABLE ui_sessions (
+    id_hash    TEXT           NOT NULL PRIMARY KEY,
+    token_id   UUID           NOT NULL REFERENCES api_tokens (id) ON DELETE CASCADE,
+    created_at TIMESTAMPTZ(3) NOT NULL,
+    expires_at TIMESTAMPTZ(3) NOT NULL CHECK (expires_at > created_at)
+);
+
+CREATE INDEX idx_ui_sessions_token ON ui_sessions (token_id);
+CREATE INDEX idx_ui_sessions_expires ON ui_sessions (expires_at);
