@@ -18,6 +18,8 @@ pub struct AgentConfig {
     pub sticker_dir: Option<PathBuf>,
     /// Tasks run at once.
     pub max_concurrent_tasks: usize,
+    /// Where `/healthz` and `/readyz` are served (plain HTTP); `None`: nowhere.
+    pub probe_listen: Option<std::net::SocketAddr>,
 }
 
 impl AgentConfig {
@@ -50,6 +52,7 @@ impl AgentConfig {
             allow_hooks: Vec::new(),
             sticker_dir: None,
             max_concurrent_tasks: 8,
+            probe_listen: None,
         }
     }
 }

@@ -360,8 +360,13 @@ fn phase_of(
     (queued, None)
 }
 
+/// A target whose wave may end: done, failed, or skipped because its agent was cordoned when
+/// the wave reached it.
 fn is_settled(phase: TargetPhase) -> bool {
-    matches!(phase, TargetPhase::Succeeded | TargetPhase::Failed)
+    matches!(
+        phase,
+        TargetPhase::Succeeded | TargetPhase::Failed | TargetPhase::Skipped
+    )
 }
 
 async fn snapshots(
@@ -515,12 +520,16 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
                                 match create_tasks(state, &detail, t, &release, &policy, ROLLBACK)
                                     .await?
                                 {
-                                    Some(ids) => {
+                                    Queued::Tasks(ids) => {
                                         t.rollback_tasks = ids;
                                         t.phase = TargetPhase::RollingBack;
                                         t.finished_at = None;
                                     }
-                                    None => gone(t, TargetPhase::RollbackFailed, now),
+                                    Queued::Gone => gone(t, TargetPhase::RollbackFailed, now),
+                                    // Cordoned since its wave: the operator decides.
+                                    Queued::Cordoned => {
+                                        cordoned(t, TargetPhase::RollbackFailed, now)
+                                    }
                                 }
                             }
                         }
@@ -543,11 +552,12 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
             for t in &mut targets {
                 if t.wave == next.wave && t.phase == TargetPhase::Waiting {
                     match create_tasks(state, &detail, t, &release, &policy, DEPLOY).await? {
-                        Some(ids) => {
+                        Queued::Tasks(ids) => {
                             t.tasks = ids;
                             t.phase = TargetPhase::Queued;
                         }
-                        None => gone(t, TargetPhase::Failed, now),
+                        Queued::Gone => gone(t, TargetPhase::Failed, now),
+                        Queued::Cordoned => cordoned(t, TargetPhase::Skipped, now),
                     }
                 }
             }
@@ -614,6 +624,24 @@ fn gone(t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime)
 /// A target's code when its agent is gone.
 const AGENT_DELETED: &str = "AGENT_DELETED";
 
+/// The target's agent was cordoned after the deployment was planned: its wave reached it and
+/// found that no new work may go there. A deploy skips it; a rollback cannot return it.
+fn cordoned(t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime) {
+    t.phase = phase;
+    t.error_code = Some(berth_proto::error::codes::AGENT_CORDONED.into());
+    t.detail = Some(format!("agent {} is cordoned", t.agent_name));
+    t.finished_at = Some(now);
+}
+
+/// What [`create_tasks`] did for a target.
+enum Queued {
+    Tasks(Vec<TaskId>),
+    /// The agent no longer exists.
+    Gone,
+    /// The agent is cordoned: nothing was queued.
+    Cordoned,
+}
+
 fn skip_waiting(targets: &mut [DeploymentTarget]) {
     for t in targets {
         if t.phase == TargetPhase::Waiting {
@@ -656,8 +684,8 @@ async fn cancel_open(
     Ok(())
 }
 
-/// Creates (or finds again, by key) one task per component of `release` for the target; `None`
-/// when the target's agent no longer exists.
+/// Creates (or finds again, by key) one task per component of `release` for the target. The
+/// server's own tasks have no queue cap (one per component per target per deployment).
 async fn create_tasks(
     state: &SharedState,
     detail: &DeploymentDetail,
@@ -665,10 +693,10 @@ async fn create_tasks(
     release: &Release,
     policy: &RolloutPolicy,
     purpose: &str,
-) -> Result<Option<Vec<TaskId>>, StoreError> {
+) -> Result<Queued, StoreError> {
     let d = &detail.deployment;
     let Some(agent) = state.store.get_agent(d.tenant_id, target.agent_id).await? else {
-        return Ok(None);
+        return Ok(Queued::Gone);
     };
     let mut ids = Vec::new();
     for component in &release.components {
@@ -695,15 +723,24 @@ async fn create_tasks(
             )),
             request_hash: None,
             read_back_of: None,
+            queue_cap: None,
             created_at: state.config.clock.now(),
             created_by: Some(d.requested_by.clone()),
         };
         match state.store.create_task(task).await {
             Err(StoreError::Conflict {
                 constraint: "task_agent",
-            }) => return Ok(None),
+            }) => return Ok(Queued::Gone),
             Err(e) => return Err(e),
             Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => ids.push(t.id),
+            // A component queued before the cordon stays queued; the target is skipped.
+            Ok(CreateTaskOutcome::AgentCordoned) => return Ok(Queued::Cordoned),
+            Ok(CreateTaskOutcome::QueueFull { .. }) => {
+                return Err(StoreError::Corrupt(format!(
+                    "deployment {} task for {} was refused by a queue cap it does not carry",
+                    d.id, target.agent_name
+                )))
+            }
             Ok(CreateTaskOutcome::KeyConflict) => {
                 return Err(StoreError::Corrupt(format!(
                     "deployment {} task key for {} is taken by another request",
@@ -712,7 +749,7 @@ async fn create_tasks(
             }
         }
     }
-    Ok(Some(ids))
+    Ok(Queued::Tasks(ids))
 }
 
 #[cfg(test)]
@@ -740,6 +777,8 @@ mod tests {
             certificate_fingerprint: None,
             certificate_expires_at: None,
             previous_certificate_fingerprint: None,
+            cordoned: false,
+            suspended: false,
             created_at: now,
             updated_at: now,
         }

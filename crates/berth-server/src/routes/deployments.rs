@@ -9,7 +9,7 @@ use berth_proto::deploy::{
     valid_environment_name, ApprovalView, CreateDeployment, CreateEnvironment, DeploymentKind,
     DeploymentList, DeploymentPlan, DeploymentTargetView, DeploymentView, Drift, EnvironmentList,
     EnvironmentStatus, EnvironmentView, ListDeployments, PlanComponent, PlanTarget, PlanWave,
-    TargetStatus, DEFAULT_DRIFT_INTERVAL_SECS,
+    SkippedTarget, TargetStatus, DEFAULT_DRIFT_INTERVAL_SECS,
 };
 use berth_proto::error::codes;
 use berth_proto::kind::TaskKind;
@@ -335,7 +335,7 @@ pub async fn rollback_environment(
         )
     })?;
     let release = release(&state, &caller, &previous.name).await?;
-    let agents = targets(&state, &env, &release).await?;
+    let (agents, _) = targets(&state, &env, &release).await?;
     start(
         &state,
         &env,
@@ -361,12 +361,13 @@ async fn release(state: &SharedState, caller: &Caller, name: &str) -> ApiResult<
         })
 }
 
-/// The environment's targets for this release: at least one, each able to run it.
+/// The environment's targets for this release: at least one, each able to run it; and the
+/// agents it selects but leaves out because they are cordoned.
 async fn targets(
     state: &SharedState,
     env: &Environment,
     release: &Release,
-) -> ApiResult<Vec<Agent>> {
+) -> ApiResult<(Vec<Agent>, Vec<SkippedTarget>)> {
     if release.components.is_empty() || release.compose_lock.is_some() {
         return Err(invalid(format!(
             "release {:?} is a compose release; environments deploy component releases \
@@ -374,12 +375,24 @@ async fn targets(
             release.name
         )));
     }
-    let agents = crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None).await?;
+    let (agents, skipped): (Vec<Agent>, Vec<Agent>) =
+        crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None)
+            .await?
+            .into_iter()
+            .partition(|a| !a.cordoned);
+    let skipped: Vec<SkippedTarget> = skipped
+        .into_iter()
+        .map(|a| SkippedTarget {
+            agent_id: a.id,
+            agent_name: a.name,
+            reason: codes::AGENT_CORDONED.to_string(),
+        })
+        .collect();
     if agents.is_empty() {
         return Err(ApiError::unprocessable(
             codes::NO_TARGETS,
             format!(
-                "no agent carries the labels of environment {:?} ({})",
+                "no uncordoned agent carries the labels of environment {:?} ({})",
                 env.name,
                 env.selector
                     .iter()
@@ -418,7 +431,7 @@ async fn targets(
             })?;
         }
     }
-    Ok(agents)
+    Ok((agents, skipped))
 }
 
 /// Everything a deployment of `req` needs, checked in the order an operator fixes them: the
@@ -428,7 +441,7 @@ async fn prepare(
     state: &SharedState,
     caller: &Caller,
     req: &CreateDeployment,
-) -> ApiResult<(Environment, Release, Vec<Agent>)> {
+) -> ApiResult<(Environment, Release, Vec<Agent>, Vec<SkippedTarget>)> {
     let env = environment(state, caller, &req.environment).await?;
     let release = release(state, caller, &req.release).await?;
     if let Some(pin) = env.pinned_release.as_ref().filter(|p| p.id != release.id) {
@@ -456,8 +469,8 @@ async fn prepare(
             ));
         }
     }
-    let agents = targets(state, &env, &release).await?;
-    Ok((env, release, agents))
+    let (agents, skipped) = targets(state, &env, &release).await?;
+    Ok((env, release, agents, skipped))
 }
 
 async fn start(
@@ -501,7 +514,7 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateDeployment>,
 ) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
     caller.require_deployer()?;
-    let (env, release, agents) = prepare(&state, &caller, &req).await?;
+    let (env, release, agents, _) = prepare(&state, &caller, &req).await?;
     start(
         &state,
         &env,
@@ -514,7 +527,8 @@ pub async fn create(
 }
 
 /// What a deployment would do, per wave and target: each target's release and digests as its
-/// last verified read-back found them, and the new digest per component. Changes nothing.
+/// last verified read-back found them, and the new digest per component; and the selected
+/// agents it would skip (cordoned). Changes nothing.
 #[utoipa::path(post, path = "/api/v1/deployments/plan", tag = "deployments", request_body = CreateDeployment, security(("bearer" = [])),
     responses(
         (status = 200, body = DeploymentPlan),
@@ -528,7 +542,7 @@ pub async fn plan(
     ApiJson(req): ApiJson<CreateDeployment>,
 ) -> ApiResult<Json<DeploymentPlan>> {
     caller.can_read()?;
-    let (env, release, agents) = prepare(&state, &caller, &req).await?;
+    let (env, release, agents, skipped) = prepare(&state, &caller, &req).await?;
     let observations = state.store.target_observations(env.id).await?;
     let waves = crate::deploy::waves(&agents, &env.policy)
         .map(|(wave, chunk)| PlanWave {
@@ -568,6 +582,7 @@ pub async fn plan(
         rollback_release: env.current_release.map(|r| r.name),
         approvals: env.approvals,
         waves,
+        skipped,
     }))
 }
 
