@@ -189,3 +189,48 @@ fn cordon_suspend_drain_and_the_queue_cap() {
     let refused = try_create(&server, id).expect_err("a drained agent stays cordoned");
     assert!(refused.contains("AGENT_CORDONED"), "{refused}");
 }
+
+/// An executor the agent offered that stops answering makes it unready while it still holds
+/// its session: here a Docker socket that accepts connections and never answers, then none.
+#[test]
+fn readyz_names_an_unhealthy_executor() {
+    let root = tempdir();
+    let server = Server::start(
+        &root.path().join("server"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let socket = root.path().join("docker.sock");
+    let silent = std::os::unix::net::UnixListener::bind(&socket).expect("bind the socket");
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let docker_host = format!("unix://{}", socket.display());
+    let agent = Agent::spawn_registered(
+        &server,
+        root.path(),
+        "dockerless",
+        &["--probe-listen", &listen],
+        |state_dir, args| {
+            let mut cmd = agent_command(state_dir, args);
+            cmd.env("DOCKER_HOST", &docker_host);
+            cmd
+        },
+    );
+    server.wait_agent(&agent.id, "a heartbeat naming docker unhealthy", |a| {
+        a["status"] == "degraded" && a["lastHeartbeat"].is_string()
+    });
+    let body = wait_probe(port, "/readyz", "readyz 503 naming docker", |s, _| s == 503);
+    let reason = body["reason"].as_str().unwrap_or("");
+    assert!(reason.contains("executor docker is unhealthy"), "{body}");
+    let (status, _) = probe(port, "/healthz").expect("healthz");
+    assert_eq!(status, 200);
+
+    drop(silent);
+    std::fs::remove_file(&socket).expect("remove the socket");
+    let body = wait_probe(port, "/readyz", "readyz naming docker gone", |s, b| {
+        s == 503
+            && b["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("docker is gone"))
+    });
+    assert_eq!(body["ready"], false);
+}
