@@ -20,6 +20,8 @@ pub struct AgentConfig {
     pub upload_root: Option<PathBuf>,
     /// Tasks run at once.
     pub max_concurrent_tasks: usize,
+    /// Where `/healthz` and `/readyz` are served (plain HTTP); `None`: nowhere.
+    pub probe_listen: Option<std::net::SocketAddr>,
 }
 
 impl AgentConfig {
@@ -60,6 +62,7 @@ impl AgentConfig {
             sticker_dir: None,
             upload_root: None,
             max_concurrent_tasks: 8,
+            probe_listen: None,
         }
     }
 }

@@ -14,6 +14,7 @@ use time::OffsetDateTime;
 use crate::capabilities;
 use crate::config::AgentConfig;
 use crate::link::{Link, SharedLink};
+use crate::probe::Readiness;
 use crate::renew::{renew, renewal_due};
 use crate::resources::Sampler;
 use crate::retry::with_retries;
@@ -33,6 +34,8 @@ pub(crate) struct Heartbeats<'a> {
     pub capabilities: Capabilities,
     /// The compose capability found at start; probed again every [`COMPOSE_PROBE_EVERY`].
     pub compose: Option<Capability>,
+    /// Renewed with every heartbeat the server applied, for `/readyz`.
+    pub readiness: Readiness,
 }
 
 impl Heartbeats<'_> {
@@ -89,10 +92,12 @@ impl Heartbeats<'_> {
             };
             let Link { client, key } = self.link.current();
             let headers = [(GENERATION_HEADER, generation_header.as_str())];
+            let mut attempted = Instant::now();
             let sent = with_retries("heartbeat", self.config.retry_budget, || {
                 // Every attempt is a new heartbeat: one whose answer was lost may have been
                 // applied, and sending its sequence again would be refused as a replay.
                 sequence += 1;
+                attempted = Instant::now();
                 let signed = signed(&heartbeat, sequence, &key);
                 let client = &client;
                 let headers = &headers;
@@ -100,6 +105,8 @@ impl Heartbeats<'_> {
             })
             .await?;
             let interval = Duration::from_secs(sent.heartbeat_interval_seconds.max(1));
+            self.readiness
+                .renewed(attempted, crate::probe::lease_after(interval));
             tokio::time::sleep(interval).await;
         }
     }

@@ -22,6 +22,7 @@ mod installation;
 mod journal;
 mod link;
 pub mod openbao;
+mod probe;
 mod renew;
 mod report;
 mod resources;

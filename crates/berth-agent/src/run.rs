@@ -15,6 +15,7 @@ use crate::config::AgentConfig;
 use crate::heartbeat::Heartbeats;
 use crate::installation::Installation;
 use crate::link::{Link, SharedLink};
+use crate::probe::{self, Readiness};
 use crate::retry::with_retries;
 use crate::state::StateDir;
 use crate::tasks::Runner;
@@ -58,6 +59,13 @@ pub async fn run(
     let instance_id = uuid::Uuid::new_v4().to_string();
 
     tokio::pin!(shutdown);
+    // Bound first, so a bad address stops the agent before anything else; served once the
+    // executors are known (what readiness checks), answering 503 until the session is held.
+    let probe_listener = match config.probe_listen {
+        Some(addr) => Some(probe::bind(addr).await?),
+        None => None,
+    };
+    let readiness = Readiness::default();
     // Before the first poll, so it already offers what this host can do.
     let (docker, compose) = tokio::select! {
         _ = &mut shutdown => return Ok(()),
@@ -71,6 +79,15 @@ pub async fn run(
             .collect(),
     );
 
+    // Aborted when this function returns: the probes end with the agent's work.
+    let _probes = probe_listener.map(|listener| {
+        AbortOnDrop(tokio::spawn(probe::serve(
+            listener,
+            readiness.clone(),
+            capabilities.clone(),
+        )))
+    });
+
     // Held until this function returns: the proof to the next process of this installation.
     let installation = Installation::claim(&state);
     let acquire = AcquireSession {
@@ -80,10 +97,17 @@ pub async fn run(
         lock: installation.lock_id(),
     };
     let client = link.current().client;
+    let asked = std::time::Instant::now();
     let session = tokio::select! {
         _ = &mut shutdown => return Ok(()),
         s = with_retries("session", config.retry_budget, || client.send(&acquire)) => s?,
     };
+    readiness.renewed(
+        asked,
+        probe::lease_after(Duration::from_secs(
+            session.heartbeat_interval_seconds.max(1),
+        )),
+    );
     let generation = session.generation;
     tracing::info!(%agent_id, %server, generation, instance = %instance_id, capabilities = ?capabilities.offered(), "agent started; session acquired");
 
@@ -102,6 +126,7 @@ pub async fn run(
         generation,
         capabilities,
         compose,
+        readiness: readiness.clone(),
     }
     .run(identity);
     let outcome = tokio::select! {
@@ -109,6 +134,10 @@ pub async fn run(
         r = heartbeats => r,
         r = runner.poll_loop() => r,
     };
+    readiness.lost(match &outcome {
+        Ok(()) => "the agent is stopping".into(),
+        Err(e) => e.to_string(),
+    });
     // Stop running work: all of it when fenced (another process owns the identity now), after a
     // short grace otherwise so results already computed still reach the server.
     let fenced = matches!(outcome, Err(AgentError::Fenced(_)));
@@ -138,4 +167,13 @@ pub async fn run(
         }
     }
     outcome
+}
+
+/// Aborts its task when dropped, whichever way [`run`] returns.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

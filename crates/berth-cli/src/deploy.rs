@@ -129,6 +129,9 @@ pub fn print_plan(out: Output, p: &DeploymentPlan) -> anyhow::Result<()> {
                 }
             }
         }
+        for t in &p.skipped {
+            lines.push(format!("skipped: {} ({})", t.agent_name, t.reason));
+        }
         lines.join("\n")
     })
 }

@@ -70,6 +70,7 @@ pub fn default_agent_name() -> String {
     }
 }
 
+pub mod agents;
 pub mod audit;
 pub mod bundle;
 pub mod deploy;

@@ -85,6 +85,16 @@ fn when(t: Option<time::OffsetDateTime>) -> String {
     t.map(rfc3339).unwrap_or_else(|| "never".into())
 }
 
+/// The status, with `,cordoned` when no new work is routed to it (`blocked` already says
+/// suspended).
+fn status(a: &Agent) -> String {
+    if a.cordoned {
+        format!("{},cordoned", a.status.as_str())
+    } else {
+        a.status.as_str().to_string()
+    }
+}
+
 pub fn print_agents(out: Output, agents: &[Agent]) -> anyhow::Result<()> {
     out.print(&agents, || {
         let rows: Vec<Vec<String>> = agents
@@ -93,7 +103,7 @@ pub fn print_agents(out: Output, agents: &[Agent]) -> anyhow::Result<()> {
                 vec![
                     a.id.to_string(),
                     a.name.clone(),
-                    a.status.as_str().to_string(),
+                    status(a),
                     when(a.last_heartbeat),
                     capabilities(a),
                     labels(a),
@@ -134,7 +144,9 @@ pub fn print_agent(out: Output, a: &Agent) -> anyhow::Result<()> {
         let rows = vec![
             vec!["id".into(), a.id.to_string()],
             vec!["name".into(), a.name.clone()],
-            vec!["status".into(), a.status.as_str().into()],
+            vec!["status".into(), status(a)],
+            vec!["cordoned".into(), a.cordoned.to_string()],
+            vec!["suspended".into(), a.suspended.to_string()],
             vec!["version".into(), a.version.clone()],
             vec![
                 "environment".into(),

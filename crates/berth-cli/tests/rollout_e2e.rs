@@ -782,3 +782,114 @@ fn an_agent_killed_mid_wave_holds_the_deployment_on_unknown() {
     assert_eq!(healed["release"], "r1");
     wait_serving(port, "k");
 }
+
+/// Issue 14 against deployments: a cordoned target is left out of the plan (`skipped`) and of
+/// the deployment; a suspended target holds a running deployment (its task stays queued, the
+/// agent keeps heartbeating) until it is resumed; a drain waits for the deployment's task.
+#[test]
+fn cordoned_targets_are_skipped_and_a_suspended_one_holds_the_wave() {
+    let Some(env) =
+        fixtures::env("cordoned_targets_are_skipped_and_a_suspended_one_holds_the_wave")
+    else {
+        return;
+    };
+    let cleanup = Cleanup::new(&fixtures::unique("berth-e2e"));
+    let prefix = cleanup.prefix.clone();
+    let tmp = tempdir();
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let mut ports = Vec::new();
+    let mut agents = Vec::new();
+    for name in ["c1", "c2"] {
+        let port = free_port();
+        let labels = vec![
+            "env=c".to_string(),
+            format!("port={port}"),
+            format!("health={port}"),
+        ];
+        agents.push(target(&server, tmp.path(), name, &labels));
+        ports.push(port);
+    }
+    let v1 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "c1", None);
+    let v2 = make_image(&env.registry, &prefix, "web", Variant::Healthy, "c2", None);
+    release(&server, &prefix, "r1", &v1);
+    release(&server, &prefix, "r2", &v2);
+    server.cli(&[
+        "env",
+        "create",
+        "c",
+        "--tier",
+        "dev",
+        "--selector",
+        "env=c",
+        "--health-timeout",
+        "15",
+    ]);
+
+    // Cordoned: in no wave of the plan, named under `skipped`, and not deployed to.
+    server.cli(&["agents", "cordon", &agents[1].id]);
+    let plan = server.cli(&["deploy", "r1", "--env", "c", "--dry-run"]);
+    assert_eq!(plan["skipped"][0]["agentName"], "c2", "{plan}");
+    assert_eq!(plan["skipped"][0]["reason"], "AGENT_CORDONED", "{plan}");
+    let waved: Vec<&Value> = plan["waves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|w| w["targets"].as_array().unwrap())
+        .collect();
+    assert_eq!(waved.len(), 1, "{plan}");
+    assert_eq!(waved[0]["agentName"], "c1", "{plan}");
+    let (code, out, err) = deploy_wait(&server, "r1", "c");
+    assert_eq!(code, 0, "{out}\n{err}");
+    wait_serving(ports[0], "c1");
+    assert!(
+        http_body(ports[1]).is_none(),
+        "the cordoned target got nothing"
+    );
+    let d = server.cli(&["deployment", "ls", "--env", "c"]);
+    let id = d[0]["id"].as_str().unwrap().to_string();
+    let d = deployment(&server, &id);
+    assert_eq!(d["targets"].as_array().unwrap().len(), 1, "{d}");
+
+    // Suspended mid-deployment: its task is queued and stays queued while it heartbeats.
+    let suspended = server.cli(&["agents", "suspend", &agents[0].id]);
+    assert_eq!(suspended["status"], "blocked", "{suspended}");
+    let id = server.cli(&["deploy", "r2", "--env", "c"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let d = wait_deployment(&server, &id, "c1's task queued", |d| {
+        target_of(d, "c1")["phase"] == "queued"
+    });
+    let task = target_of(&d, "c1")["tasks"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let before = str_of(&suspended, "lastHeartbeat").to_string();
+    server.wait_agent(&agents[0].id, "heartbeats while suspended", |a| {
+        a["lastHeartbeat"].as_str().is_some_and(|h| h != before)
+    });
+    assert_eq!(server.task(&task)["state"], "pending");
+    assert_eq!(deployment(&server, &id)["state"], "running");
+
+    // Drain while the deployment waits on it, then resume: the drain ends with the wave.
+    let mut cmd = command(BERTH);
+    cmd.args(["agents", "drain", &agents[0].id, "--timeout", "200"])
+        .env("BERTH_SERVER", &server.url)
+        .env("BERTH_TOKEN", &server.admin_token)
+        .env("BERTH_CA_FILE", server.data_dir.join("ca.crt"));
+    let drain = Proc::spawn("berth agents drain", cmd);
+    server.wait_agent(&agents[0].id, "the drain's cordon", |a| {
+        a["cordoned"] == true
+    });
+    server.cli(&["agents", "resume", &agents[0].id]);
+    wait_deployment(&server, &id, "the deployment to succeed", |d| {
+        d["state"] == "succeeded"
+    });
+    wait_serving(ports[0], "c2");
+    let out = drain.finish(ROLLOUT);
+    assert!(out.status.success(), "drain: {}", out.stderr);
+    assert!(out.stdout.contains("drained"), "{}", out.stdout);
+}

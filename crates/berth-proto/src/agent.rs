@@ -102,6 +102,9 @@ pub enum AgentStatus {
     Online,
     Degraded,
     Offline,
+    /// Suspended by an operator (`berth agents suspend`): it claims nothing new. Only in views
+    /// and filters; never stored (the stored status, its liveness, goes on underneath).
+    Blocked,
 }
 
 impl AgentStatus {
@@ -111,6 +114,7 @@ impl AgentStatus {
             AgentStatus::Online => "online",
             AgentStatus::Degraded => "degraded",
             AgentStatus::Offline => "offline",
+            AgentStatus::Blocked => "blocked",
         }
     }
 
@@ -120,6 +124,7 @@ impl AgentStatus {
             "online" => Some(AgentStatus::Online),
             "degraded" => Some(AgentStatus::Degraded),
             "offline" => Some(AgentStatus::Offline),
+            "blocked" => Some(AgentStatus::Blocked),
             _ => None,
         }
     }
@@ -169,7 +174,15 @@ pub struct Agent {
     pub version: String,
     pub capabilities: Vec<Capability>,
     pub labels: BTreeMap<String, String>,
+    /// `blocked` while suspended, whatever its liveness.
     pub status: AgentStatus,
+    /// No new work is routed to it (`berth agents cordon`): task creates naming it are refused
+    /// (`409 AGENT_CORDONED`), selectors and deployments skip it; its queued tasks still run.
+    #[serde(default)]
+    pub cordoned: bool,
+    /// It claims nothing new (`berth agents suspend`); it keeps its session and heartbeats.
+    #[serde(default)]
+    pub suspended: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<String>,
     #[serde(default, with = "crate::rfc3339::option")]
@@ -329,6 +342,55 @@ impl Request for DeleteAgent {
     const METHOD: Method = Method::Delete;
     fn path(&self) -> String {
         format!("/api/v1/agents/{}", self.id)
+    }
+}
+
+/// What the agent's probe listener (`berth-agent --probe-listen`) answers on `GET /healthz`
+/// (always `ready: true` while the process runs) and `GET /readyz` (`503` with `ready: false`
+/// and a `reason` while it holds no live session or an executor it offered is unhealthy).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProbeStatus {
+    pub ready: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `POST /api/v1/agents/{id}/{cordon|uncordon|suspend|resume}` (admin): sets or lifts a hold and
+/// answers the agent as it now is. Idempotent: holding a held agent changes nothing.
+#[derive(Debug, Clone, Serialize)]
+pub struct HoldAgent {
+    #[serde(skip)]
+    pub id: AgentId,
+    #[serde(skip)]
+    pub hold: AgentHold,
+}
+
+/// The four operator holds on an agent, named as their route segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentHold {
+    Cordon,
+    Uncordon,
+    Suspend,
+    Resume,
+}
+
+impl AgentHold {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentHold::Cordon => "cordon",
+            AgentHold::Uncordon => "uncordon",
+            AgentHold::Suspend => "suspend",
+            AgentHold::Resume => "resume",
+        }
+    }
+}
+
+impl Request for HoldAgent {
+    type Response = Agent;
+    const METHOD: Method = Method::Post;
+    fn path(&self) -> String {
+        format!("/api/v1/agents/{}/{}", self.id, self.hold.as_str())
     }
 }
 

@@ -24,6 +24,12 @@ pub mod actions {
     pub const AGENT_TOKEN_CREATE: &str = "agent_token.create";
     pub const AGENT_UPDATE: &str = "agent.update";
     pub const AGENT_DELETE: &str = "agent.delete";
+    /// No new work is routed to the agent (`details`: `{}`); `agent.uncordon` lifts it.
+    pub const AGENT_CORDON: &str = "agent.cordon";
+    pub const AGENT_UNCORDON: &str = "agent.uncordon";
+    /// The agent claims nothing new; `agent.resume` lifts it.
+    pub const AGENT_SUSPEND: &str = "agent.suspend";
+    pub const AGENT_RESUME: &str = "agent.resume";
     pub const TASK_CREATE: &str = "task.create";
     pub const TASK_CANCEL: &str = "task.cancel";
     pub const TASK_RETRY: &str = "task.retry";

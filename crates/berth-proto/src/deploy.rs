@@ -575,6 +575,20 @@ pub struct DeploymentPlan {
     /// Approvals the deployment would wait for.
     pub approvals: u32,
     pub waves: Vec<PlanWave>,
+    /// Agents the environment selects that the deployment leaves out, and why
+    /// (`AGENT_CORDONED`): they are in no wave.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedTarget>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SkippedTarget {
+    pub agent_id: AgentId,
+    pub agent_name: String,
+    /// A stable code: `AGENT_CORDONED`.
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -170,6 +170,12 @@ pub mod codes {
     pub const AGENT_NOT_FOUND: &str = "AGENT_NOT_FOUND";
     /// No online agent can act for the SSH target (`--via` names none, or none is online).
     pub const SSH_VIA_UNAVAILABLE: &str = "SSH_VIA_UNAVAILABLE";
+    // --- agent holds and queue caps (issue 14) ---
+    /// The task names a cordoned agent: no new work is routed to it until it is uncordoned.
+    pub const AGENT_CORDONED: &str = "AGENT_CORDONED";
+    /// The agent already has the server's `--max-open-tasks-per-agent` open tasks; `429` with
+    /// `Retry-After`.
+    pub const QUEUE_FULL: &str = "QUEUE_FULL";
     /// The release cannot be deployed to this environment's kind of target (components to SSH
     /// targets, or an SSH release to agents).
     pub const RELEASE_TARGET_MISMATCH: &str = "RELEASE_TARGET_MISMATCH";

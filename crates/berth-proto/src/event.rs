@@ -3,7 +3,7 @@
 //! `Last-Event-ID` (or `?after=`) resumes after a sequence number.
 //!
 //! Kinds: `task.state` (data [`TaskStateEvent`]), `agent.registered`, `agent.status`,
-//! `agent.deleted` (data [`AgentEvent`]), `deployment.state`, `deployment.target` and
+//! `agent.deleted`, `agent.hold` (data [`AgentEvent`]), `deployment.state`, `deployment.target` and
 //! `environment.drift` (data in `crate::deploy`). Clients ignore kinds they do not know.
 
 use serde::{Deserialize, Serialize};
@@ -17,6 +17,9 @@ pub const TASK_STATE: &str = "task.state";
 pub const AGENT_REGISTERED: &str = "agent.registered";
 pub const AGENT_STATUS: &str = "agent.status";
 pub const AGENT_DELETED: &str = "agent.deleted";
+/// An operator cordoned, uncordoned, suspended or resumed the agent (data [`AgentEvent`] with
+/// `cordoned` and `suspended`).
+pub const AGENT_HOLD: &str = "agent.hold";
 
 /// The `Last-Event-ID` request header of SSE, lowercase as HTTP/2 sends it.
 pub const LAST_EVENT_ID_HEADER: &str = "last-event-id";
@@ -135,7 +138,13 @@ pub struct TaskStateEvent {
 pub struct AgentEvent {
     pub agent_id: AgentId,
     pub name: String,
-    /// Absent on `agent.deleted`.
+    /// Absent on `agent.deleted` and `agent.hold`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<crate::agent::AgentStatus>,
+    /// On `agent.hold` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cordoned: Option<bool>,
+    /// On `agent.hold` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspended: Option<bool>,
 }

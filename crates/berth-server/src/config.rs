@@ -71,6 +71,10 @@ pub struct ServerConfig {
     pub public_url: Option<String>,
     /// The OpenBao that holds secrets; `None`: secrets are berth's own (`builtin`).
     pub openbao: Option<OpenBaoSettings>,
+    /// Most open (not terminal) tasks one agent may hold before a client's create for it is
+    /// refused (`429 QUEUE_FULL`). Read-backs and the server's own deployment and drift tasks
+    /// are not refused by it (they count, though).
+    pub max_open_tasks_per_agent: u32,
 }
 
 impl OpenBaoSettings {
@@ -113,6 +117,7 @@ impl ServerConfig {
             clock: std::sync::Arc::new(crate::SystemClock),
             public_url: None,
             openbao: None,
+            max_open_tasks_per_agent: 1_000,
         }
     }
 

@@ -363,8 +363,13 @@ fn phase_of(
     (queued, None)
 }
 
+/// A target whose wave may end: done, failed, or skipped because its agent was cordoned when
+/// the wave reached it.
 fn is_settled(phase: TargetPhase) -> bool {
-    matches!(phase, TargetPhase::Succeeded | TargetPhase::Failed)
+    matches!(
+        phase,
+        TargetPhase::Succeeded | TargetPhase::Failed | TargetPhase::Skipped
+    )
 }
 
 async fn snapshots(
@@ -610,11 +615,18 @@ struct Next {
 struct Unplaceable {
     code: &'static str,
     detail: String,
+    /// Its agent was cordoned after the deployment was planned: a deploy skips the target (a
+    /// rollback cannot return it, and fails it).
+    cordoned: bool,
 }
 
 impl Unplaceable {
     fn mark(self, t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime) {
-        t.phase = phase;
+        t.phase = if self.cordoned && phase == TargetPhase::Failed {
+            TargetPhase::Skipped
+        } else {
+            phase
+        };
         t.error_code = Some(self.code.into());
         t.detail = Some(self.detail);
         t.finished_at = Some(now);
@@ -668,7 +680,8 @@ async fn cancel_open(
 
 /// Creates (or finds again, by key) the target's tasks for `release`: one `docker.run` per
 /// component on an agent, one `ssh.deploy` on an SSH target's via agent. `Err` when the target
-/// can no longer be deployed to (its agent or SSH target deleted, no via agent, its key gone).
+/// can no longer be deployed to (its agent or SSH target deleted, no via agent, its key gone,
+/// its agent cordoned). The server's own tasks have no queue cap.
 async fn create_tasks(
     state: &SharedState,
     detail: &DeploymentDetail,
@@ -682,6 +695,7 @@ async fn create_tasks(
         return Ok(Err(Unplaceable {
             code: AGENT_DELETED,
             detail: format!("target {} was deleted", target.agent_name),
+            cordoned: false,
         }));
     };
     let mut tasks = Vec::new();
@@ -712,6 +726,7 @@ async fn create_tasks(
                 return Ok(Err(Unplaceable {
                     code: codes::SSH_VIA_UNAVAILABLE,
                     detail: format!("no agent can act for ssh target {}", ssh.name),
+                    cordoned: false,
                 }));
             };
             let sticker = WriteStickerPayload {
@@ -740,6 +755,7 @@ async fn create_tasks(
                     return Ok(Err(Unplaceable {
                         code: codes::SECRET_NOT_FOUND,
                         detail: e.to_string(),
+                        cordoned: false,
                     }))
                 }
             },
@@ -758,6 +774,7 @@ async fn create_tasks(
             idempotency_key: Some(deployment_task_key(d.id, target.agent_id, purpose, part)),
             request_hash: None,
             read_back_of: None,
+            queue_cap: None,
             created_at: state.config.clock.now(),
             created_by: Some(d.requested_by.clone()),
         };
@@ -768,10 +785,25 @@ async fn create_tasks(
                 return Ok(Err(Unplaceable {
                     code: AGENT_DELETED,
                     detail: format!("the agent of target {} was deleted", target.agent_name),
+                    cordoned: false,
                 }))
             }
             Err(e) => return Err(e),
             Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => ids.push(t.id),
+            // A component queued before the cordon stays queued; the target is skipped.
+            Ok(CreateTaskOutcome::AgentCordoned) => {
+                return Ok(Err(Unplaceable {
+                    code: codes::AGENT_CORDONED,
+                    detail: format!("the agent of target {} is cordoned", target.agent_name),
+                    cordoned: true,
+                }))
+            }
+            Ok(CreateTaskOutcome::QueueFull { .. }) => {
+                return Err(StoreError::Corrupt(format!(
+                    "deployment {} task for {} was refused by a queue cap it does not carry",
+                    d.id, target.agent_name
+                )))
+            }
             Ok(CreateTaskOutcome::KeyConflict) => {
                 return Err(StoreError::Corrupt(format!(
                     "deployment {} task key for {} is taken by another request",
@@ -808,6 +840,8 @@ mod tests {
             certificate_fingerprint: None,
             certificate_expires_at: None,
             previous_certificate_fingerprint: None,
+            cordoned: false,
+            suspended: false,
             created_at: now,
             updated_at: now,
         })

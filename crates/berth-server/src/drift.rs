@@ -214,12 +214,18 @@ async fn schedule_check(
         )),
         request_hash: None,
         read_back_of: None,
+        queue_cap: None,
         created_at: state.config.clock.now(),
         created_by: None,
     };
     match state.store.create_task(task).await {
         Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => Ok(Some(t.id)),
-        Ok(CreateTaskOutcome::KeyConflict) => Ok(None),
+        // A cordoned agent gets no new checks until it is uncordoned.
+        Ok(
+            CreateTaskOutcome::KeyConflict
+            | CreateTaskOutcome::AgentCordoned
+            | CreateTaskOutcome::QueueFull { .. },
+        ) => Ok(None),
         Err(StoreError::Conflict {
             constraint: "task_agent",
         }) => Ok(None),
@@ -286,7 +292,12 @@ fn observe(
 
 /// Redeploys the environment's current release, unless a deployment is already running there.
 async fn heal(state: &SharedState, env: &Environment, release: &Release) -> Result<(), StoreError> {
-    let targets = crate::targets::matching(state, env).await?;
+    // A cordoned target is left out, as a deploy leaves it out.
+    let mut targets = crate::targets::matching(state, env).await?;
+    targets.retain(|t| !t.cordoned());
+    if targets.is_empty() {
+        return Ok(());
+    }
     let created = crate::deploy::create(
         state,
         env,

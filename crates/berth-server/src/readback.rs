@@ -58,6 +58,8 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         idempotency_key: Some(berth_store::read_back_key(task.id, task.attempts)),
         request_hash: None,
         read_back_of: Some(task.id),
+        // Never refused: a read-back resolves work the agent already had.
+        queue_cap: None,
         created_by: None,
         created_at: now,
     };

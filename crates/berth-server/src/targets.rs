@@ -42,6 +42,15 @@ impl Target {
         }
     }
 
+    /// An agent cordoned by an operator: deployments leave it out. (An SSH target has no cordon
+    /// of its own; its via agent's is checked when its task is queued.)
+    pub fn cordoned(&self) -> bool {
+        match &self.kind {
+            TargetKind::Agent(agent) => agent.cordoned,
+            TargetKind::Ssh(_) => false,
+        }
+    }
+
     pub fn ssh(target: SshTarget) -> Target {
         Target {
             id: AgentId(target.id.0),
@@ -93,8 +102,8 @@ pub(crate) async fn get(
 }
 
 /// The agent that acts for an SSH target: the one it names (whatever its status: its tasks
-/// wait for it), or the first by name of the online agents carrying its via labels that can
-/// run `ssh`. `None`: no such agent.
+/// wait for it), or the first by name of the online, uncordoned agents carrying its via labels
+/// that can run `ssh`. `None`: no such agent.
 pub(crate) async fn via_agent(
     state: &SharedState,
     target: &SshTarget,
@@ -114,7 +123,7 @@ pub(crate) async fn via_agent(
     .await?;
     Ok(online
         .into_iter()
-        .find(|a| crate::routes::tasks::can_run(a, TaskKind::SshDeploy)))
+        .find(|a| !a.cordoned && crate::routes::tasks::can_run(a, TaskKind::SshDeploy)))
 }
 
 /// Where a task for the target connects, as its payload says.

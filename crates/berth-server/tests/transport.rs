@@ -1663,3 +1663,116 @@ async fn the_legacy_unsigned_complete_is_refused_and_records_nothing() {
     assert_eq!(show(&server, &t).await.state, TaskState::Succeeded);
     server.stop().await;
 }
+
+/// Issue 14 items 4 and 5 over the API: holds are admin-only; a cordoned agent gets no task
+/// (409 AGENT_CORDONED) but still runs what it has; a suspended agent's poll gets nothing until
+/// it is resumed; the queue cap answers 429 QUEUE_FULL with Retry-After.
+#[tokio::test]
+async fn holds_and_the_queue_cap() {
+    use berth_proto::admin::{CreateApiToken, Role};
+    use berth_proto::agent::{AgentHold, HoldAgent};
+    let server = start_with(|c| {
+        c.long_poll = Duration::from_millis(300);
+        c.max_open_tasks_per_agent = 2;
+    })
+    .await;
+    let admin = server.admin();
+    let agent = server.agent("held").await;
+    let generation = agent.go_online().await;
+    let hold = |h| HoldAgent {
+        id: agent.id,
+        hold: h,
+    };
+
+    let deployer = admin
+        .send(&CreateApiToken {
+            role: Role::Deployer,
+            name: None,
+        })
+        .await
+        .unwrap();
+    let err = server
+        .client(Some(&deployer.token), None)
+        .send(&hold(AgentHold::Cordon))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (403, "FORBIDDEN".into()));
+
+    let queued = create(&server, task(agent.id, "inspect", json!({}))).await;
+    let cordoned = admin.send(&hold(AgentHold::Cordon)).await.unwrap();
+    assert!(cordoned.cordoned);
+    let err = admin
+        .send(&task(agent.id, "inspect", json!({})))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (409, "AGENT_CORDONED".into()));
+    let got = agent
+        .poll(generation)
+        .await
+        .unwrap()
+        .assignment
+        .expect("its queue still runs");
+    assert_eq!(got.task_id, queued.id);
+    admin.send(&hold(AgentHold::Uncordon)).await.unwrap();
+
+    let suspended = admin.send(&hold(AgentHold::Suspend)).await.unwrap();
+    assert_eq!(suspended.status, AgentStatus::Blocked);
+    // `blocked` is the server's word for a suspension; an agent cannot claim it of itself.
+    let g = generation.to_string();
+    let blocked = common::sign_heartbeat(
+        Heartbeat {
+            agent_id: agent.id,
+            status: AgentStatus::Blocked,
+            resource_usage: ResourceUsage::default(),
+            capabilities: vec![],
+            generation,
+            sequence: common::next_sequence(),
+            signature_algorithm: berth_proto::transport::ALG_ECDSA_SHA256.into(),
+            signature: None,
+        },
+        &agent.key,
+    );
+    let err = agent
+        .client
+        .send_with(&blocked, &[(GENERATION_HEADER, &g)], None)
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), (422, "INVALID_REQUEST".into()));
+    agent
+        .heartbeat(generation, common::next_sequence())
+        .await
+        .expect("a suspended agent keeps heartbeating");
+    let waiting = create(&server, task(agent.id, "inspect", json!({}))).await;
+    assert!(
+        agent.poll(generation).await.unwrap().assignment.is_none(),
+        "a suspended agent claims nothing"
+    );
+    admin.send(&hold(AgentHold::Resume)).await.unwrap();
+
+    // Two open (the leased one and the waiting one): the cap of 2 is reached.
+    let raw = server
+        .raw(None)
+        .post(format!("{}/api/v1/tasks", server.url))
+        .bearer_auth(&server.admin_token)
+        .json(&json!({"type": "inspect", "agentId": agent.id, "payload": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status().as_u16(), 429);
+    assert_eq!(
+        raw.headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()),
+        Some("10")
+    );
+    let body: serde_json::Value = raw.json().await.unwrap();
+    assert_eq!(body["code"], "QUEUE_FULL");
+
+    let got = agent
+        .poll(generation)
+        .await
+        .unwrap()
+        .assignment
+        .expect("resumed");
+    assert_eq!(got.task_id, waiting.id);
+}

@@ -1,12 +1,17 @@
 //! The task state machine both backends apply: whether a result may complete a delivery
 //! ([`accept_completion`]), where a task goes when a delivery ends with a result
 //! ([`completion_transition`]) or with its lease running out ([`expiry_transition`]), and the
-//! deadline of a delivery. Pure functions of a task's state: no SQL, no connection, no clock.
+//! deadline of a delivery; and the operator's holds on an agent: whether a new task is admitted
+//! to its queue ([`admit`]: cordon, queue cap) and whether it may claim ([`may_claim`]:
+//! suspension). Pure functions of a task's state: no SQL, no connection, no clock.
 
 use time::OffsetDateTime;
 
 use crate::rows::millis;
-use crate::{Attempt, AttemptResult, AttemptState, CompleteOutcome, RetryPolicy, Task, TaskState};
+use crate::{
+    Attempt, AttemptResult, AttemptState, CompleteOutcome, CreateTaskOutcome, NewTask, RetryPolicy,
+    Task, TaskState,
+};
 
 /// Where a task goes when a delivery ends: the one decision both backends apply.
 #[derive(Debug, Clone, PartialEq)]
@@ -201,6 +206,54 @@ pub(crate) fn unrunnable(task_type: &str, capabilities: &[String]) -> Option<&'s
         Some(kind) if !kind.runs_on(capabilities) => Some(codes::CAPABILITY_MISSING),
         Some(_) => None,
     }
+}
+
+/// The task states that count as open for the queue cap: every state that is not terminal
+/// (`unknown` holds its agent's attention until read-back). Both backends count with this list.
+pub(crate) const OPEN_STATES_SQL: &str = "('pending', 'leased', 'retry_wait', 'unknown')";
+
+/// Why a new task is not queued for its agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotAdmitted {
+    Cordoned,
+    QueueFull { open: u64 },
+}
+
+impl NotAdmitted {
+    pub(crate) fn outcome(self) -> CreateTaskOutcome {
+        match self {
+            NotAdmitted::Cordoned => CreateTaskOutcome::AgentCordoned,
+            NotAdmitted::QueueFull { open } => CreateTaskOutcome::QueueFull { open },
+        }
+    }
+}
+
+/// The cap a new task is counted against, if any: a read-back never is (it resolves a task the
+/// agent already had, and refusing it would leave that task `unknown`).
+pub(crate) fn queue_cap(task: &NewTask) -> Option<u32> {
+    task.queue_cap.filter(|_| task.read_back_of.is_none())
+}
+
+/// Whether `task` may join its agent's queue: not when the agent is cordoned, nor when it already
+/// has `open` open tasks at or above the task's [`queue_cap`]. A read-back passes both. `open` is
+/// counted in the insert's transaction with the agent row locked; `None` when there is no cap.
+pub(crate) fn admit(task: &NewTask, cordoned: bool, open: Option<u64>) -> Result<(), NotAdmitted> {
+    if task.read_back_of.is_some() {
+        return Ok(());
+    }
+    if cordoned {
+        return Err(NotAdmitted::Cordoned);
+    }
+    match (queue_cap(task), open) {
+        (Some(cap), Some(open)) if open >= u64::from(cap) => Err(NotAdmitted::QueueFull { open }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether an agent's poll may claim anything: a suspended agent claims nothing new (its
+/// leased tasks may still finish). A cordon does not stop claims: drain waits on them.
+pub(crate) fn may_claim(suspended: bool) -> bool {
+    !suspended
 }
 
 #[cfg(test)]
@@ -553,5 +606,56 @@ mod tests {
                 "{task_type} {offered:?}"
             );
         }
+    }
+
+    /// (case, task, cordoned, open tasks counted) => admitted, or why not.
+    type AdmitCase = (
+        &'static str,
+        NewTask,
+        bool,
+        Option<u64>,
+        Result<(), NotAdmitted>,
+    );
+
+    #[test]
+    fn admission_table() {
+        let task = |cap: Option<u32>, read_back: bool| NewTask {
+            id: TaskId::new(),
+            tenant_id: TenantId::new(),
+            task_type: "inspect".into(),
+            agent_id: AgentId::new(),
+            payload: serde_json::json!({}),
+            credentials_sealed: None,
+            variables: BTreeMap::new(),
+            timeout_seconds: 30,
+            priority: 0,
+            side_effects: false,
+            idempotency_key: None,
+            request_hash: None,
+            read_back_of: read_back.then(TaskId::new),
+            queue_cap: cap,
+            created_at: NOW_MS,
+            created_by: None,
+        };
+        use NotAdmitted::*;
+        #[rustfmt::skip]
+        let table: Vec<AdmitCase> = vec![
+            ("no cap, not cordoned", task(None, false), false, None, Ok(())),
+            ("below the cap", task(Some(5), false), false, Some(4), Ok(())),
+            ("at the cap", task(Some(5), false), false, Some(5), Err(QueueFull { open: 5 })),
+            ("over the cap", task(Some(5), false), false, Some(9), Err(QueueFull { open: 9 })),
+            ("a cap of 0 refuses all", task(Some(0), false), false, Some(0), Err(QueueFull { open: 0 })),
+            ("cordoned", task(None, false), true, None, Err(Cordoned)),
+            ("cordoned wins over the cap", task(Some(5), false), true, Some(9), Err(Cordoned)),
+            ("a read-back at the cap", task(Some(5), true), false, Some(9), Ok(())),
+            ("a read-back of a cordoned agent", task(Some(5), true), true, Some(9), Ok(())),
+        ];
+        for (case, task, cordoned, open, expected) in table {
+            assert_eq!(admit(&task, cordoned, open), expected, "{case}");
+        }
+        assert_eq!(queue_cap(&task(Some(5), true)), None);
+        assert_eq!(queue_cap(&task(Some(5), false)), Some(5));
+        assert!(may_claim(false));
+        assert!(!may_claim(true));
     }
 }

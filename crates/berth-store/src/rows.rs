@@ -30,7 +30,8 @@ macro_rules! agent_columns {
     () => {
         "id, tenant_id, name, version, capabilities, labels, status, reported_status, \
          environment, last_heartbeat, resource_usage, certificate_fingerprint, \
-         certificate_expires_at, previous_certificate_fingerprint, created_at, updated_at"
+         certificate_expires_at, previous_certificate_fingerprint, cordoned, suspended, \
+         created_at, updated_at"
     };
 }
 pub(crate) use agent_columns;
@@ -195,6 +196,8 @@ pub(crate) fn read_agent(row: &impl ColumnReader) -> Result<Agent, StoreError> {
         certificate_fingerprint: row.text_opt("certificate_fingerprint")?,
         certificate_expires_at: row.time_opt("certificate_expires_at")?,
         previous_certificate_fingerprint: row.text_opt("previous_certificate_fingerprint")?,
+        cordoned: row.flag("cordoned")?,
+        suspended: row.flag("suspended")?,
         created_at: row.time("created_at")?,
         updated_at: row.time("updated_at")?,
     })

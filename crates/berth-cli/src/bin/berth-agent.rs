@@ -63,6 +63,10 @@ struct Args {
     /// Tasks run at once.
     #[arg(long, default_value_t = 8)]
     max_concurrent_tasks: usize,
+    /// Serve GET /healthz and /readyz over plain HTTP on this address (e.g. 127.0.0.1:9100),
+    /// for systemd or a load balancer. Off unless given; nothing else is served there.
+    #[arg(long, value_name = "ADDR")]
+    probe_listen: Option<std::net::SocketAddr>,
     /// Desired-state mode (seed 001): converge this environment's stack (checkin, bundle,
     /// lease, report) instead of running tasks.
     #[arg(long = "env", value_name = "ENV", env = "BERTH_AGENT_ENV")]
@@ -186,6 +190,7 @@ async fn agent(args: Args) -> Result<(), AgentError> {
         sticker_dir: args.sticker_dir,
         upload_root: args.upload_root,
         max_concurrent_tasks: args.max_concurrent_tasks,
+        probe_listen: args.probe_listen,
         ..AgentConfig::new(args.state_dir)
     };
     berth_agent::run(config, shutdown).await

@@ -12,7 +12,9 @@ use berth_cli::output::{print_agent, print_agents, Output};
 use berth_cli::output::{print_release, print_releases, print_task, print_tasks};
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
-use berth_proto::agent::{AgentStatus, DeleteAgent, GetAgent, ListAgents, UpdateAgent};
+use berth_proto::agent::{
+    AgentHold, AgentStatus, DeleteAgent, GetAgent, HoldAgent, ListAgents, UpdateAgent,
+};
 use berth_proto::audit::ListAudit;
 use berth_proto::deploy::{
     ApproveDeployment, CancelDeployment, CreateDeployment, CreateEnvironment, DeploymentView,
@@ -376,6 +378,10 @@ struct ServerArgs {
     /// A request whose body does not arrive within this long is refused and its connection closed.
     #[arg(long, env = "BERTH_BODY_READ_TIMEOUT_SECS", default_value_t = 30)]
     body_read_timeout_secs: u64,
+    /// Most open tasks one agent may hold before a create for it is refused (429 QUEUE_FULL);
+    /// read-backs and the server's own deployment and drift tasks are never refused by it.
+    #[arg(long, env = "BERTH_MAX_OPEN_TASKS_PER_AGENT", default_value_t = 1000)]
+    max_open_tasks_per_agent: u32,
     /// OpenBao holds desired-state secrets (seed 001's `openbao` provider): its address, given
     /// to agents in leases. Without it the `builtin` store serves them.
     #[arg(long, env = "BERTH_OPENBAO_ADDR")]
@@ -432,6 +438,7 @@ impl ServerArgs {
         config.max_connections_per_source = self.max_connections_per_source;
         config.header_read_timeout = Duration::from_secs(self.header_read_timeout_secs);
         config.body_read_timeout = Duration::from_secs(self.body_read_timeout_secs);
+        config.max_open_tasks_per_agent = self.max_open_tasks_per_agent;
         if let Some(addr) = &self.openbao_addr {
             let ca_pem = match &self.openbao_ca_file {
                 Some(f) => Some(
@@ -503,6 +510,21 @@ enum AgentsCommand {
     },
     /// Delete an agent; its certificate stops working at once.
     Rm { id: AgentId },
+    /// Route no new work to the agent (admin); the tasks it has still run.
+    Cordon { id: AgentId },
+    /// Route work to a cordoned agent again (admin).
+    Uncordon { id: AgentId },
+    /// The agent claims nothing new and shows as blocked; it keeps its session (admin).
+    Suspend { id: AgentId },
+    /// Let a suspended agent claim again (admin).
+    Resume { id: AgentId },
+    /// Cordon the agent, then wait until its pending, leased and retry_wait tasks have ended.
+    Drain {
+        id: AgentId,
+        /// Give up (exit 1, still cordoned) after this many seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -522,8 +544,13 @@ enum TenantCommand {
     Create { name: String },
 }
 
+async fn hold(client: &Client, out: Output, id: AgentId, hold: AgentHold) -> anyhow::Result<()> {
+    print_agent(out, &client.send(&HoldAgent { id, hold }).await?)
+}
+
 fn parse_status(s: &str) -> Result<AgentStatus, String> {
-    AgentStatus::parse(s).ok_or_else(|| "one of registered, online, degraded, offline".into())
+    AgentStatus::parse(s)
+        .ok_or_else(|| "one of registered, online, degraded, offline, blocked".into())
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -633,6 +660,13 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 AgentsCommand::Rm { id } => {
                     let deleted = client.send(&DeleteAgent { id }).await?;
                     out.print(&deleted, || format!("deleted agent {id}"))
+                }
+                AgentsCommand::Cordon { id } => hold(&client, out, id, AgentHold::Cordon).await,
+                AgentsCommand::Uncordon { id } => hold(&client, out, id, AgentHold::Uncordon).await,
+                AgentsCommand::Suspend { id } => hold(&client, out, id, AgentHold::Suspend).await,
+                AgentsCommand::Resume { id } => hold(&client, out, id, AgentHold::Resume).await,
+                AgentsCommand::Drain { id, timeout } => {
+                    berth_cli::agents::drain(&client, id, Duration::from_secs(timeout)).await
                 }
             }
         }

@@ -7,9 +7,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use berth_proto::agent::{
-    Agent, AgentJwt, AgentList, AgentStatus, Capability, Deleted, Heartbeat, HeartbeatResponse,
-    IssueAgentJwt, ListAgents, RegisterAgent, RegisterAgentResponse, RenewCertificate,
-    RenewCertificateResponse, UpdateAgent,
+    Agent, AgentHold, AgentJwt, AgentList, AgentStatus, Capability, Deleted, Heartbeat,
+    HeartbeatResponse, IssueAgentJwt, ListAgents, RegisterAgent, RegisterAgentResponse,
+    RenewCertificate, RenewCertificateResponse, UpdateAgent,
 };
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody, TaskId};
@@ -38,7 +38,13 @@ fn to_wire(a: berth_store::Agent) -> Agent {
         version: a.version,
         capabilities: a.capabilities,
         labels: a.labels,
-        status: a.status,
+        status: if a.suspended {
+            AgentStatus::Blocked
+        } else {
+            a.status
+        },
+        cordoned: a.cordoned,
+        suspended: a.suspended,
         environment: a.environment,
         last_heartbeat: a.last_heartbeat,
         resource_usage: a.resource_usage,
@@ -281,6 +287,85 @@ pub async fn delete(
     }
 }
 
+/// Sets or lifts a hold. Admin only: a hold changes where every deployer's work may go (and a
+/// suspension stops an agent's queue), which is an operator's call about the fleet, like
+/// deleting an agent; a deployer's lever is the task or the deployment.
+async fn hold(
+    state: SharedState,
+    caller: Caller,
+    id: AgentId,
+    hold: AgentHold,
+) -> ApiResult<Json<Agent>> {
+    caller.require_admin()?;
+    let (by, now) = (actor(&caller), state.config.clock.now());
+    let agent = state
+        .store
+        .set_agent_hold(caller.tenant(), id, hold, by, now)
+        .await?
+        .ok_or_else(|| ApiError::not_found("agent"))?;
+    tracing::info!(agent_id = %id, hold = hold.as_str(), "agent hold");
+    if hold == AgentHold::Resume {
+        // A poll parked while the agent was suspended found nothing; its queue may hold work.
+        // (A poll parked on another replica finds it when its hold ends, within 25 s.)
+        state.wakeups.wake(id);
+    }
+    Ok(Json(to_wire(agent)))
+}
+
+/// Cordon an agent (admin): no new work is routed to it. Creates naming it get `409
+/// AGENT_CORDONED`, selectors and deployments skip it; the tasks it already has still run.
+#[utoipa::path(post, path = "/api/v1/agents/{id}/cordon", tag = "agents", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = Agent), (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody)))]
+pub async fn cordon(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<AgentId>,
+) -> ApiResult<Json<Agent>> {
+    hold(state, caller, id, AgentHold::Cordon).await
+}
+
+/// Lift a cordon (admin).
+#[utoipa::path(post, path = "/api/v1/agents/{id}/uncordon", tag = "agents", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = Agent), (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody)))]
+pub async fn uncordon(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<AgentId>,
+) -> ApiResult<Json<Agent>> {
+    hold(state, caller, id, AgentHold::Uncordon).await
+}
+
+/// Suspend an agent (admin): it claims nothing new and shows as `blocked`; it keeps its
+/// session and heartbeats, and what it already holds may still finish.
+#[utoipa::path(post, path = "/api/v1/agents/{id}/suspend", tag = "agents", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = Agent), (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody)))]
+pub async fn suspend(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<AgentId>,
+) -> ApiResult<Json<Agent>> {
+    hold(state, caller, id, AgentHold::Suspend).await
+}
+
+/// Resume a suspended agent (admin).
+#[utoipa::path(post, path = "/api/v1/agents/{id}/resume", tag = "agents", security(("bearer" = [])),
+    params(("id" = String, Path, format = Uuid)),
+    responses((status = 200, body = Agent), (status = 403, body = ErrorBody, description = "FORBIDDEN: not an admin"),
+        (status = 404, body = ErrorBody)))]
+pub async fn resume(
+    State(state): State<SharedState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<AgentId>,
+) -> ApiResult<Json<Agent>> {
+    hold(state, caller, id, AgentHold::Resume).await
+}
+
 /// Heartbeat (mTLS): status, resource usage and capabilities, signed with the agent's key like a
 /// result. Committed in a group with concurrent heartbeats; applied only while the certificate is
 /// the agent's binding, the generation current and the sequence above the last one applied.
@@ -328,7 +413,11 @@ pub async fn heartbeat(
     }
     let sequence = i64::try_from(req.sequence)
         .map_err(|_| ApiError::unprocessable(codes::INVALID_REQUEST, "sequence is above 2^63-1"))?;
-    if matches!(req.status, AgentStatus::Offline | AgentStatus::Registered) {
+    // `blocked` is the server's view of a suspension, never the agent's word.
+    if matches!(
+        req.status,
+        AgentStatus::Offline | AgentStatus::Registered | AgentStatus::Blocked
+    ) {
         return Err(ApiError::unprocessable(
             codes::INVALID_REQUEST,
             "an agent reports itself online or degraded",

@@ -9,7 +9,7 @@ use berth_proto::deploy::{
     valid_environment_name, ApprovalView, CreateDeployment, CreateEnvironment, DeploymentKind,
     DeploymentList, DeploymentPlan, DeploymentTargetView, DeploymentView, Drift, EnvironmentList,
     EnvironmentStatus, EnvironmentView, ListDeployments, PlanComponent, PlanTarget, PlanWave,
-    TargetStatus, TargetType, DEFAULT_DRIFT_INTERVAL_SECS,
+    SkippedTarget, TargetStatus, TargetType, DEFAULT_DRIFT_INTERVAL_SECS,
 };
 use berth_proto::error::codes;
 use berth_proto::kind::TaskKind;
@@ -338,7 +338,7 @@ pub async fn rollback_environment(
         )
     })?;
     let release = release(&state, &caller, &previous.name).await?;
-    let targets = targets(&state, &env, &release).await?;
+    let (targets, _) = targets(&state, &env, &release).await?;
     start(
         &state,
         &env,
@@ -364,13 +364,14 @@ async fn release(state: &SharedState, caller: &Caller, name: &str) -> ApiResult<
         })
 }
 
-/// The environment's targets for this release: at least one, each able to run it. Agents run a
-/// component release (`docker.run` per component); SSH targets a release's `ssh` part.
+/// The environment's targets for this release: at least one, each able to run it, and the ones
+/// it selects but leaves out because they are cordoned. Agents run a component release
+/// (`docker.run` per component); SSH targets a release's `ssh` part.
 async fn targets(
     state: &SharedState,
     env: &Environment,
     release: &Release,
-) -> ApiResult<Vec<Target>> {
+) -> ApiResult<(Vec<Target>, Vec<SkippedTarget>)> {
     match env.target_type {
         TargetType::Agents if release.components.is_empty() || release.compose_lock.is_some() => {
             return Err(ApiError::unprocessable(
@@ -394,12 +395,23 @@ async fn targets(
         }
         _ => {}
     }
-    let targets = crate::targets::matching(state, env).await?;
+    let (targets, skipped): (Vec<Target>, Vec<Target>) = crate::targets::matching(state, env)
+        .await?
+        .into_iter()
+        .partition(|t| !t.cordoned());
+    let skipped: Vec<SkippedTarget> = skipped
+        .into_iter()
+        .map(|t| SkippedTarget {
+            agent_id: t.id,
+            agent_name: t.name,
+            reason: codes::AGENT_CORDONED.to_string(),
+        })
+        .collect();
     if targets.is_empty() {
         return Err(ApiError::unprocessable(
             codes::NO_TARGETS,
             format!(
-                "no {} carries the labels of environment {:?} ({})",
+                "no uncordoned {} carries the labels of environment {:?} ({})",
                 match env.target_type {
                     TargetType::Agents => "agent",
                     TargetType::Ssh => "ssh target",
@@ -462,7 +474,7 @@ async fn targets(
             })?;
         }
     }
-    Ok(targets)
+    Ok((targets, skipped))
 }
 
 /// Everything a deployment of `req` needs, checked in the order an operator fixes them: the
@@ -472,7 +484,7 @@ async fn prepare(
     state: &SharedState,
     caller: &Caller,
     req: &CreateDeployment,
-) -> ApiResult<(Environment, Release, Vec<Target>)> {
+) -> ApiResult<(Environment, Release, Vec<Target>, Vec<SkippedTarget>)> {
     let env = environment(state, caller, &req.environment).await?;
     let release = release(state, caller, &req.release).await?;
     if let Some(pin) = env.pinned_release.as_ref().filter(|p| p.id != release.id) {
@@ -500,8 +512,8 @@ async fn prepare(
             ));
         }
     }
-    let targets = targets(state, &env, &release).await?;
-    Ok((env, release, targets))
+    let (targets, skipped) = targets(state, &env, &release).await?;
+    Ok((env, release, targets, skipped))
 }
 
 async fn start(
@@ -545,7 +557,7 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateDeployment>,
 ) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
     caller.require_deployer()?;
-    let (env, release, targets) = prepare(&state, &caller, &req).await?;
+    let (env, release, targets, _) = prepare(&state, &caller, &req).await?;
     start(
         &state,
         &env,
@@ -558,7 +570,8 @@ pub async fn create(
 }
 
 /// What a deployment would do, per wave and target: each target's release and digests as its
-/// last verified read-back found them, and the new digest per component. Changes nothing.
+/// last verified read-back found them, and the new digest per component; and the selected
+/// agents it would skip (cordoned). Changes nothing.
 #[utoipa::path(post, path = "/api/v1/deployments/plan", tag = "deployments", request_body = CreateDeployment, security(("bearer" = [])),
     responses(
         (status = 200, body = DeploymentPlan),
@@ -572,7 +585,7 @@ pub async fn plan(
     ApiJson(req): ApiJson<CreateDeployment>,
 ) -> ApiResult<Json<DeploymentPlan>> {
     caller.can_read()?;
-    let (env, release, targets) = prepare(&state, &caller, &req).await?;
+    let (env, release, targets, skipped) = prepare(&state, &caller, &req).await?;
     let observations = state.store.target_observations(env.id).await?;
     let waves = crate::deploy::waves(&targets, &env.policy)
         .map(|(wave, chunk)| PlanWave {
@@ -612,6 +625,7 @@ pub async fn plan(
         rollback_release: env.current_release.map(|r| r.name),
         approvals: env.approvals,
         waves,
+        skipped,
     }))
 }
 

@@ -73,8 +73,8 @@ pub(crate) fn can_run(agent: &berth_store::Agent, kind: TaskKind) -> bool {
     kind.runs_on(&names)
 }
 
-/// The online agent of the tenant that carries every selector label and the capability the
-/// kind needs, with the fewest open tasks (the first by id among equals).
+/// The online, uncordoned, unsuspended agent of the tenant that carries every selector label and
+/// the capability the kind needs, with the fewest open tasks (the first by id among equals).
 async fn select_agent(
     state: &SharedState,
     tenant: TenantId,
@@ -82,11 +82,12 @@ async fn select_agent(
     kind: TaskKind,
 ) -> ApiResult<AgentId> {
     let online = Some(berth_proto::agent::AgentStatus::Online);
+    // `online` leaves out suspended agents (they show as `blocked`); a cordoned one is skipped.
     let mut candidates: Vec<AgentId> =
         crate::deploy::matching_agents(state, tenant, selector, online)
             .await?
             .iter()
-            .filter(|a| can_run(a, kind))
+            .filter(|a| !a.cordoned && can_run(a, kind))
             .map(|a| a.id)
             .collect();
     // Ties go to the first by id.
@@ -160,7 +161,8 @@ fn check_limits(req: &CreateTask) -> ApiResult<()> {
         (status = 201, body = TaskView, description = "created"),
         (status = 200, body = TaskView, description = "the task this Idempotency-Key created before"),
         (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
-        (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body"),
+        (status = 409, body = ErrorBody, description = "CONFLICT: the Idempotency-Key was used with another body; AGENT_CORDONED: agentId names a cordoned agent"),
+        (status = 429, body = ErrorBody, description = "QUEUE_FULL, with Retry-After: the agent already holds the server's --max-open-tasks-per-agent open tasks"),
         (status = 422, body = ErrorBody, description = "INVALID_REQUEST, UNSUPPORTED_TASK_TYPE, INVALID_PAYLOAD (also a number that would not arrive exactly), TOO_MANY_CREDENTIALS, TOO_MANY_VARIABLES, PRIORITY_OUT_OF_RANGE, INVALID_LABEL, CAPABILITY_MISSING, IDEMPOTENCY_KEY_RESERVED or NO_MATCHING_AGENT"),
     ))]
 pub async fn create(
@@ -228,6 +230,9 @@ pub async fn create(
                 .get_agent(tenant, id)
                 .await?
                 .ok_or_else(|| ApiError::not_found("agent"))?;
+            if agent.cordoned {
+                return Err(cordoned(id));
+            }
             if !can_run(&agent, kind) {
                 return Err(ApiError::unprocessable(
                     codes::CAPABILITY_MISSING,
@@ -278,6 +283,7 @@ pub async fn create(
             idempotency_key,
             request_hash: Some(request_hash),
             read_back_of: None,
+            queue_cap: Some(state.config.max_open_tasks_per_agent),
             created_at: state.config.clock.now(),
             created_by: Some(actor(&caller)),
         })
@@ -292,7 +298,32 @@ pub async fn create(
             codes::CONFLICT,
             "this Idempotency-Key was used with a different request",
         )),
+        // Cordoned between the check above and the insert.
+        CreateTaskOutcome::AgentCordoned => Err(cordoned(agent_id)),
+        CreateTaskOutcome::QueueFull { open } => Err(ApiError {
+            retry_after: Some(QUEUE_FULL_RETRY_AFTER_SECS),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                codes::QUEUE_FULL,
+                format!(
+                    "agent {agent_id} already has {open} open tasks (at most {}); try again \
+                     when some have finished",
+                    state.config.max_open_tasks_per_agent
+                ),
+            )
+        }),
     }
+}
+
+/// How long a client is asked to wait after `QUEUE_FULL`: about how long a queue of short tasks
+/// takes to move.
+const QUEUE_FULL_RETRY_AFTER_SECS: u64 = 10;
+
+fn cordoned(agent: AgentId) -> ApiError {
+    ApiError::conflict(
+        codes::AGENT_CORDONED,
+        format!("agent {agent} is cordoned: no new work is routed to it until it is uncordoned"),
+    )
 }
 
 /// List tasks, filtered by state (e.g. `dead_letter`), agent or type.

@@ -122,13 +122,7 @@ pub fn error(e: &ApiError) -> Markup {
 }
 
 pub fn status_badge(status: AgentStatus) -> Markup {
-    let text = match status {
-        AgentStatus::Registered => "registered",
-        AgentStatus::Online => "online",
-        AgentStatus::Degraded => "degraded",
-        AgentStatus::Offline => "offline",
-    };
-    badge(text)
+    badge(status.as_str())
 }
 
 /// A state word with a class of the same name, so the stylesheet colours it.

@@ -174,8 +174,8 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
                 h2 #fleet { "Fleet" }
                 ul.stats {
                     @for (status, n) in &counts {
-                        li { a href={ "/agents?status=" (status_word(*status)) } {
-                            strong data-count=(status_word(*status)) { (n) } " " (status_word(*status))
+                        li { a href={ "/agents?status=" (AgentStatus::as_str(*status)) } {
+                            strong data-count=(AgentStatus::as_str(*status)) { (n) } " " (AgentStatus::as_str(*status))
                         } }
                     }
                     li { a href="/tasks?state=dead_letter" { strong { (dead) } " dead letter" } }
@@ -208,15 +208,6 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
             }
         },
     ))
-}
-
-fn status_word(status: AgentStatus) -> &'static str {
-    match status {
-        AgentStatus::Registered => "registered",
-        AgentStatus::Online => "online",
-        AgentStatus::Degraded => "degraded",
-        AgentStatus::Offline => "offline",
-    }
 }
 
 fn opt(v: &Option<String>) -> Markup {
@@ -281,7 +272,7 @@ pub async fn agents(
                 let next = list.next_cursor.map(|c| {
                     let mut params = vec![("cursor", c)];
                     if let Some(s) = status {
-                        params.push(("status", status_word(s).to_string()));
+                        params.push(("status", AgentStatus::as_str(s).to_string()));
                     }
                     if let Some(l) = &label {
                         params.push(("label", l.clone()));
@@ -299,7 +290,7 @@ pub async fn agents(
                             select #status name="status" {
                                 option value="" { "any" }
                                 @for s in [AgentStatus::Registered, AgentStatus::Online, AgentStatus::Degraded, AgentStatus::Offline] {
-                                    option value=(status_word(s)) selected[status == Some(s)] { (status_word(s)) }
+                                    option value=(AgentStatus::as_str(s)) selected[status == Some(s)] { (AgentStatus::as_str(s)) }
                                 }
                             }
                             label for="label" { "Label" }

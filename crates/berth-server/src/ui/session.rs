@@ -4,7 +4,7 @@
 //!
 //! The session id is 32 random bytes, sent only in a `__Host-` cookie (`HttpOnly; Secure;
 //! SameSite=Strict; Path=/`); the store keeps its SHA-256 and the token it acts as (migration
-//! 0018: a deleted token ends its sessions). The CSRF token is derived from the session id
+//! 0017: a deleted token ends its sessions). The CSRF token is derived from the session id
 //! (SHA-256 under its own label), so it needs no row, cannot be guessed without the cookie, and
 //! does not reveal the id. Signing in carries a pre-session token of its own (double submit),
 //! so another site cannot sign a browser in as someone else.

@@ -38,6 +38,8 @@ pub async fn registration_succeeds(store: &DynStore) {
         certificate_fingerprint: Some(agent.certificate_fingerprint.clone()),
         certificate_expires_at: Some(millis(agent.certificate_expires_at)),
         previous_certificate_fingerprint: None,
+        cordoned: false,
+        suspended: false,
         created_at: millis(agent.created_at),
         updated_at: millis(agent.created_at),
     };
@@ -1377,5 +1379,158 @@ pub async fn heartbeat_replay(store: &DynStore) {
     assert_eq!(
         read_now.last_heartbeat,
         Some(millis(later + Duration::seconds(1)))
+    );
+}
+
+/// Cordon and suspend (issue 14 item 4): each hold is audited once, written as an `agent.hold`
+/// event, idempotent, and enforced where work enters the agent's queue (cordon) or leaves it
+/// (suspend). A read-back passes a cordon; a suspended agent keeps its heartbeats.
+pub async fn agent_holds(store: &DynStore) {
+    use crate::{AgentHold, EventFilter};
+    use berth_proto::audit::actions::{AGENT_CORDON, AGENT_RESUME, AGENT_SUSPEND, AGENT_UNCORDON};
+    let tenant = tenant(store).await;
+    let other = self::tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("held")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    let hold = |h: AgentHold| {
+        let store = store.clone();
+        async move {
+            store
+                .set_agent_hold(tenant.id, agent.id, h, operator(), now())
+                .await
+                .expect("set hold")
+                .expect("the agent exists")
+        }
+    };
+    let audited = |action: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .list_audit(tenant.id, 0, 1000)
+                .await
+                .expect("list audit")
+                .iter()
+                .filter(|e| e.action == action && e.subject == agent.id.to_string())
+                .count()
+        }
+    };
+
+    // Another tenant's token cannot hold it; an unknown agent is None.
+    assert_eq!(
+        store
+            .set_agent_hold(other.id, agent.id, AgentHold::Cordon, operator(), t)
+            .await
+            .expect("set hold"),
+        None
+    );
+    assert!(
+        !store
+            .get_agent(tenant.id, agent.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .cordoned
+    );
+
+    // Cordon: creates refused, read-backs admitted, queued work still claimable.
+    let queued = create(store, new_task(tenant.id, agent.id, t)).await;
+    let cordoned = hold(AgentHold::Cordon).await;
+    assert!(cordoned.cordoned && !cordoned.suspended);
+    hold(AgentHold::Cordon).await;
+    assert_eq!(
+        audited(AGENT_CORDON).await,
+        1,
+        "a repeated cordon is not audited again"
+    );
+    assert_eq!(
+        store
+            .create_task(new_task(tenant.id, agent.id, t))
+            .await
+            .expect("create"),
+        CreateTaskOutcome::AgentCordoned
+    );
+    let read_back = NewTask {
+        read_back_of: Some(queued.id),
+        priority: i32::MAX,
+        ..new_task(tenant.id, agent.id, t)
+    };
+    let read_back = create(store, read_back).await;
+    let (first, _) = claimed(store, &agent, generation, now()).await;
+    assert_eq!(
+        first.id, read_back.id,
+        "a cordoned agent still runs its queue"
+    );
+    let uncordoned = hold(AgentHold::Uncordon).await;
+    assert!(!uncordoned.cordoned);
+    assert_eq!(audited(AGENT_UNCORDON).await, 1);
+    let after = create(store, new_task(tenant.id, agent.id, t)).await;
+
+    // Suspend: nothing is claimed, status filters say blocked, heartbeats still apply.
+    let suspended = hold(AgentHold::Suspend).await;
+    assert!(suspended.suspended);
+    assert_eq!(audited(AGENT_SUSPEND).await, 1);
+    assert_eq!(
+        claim(store, &agent, generation, now()).await,
+        ClaimOutcome::Empty
+    );
+    let mut beat = heartbeat(&agent, AgentStatus::Online, now());
+    beat.generation = generation;
+    beat.sequence = 1;
+    assert_eq!(
+        store.record_heartbeats(&[beat]).await.expect("heartbeat"),
+        vec![HeartbeatOutcome::Applied],
+        "a suspended agent keeps its session"
+    );
+    let blocked = AgentFilter {
+        status: Some(AgentStatus::Blocked),
+        ..AgentFilter::default()
+    };
+    let online = AgentFilter {
+        status: Some(AgentStatus::Online),
+        ..AgentFilter::default()
+    };
+    assert_eq!(
+        list_all(store, tenant.id, &blocked)
+            .await
+            .iter()
+            .map(|a| a.id)
+            .collect::<Vec<_>>(),
+        vec![agent.id]
+    );
+    assert!(list_all(store, tenant.id, &online).await.is_empty());
+    let resumed = hold(AgentHold::Resume).await;
+    assert!(!resumed.suspended);
+    assert_eq!(audited(AGENT_RESUME).await, 1);
+    assert_eq!(
+        list_all(store, tenant.id, &online)
+            .await
+            .iter()
+            .map(|a| a.id)
+            .collect::<Vec<_>>(),
+        vec![agent.id]
+    );
+    let (next, _) = claimed(store, &agent, generation, now()).await;
+    assert_eq!(next.id, queued.id);
+    assert_ne!(next.id, after.id);
+
+    // Each change is one `agent.hold` event carrying both holds.
+    let events = store
+        .read_events(tenant.id, &EventFilter::default(), 0, 1000)
+        .await
+        .expect("events");
+    let holds: Vec<(bool, bool)> = events
+        .iter()
+        .filter(|e| e.kind == berth_proto::event::AGENT_HOLD)
+        .map(|e| {
+            (
+                e.data["cordoned"].as_bool().expect("cordoned"),
+                e.data["suspended"].as_bool().expect("suspended"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        holds,
+        vec![(true, false), (false, false), (false, true), (false, false)]
     );
 }

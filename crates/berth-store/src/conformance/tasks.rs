@@ -1568,3 +1568,120 @@ pub async fn task_claim_unrunnable_heads_fail(store: &DynStore) {
         ClaimOutcome::Empty
     );
 }
+
+/// The per-agent queue cap (issue 14 item 5): at the cap a create is `QueueFull` and inserts
+/// nothing; a repeated idempotency key still gets its task; a read-back is never refused; a
+/// task that ends makes room; `unknown` counts as open.
+pub async fn task_queue_cap(store: &DynStore) {
+    const CAP: u32 = 3;
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("capped")).await;
+    let t = now();
+    let capped = |key: Option<&str>| NewTask {
+        queue_cap: Some(CAP),
+        idempotency_key: key.map(String::from),
+        request_hash: key.map(|_| "h".to_string()),
+        ..new_task(tenant.id, agent.id, t)
+    };
+    let first = create(store, capped(Some("cap-1"))).await;
+    create(store, capped(None)).await;
+    create(store, capped(None)).await;
+    assert_eq!(
+        store.create_task(capped(None)).await.expect("create"),
+        CreateTaskOutcome::QueueFull { open: 3 }
+    );
+    match store
+        .create_task(capped(Some("cap-1")))
+        .await
+        .expect("create")
+    {
+        CreateTaskOutcome::Existing(task) => assert_eq!(task.id, first.id),
+        other => panic!("a repeated key gets its task even at the cap, not {other:?}"),
+    }
+    let read_back = NewTask {
+        read_back_of: Some(first.id),
+        ..capped(None)
+    };
+    create(store, read_back).await;
+    // No cap: the server's own tasks.
+    create(store, new_task(tenant.id, agent.id, t)).await;
+    assert_eq!(
+        store.create_task(capped(None)).await.expect("create"),
+        CreateTaskOutcome::QueueFull { open: 5 }
+    );
+    let open = |store: DynStore| async move {
+        store
+            .list_tasks(tenant.id, &TaskFilter::default(), None, 100)
+            .await
+            .expect("list")
+            .items
+            .iter()
+            .filter(|t| !t.state.is_terminal())
+            .count()
+    };
+    assert_eq!(
+        open(store.clone()).await,
+        5,
+        "a refused create inserts nothing"
+    );
+    // Cancelling three of the five leaves two open: room for one more below the cap.
+    let all = store
+        .list_tasks(tenant.id, &TaskFilter::default(), None, 100)
+        .await
+        .expect("list")
+        .items;
+    for task in all.iter().take(3) {
+        store
+            .cancel_task(tenant.id, task.id, operator(), t)
+            .await
+            .expect("cancel");
+    }
+    create(store, capped(None)).await;
+    assert_eq!(
+        store.create_task(capped(None)).await.expect("create"),
+        CreateTaskOutcome::QueueFull { open: 3 }
+    );
+}
+
+/// The cap holds under 20 concurrent creators: exactly `CAP` are created, every other one is
+/// refused, and the agent's queue holds `CAP` tasks.
+pub async fn task_queue_cap_concurrent(store: &DynStore) {
+    const CAP: u32 = 5;
+    const CREATORS: usize = 20;
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("crowded")).await;
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(CREATORS));
+    let mut handles = vec![];
+    for _ in 0..CREATORS {
+        let store = store.clone();
+        let barrier = barrier.clone();
+        let task = NewTask {
+            queue_cap: Some(CAP),
+            ..new_task(tenant.id, agent.id, now())
+        };
+        handles.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .create_task(task)
+                .await
+                .expect("create without a database error")
+        }));
+    }
+    let (mut created, mut full) = (0, 0);
+    for handle in handles {
+        match handle.await.expect("creator") {
+            CreateTaskOutcome::Created(_) => created += 1,
+            CreateTaskOutcome::QueueFull { open } => {
+                assert_eq!(open, u64::from(CAP));
+                full += 1
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((created, full), (CAP as usize, CREATORS - CAP as usize));
+    let page = store
+        .list_tasks(tenant.id, &TaskFilter::default(), None, 100)
+        .await
+        .expect("list");
+    assert_eq!(page.items.len(), CAP as usize);
+}

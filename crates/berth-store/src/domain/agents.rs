@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+pub use berth_proto::agent::AgentHold;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
 use berth_proto::audit::AuditActor;
 use berth_proto::{AgentId, TenantId};
@@ -44,6 +45,12 @@ pub struct Agent {
     /// The certificate the last renewal replaced: refused like any unbound one, but named
     /// `CERTIFICATE_SUPERSEDED` so the agent resends what was in flight on it.
     pub previous_certificate_fingerprint: Option<String>,
+    /// No new work is routed to it: creates naming it are refused (`AGENT_CORDONED`), the
+    /// server's selectors and deployments leave it out. Its queued tasks still run.
+    pub cordoned: bool,
+    /// It claims nothing new ([`crate::TaskStore::claim_task`] answers `Empty`); shown as
+    /// `blocked`. Its session and heartbeats go on, so it can be resumed without a restart.
+    pub suspended: bool,
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
 }
@@ -58,6 +65,8 @@ pub enum RegisterError {
 
 #[derive(Debug, Clone, Default)]
 pub struct AgentFilter {
+    /// `Blocked` matches the suspended agents; any other status matches the agents that are not
+    /// suspended and hold it (a suspended agent is shown as `blocked`, whatever its liveness).
     pub status: Option<AgentStatus>,
     /// An agent matches when it has a capability of this name.
     pub capability: Option<String>,
@@ -71,6 +80,18 @@ pub struct AgentUpdate {
     pub capabilities: Option<Vec<Capability>>,
     /// Who asked: an `agent.update` entry is appended in the update's transaction.
     pub updated_by: Option<AuditActor>,
+}
+
+/// What a hold changes: its column, the value it sets, and its audit action. The column is one
+/// of two fixed names, never input.
+pub(crate) fn hold_change(hold: AgentHold) -> (&'static str, bool, &'static str) {
+    use berth_proto::audit::actions::{AGENT_CORDON, AGENT_RESUME, AGENT_SUSPEND, AGENT_UNCORDON};
+    match hold {
+        AgentHold::Cordon => ("cordoned", true, AGENT_CORDON),
+        AgentHold::Uncordon => ("cordoned", false, AGENT_UNCORDON),
+        AgentHold::Suspend => ("suspended", true, AGENT_SUSPEND),
+        AgentHold::Resume => ("suspended", false, AGENT_RESUME),
+    }
 }
 
 /// One heartbeat, applied with others in a single transaction (group commit).
@@ -170,6 +191,19 @@ pub trait AgentStore: Send + Sync {
     /// transaction its `pending`/`retry_wait` tasks become `expired` (`AGENT_DELETED`), and its
     /// `leased` ones `unknown` if they have side effects, else `expired` (attempts `expired`),
     /// and an `agent.delete` entry by `actor` is appended.
+    /// Sets or lifts an operator hold (`cordoned` or `suspended`) on the tenant's agent and
+    /// appends the hold's audit entry (`agent.cordon`, …) by `actor` in the same transaction,
+    /// when it changed anything; the `agent.hold` event comes with the change. None: no such
+    /// agent.
+    async fn set_agent_hold(
+        &self,
+        tenant: TenantId,
+        id: AgentId,
+        hold: AgentHold,
+        actor: AuditActor,
+        now: OffsetDateTime,
+    ) -> Result<Option<Agent>>;
+
     async fn delete_agent(
         &self,
         tenant: TenantId,

@@ -64,8 +64,13 @@ pub struct NewTask {
     /// body: the same key with the same hash returns the existing task, another hash conflicts.
     pub idempotency_key: Option<String>,
     pub request_hash: Option<String>,
-    /// A read-back task points at the `unknown` task it checks.
+    /// A read-back task points at the `unknown` task it checks. A read-back is never refused
+    /// by a cordon or the queue cap: it resolves work the agent already had.
     pub read_back_of: Option<TaskId>,
+    /// The most open tasks (not terminal) the agent may hold before this one, counted in the
+    /// insert's transaction: at the cap, [`CreateTaskOutcome::QueueFull`]. None: no cap (the
+    /// server's own deployment and drift tasks, whose number the server bounds itself).
+    pub queue_cap: Option<u32>,
     pub created_at: OffsetDateTime,
     /// Who asked for it: when set, a `task.create` audit entry is appended in the insert's
     /// transaction (not for an existing task an idempotency key returns). The server's own
@@ -139,6 +144,13 @@ pub enum CreateTaskOutcome {
     Existing(Task),
     /// Same idempotency key, different request.
     KeyConflict,
+    /// The agent is cordoned; nothing was inserted.
+    AgentCordoned,
+    /// The agent already holds `open` open tasks, at least [`NewTask::queue_cap`]; nothing was
+    /// inserted.
+    QueueFull {
+        open: u64,
+    },
 }
 
 #[derive(Debug, Clone, Default)]
@@ -309,6 +321,10 @@ pub trait TaskStore: Send + Sync {
     /// Inserts the task as `pending`, honouring the idempotency key (unique per tenant).
     /// `Conflict { constraint: "task_agent" }` when `agent_id` is not an agent of the tenant
     /// (checked in the same transaction, so a concurrently deleted agent gets no orphan task).
+    /// In the same transaction, with the agent row locked, `lifecycle::admit` decides
+    /// `AgentCordoned` and `QueueFull` (so concurrent creators cannot pass the cap together);
+    /// a request whose idempotency key already names a task gets that task (or `KeyConflict`)
+    /// even so.
     async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome>;
     async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>>;
     /// Ordered by id (creation order); `after` is the previous page's `next`.
@@ -320,7 +336,8 @@ pub trait TaskStore: Send + Sync {
         limit: u32,
     ) -> Result<Page<Task>>;
 
-    /// In one transaction, with the generation and certificate binding checked in it: picks the
+    /// In one transaction, with the generation and certificate binding checked in it: a
+    /// suspended agent claims nothing (`Empty`, `lifecycle::may_claim`); otherwise picks the
     /// agent's next task and leases it under a fresh assignment (attempts + 1, lease until
     /// `now + timeout + lease_grace`).
     ///

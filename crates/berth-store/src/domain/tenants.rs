@@ -44,7 +44,7 @@ pub struct NewApiToken {
     pub created_by: Option<AuditActor>,
 }
 
-/// A web UI session (migration 0018): made by signing in with an API token, it acts as that
+/// A web UI session (migration 0017): made by signing in with an API token, it acts as that
 /// token. Only the hash of its random id is stored.
 #[derive(Debug, Clone)]
 pub struct NewUiSession {

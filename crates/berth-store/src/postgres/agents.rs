@@ -10,12 +10,13 @@ use time::OffsetDateTime;
 
 use super::audit::append;
 use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE};
+use crate::domain::agents::hold_change;
 use crate::domain::audit::admin_event;
 use crate::lifecycle;
 use crate::rows::{self, agent_columns, db_error, millis, ColumnReader};
 use crate::{
-    Agent, AgentFilter, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, Page,
-    RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep,
+    Agent, AgentFilter, AgentHold, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord,
+    NewAgent, Page, RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep,
 };
 use berth_proto::audit::actions::{AGENT_DELETE, AGENT_UPDATE};
 use berth_proto::audit::AuditActor;
@@ -127,8 +128,16 @@ impl AgentStore for PostgresStore {
             " FROM agents WHERE tenant_id = "
         ));
         query.push_bind(tenant.0);
-        if let Some(status) = filter.status {
-            query.push(" AND status = ").push_bind(status.as_str());
+        match filter.status {
+            None => {}
+            Some(AgentStatus::Blocked) => {
+                query.push(" AND suspended");
+            }
+            Some(status) => {
+                query
+                    .push(" AND NOT suspended AND status = ")
+                    .push_bind(status.as_str());
+            }
         }
         // Containment (`@>`) is what the GIN indexes answer.
         if let Some(capability) = &filter.capability {
@@ -181,6 +190,54 @@ impl AgentStore for PostgresStore {
             let event = admin_event(tenant, actor, AGENT_UPDATE, id, details, now);
             append(&mut tx, event).await?;
         }
+        tx.commit().await.map_err(db_error(OP))?;
+        Ok(agent)
+    }
+
+    async fn set_agent_hold(
+        &self,
+        tenant: TenantId,
+        id: AgentId,
+        hold: AgentHold,
+        actor: AuditActor,
+        now: OffsetDateTime,
+    ) -> Result<Option<Agent>> {
+        const OP: &str = "set agent hold";
+        let (column, value, action) = hold_change(hold);
+        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let changed = sqlx::query(&format!(
+            "UPDATE agents SET {column} = $1, updated_at = $2 \
+             WHERE tenant_id = $3 AND id = $4 AND {column} <> $1 RETURNING {}",
+            agent_columns!()
+        ))
+        .bind(value)
+        .bind(millis(now))
+        .bind(tenant.0)
+        .bind(id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?
+        .map(|row| rows::read_agent(&row))
+        .transpose()?;
+        let agent = match changed {
+            Some(agent) => {
+                let event = admin_event(tenant, actor, action, id, json!({}), now);
+                append(&mut tx, event).await?;
+                Some(agent)
+            }
+            None => sqlx::query(concat!(
+                "SELECT ",
+                agent_columns!(),
+                " FROM agents WHERE tenant_id = $1 AND id = $2"
+            ))
+            .bind(tenant.0)
+            .bind(id.0)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?
+            .map(|row| rows::read_agent(&row))
+            .transpose()?,
+        };
         tx.commit().await.map_err(db_error(OP))?;
         Ok(agent)
     }

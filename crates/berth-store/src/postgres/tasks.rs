@@ -30,16 +30,49 @@ impl TaskStore for PostgresStore {
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
         // KEY SHARE conflicts only with deleting the agent: a concurrent delete_agent either
         // commits first (we see no agent) or waits for us (and then expires this task).
-        let agent_ok = sqlx::query(
-            "SELECT 1 AS found FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE",
+        // A cordon racing this create is not serialised with it (it takes no key lock): the
+        // task may land just before the cordon commits, as if created a moment earlier.
+        let cordoned = sqlx::query(
+            "SELECT cordoned FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE",
         )
         .bind(task.agent_id.0)
         .bind(task.tenant_id.0)
         .fetch_optional(&mut *tx)
         .await
         .map_err(db_error(OP))?
-        .is_some();
-        if agent_ok {
+        .map(|row| row.flag("cordoned"))
+        .transpose()?;
+        let agent_ok = cordoned.is_some();
+        let refused = match cordoned {
+            None => None,
+            Some(cordoned) => {
+                let open = match lifecycle::queue_cap(&task) {
+                    None => None,
+                    Some(_) => {
+                        // Creates for one agent take turns from here to their commit, so each
+                        // count (a fresh snapshot, after the lock) sees every task inserted
+                        // before it. An advisory lock, not the agent row's: a row lock strong
+                        // enough would also queue the agent's heartbeats behind creates.
+                        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('berth.queue:' || $1::text, 0))")
+                            .bind(task.agent_id.0)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db_error(OP))?;
+                        let n: i64 = sqlx::query_scalar(&format!(
+                            "SELECT COUNT(*) FROM tasks WHERE agent_id = $1 AND state IN {}",
+                            lifecycle::OPEN_STATES_SQL
+                        ))
+                        .bind(task.agent_id.0)
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(db_error(OP))?;
+                        Some(u64::try_from(n).unwrap_or(0))
+                    }
+                };
+                lifecycle::admit(&task, cordoned, open).err()
+            }
+        };
+        if agent_ok && refused.is_none() {
             let inserted = sqlx::query(concat!(
                 "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
                  credentials_sealed, variables, timeout_seconds, priority, side_effects, \
@@ -99,6 +132,9 @@ impl TaskStore for PostgresStore {
                     CreateTaskOutcome::KeyConflict
                 });
             }
+        }
+        if let Some(refused) = refused {
+            return Ok(refused.outcome());
         }
         Err(StoreError::Conflict {
             constraint: if agent_ok {
@@ -203,6 +239,15 @@ impl TaskStore for PostgresStore {
             Binding::Current => {}
             Binding::Fenced => return Ok(ClaimOutcome::Fenced),
             Binding::Revoked => return Ok(ClaimOutcome::Revoked),
+        }
+        // Under the row lock: a suspension commits before this claim or after it.
+        let suspended: bool = sqlx::query_scalar("SELECT suspended FROM agents WHERE id = $1")
+            .bind(agent.0)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
+        if !lifecycle::may_claim(suspended) {
+            return Ok(ClaimOutcome::Empty);
         }
         let now = millis(now);
         // Every answer from here commits (once, below), so that a head failed as unrunnable

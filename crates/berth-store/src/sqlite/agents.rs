@@ -7,12 +7,13 @@ use time::OffsetDateTime;
 
 use super::audit::append;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use crate::domain::agents::hold_change;
 use crate::domain::audit::admin_event;
 use crate::lifecycle;
 use crate::rows::{self, agent_columns, millis, unix_millis, ColumnReader};
 use crate::{
-    Agent, AgentFilter, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, Page,
-    RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep, StoreError,
+    Agent, AgentFilter, AgentHold, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord,
+    NewAgent, Page, RebindOutcome, RegisterError, Result, SessionOutcome, StaleSweep, StoreError,
 };
 use berth_proto::audit::actions::{AGENT_DELETE, AGENT_UPDATE};
 use berth_proto::audit::AuditActor;
@@ -131,10 +132,16 @@ impl AgentStore for SqliteStore {
             " FROM agents WHERE tenant_id = "
         ));
         query.push_bind(id_text(tenant.0));
-        if let Some(status) = filter.status {
-            query
-                .push(" AND status = ")
-                .push_bind(status.as_str().to_string());
+        match filter.status {
+            None => {}
+            Some(AgentStatus::Blocked) => {
+                query.push(" AND suspended");
+            }
+            Some(status) => {
+                query
+                    .push(" AND NOT suspended AND status = ")
+                    .push_bind(status.as_str().to_string());
+            }
         }
         if let Some(capability) = &filter.capability {
             query
@@ -207,6 +214,44 @@ impl AgentStore for SqliteStore {
                     append(tx, event)?;
                 }
                 Ok(agent)
+            })
+            .await
+    }
+
+    async fn set_agent_hold(
+        &self,
+        tenant: TenantId,
+        id: AgentId,
+        hold: AgentHold,
+        actor: AuditActor,
+        now: OffsetDateTime,
+    ) -> Result<Option<Agent>> {
+        let (column, value, action) = hold_change(hold);
+        self.writer
+            .write("set agent hold", move |tx| {
+                let changed = tx.optional(
+                    &format!(
+                        "UPDATE agents SET {column} = ?1, updated_at = ?2 \
+                         WHERE tenant_id = ?3 AND id = ?4 AND {column} <> ?1 RETURNING {}",
+                        agent_columns!()
+                    ),
+                    params![value, unix_millis(now), id_text(tenant.0), id_text(id.0)],
+                    |row| rows::read_agent(row),
+                )?;
+                if let Some(agent) = changed {
+                    let event = admin_event(tenant, actor, action, id, json!({}), now);
+                    append(tx, event)?;
+                    return Ok(Some(agent));
+                }
+                tx.optional(
+                    concat!(
+                        "SELECT ",
+                        agent_columns!(),
+                        " FROM agents WHERE tenant_id = ?1 AND id = ?2"
+                    ),
+                    params![id_text(tenant.0), id_text(id.0)],
+                    |row| rows::read_agent(row),
+                )
             })
             .await
     }

@@ -66,6 +66,17 @@ fn agent_delivery(
     Ok(Some((task, attempt)))
 }
 
+/// Whether the agent is suspended (an agent that is gone is not; the binding check says so).
+fn suspended(db: &Db<'_>, agent: AgentId) -> Result<bool> {
+    Ok(db
+        .optional(
+            "SELECT suspended FROM agents WHERE id = ?1",
+            [id_text(agent.0)],
+            |row| row.flag("suspended"),
+        )?
+        .unwrap_or(false))
+}
+
 fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>> {
     db.optional(
         concat!(
@@ -87,15 +98,34 @@ impl TaskStore for SqliteStore {
             .writer
             .write("create task", move |tx| {
                 // The writer runs one operation at a time: a delete_agent either ran before
-                // (no agent) or runs after (and expires this task).
-                let agent_ok = tx
-                    .optional(
-                        "SELECT 1 FROM agents WHERE id = ?1 AND tenant_id = ?2",
-                        params![id_text(task.agent_id.0), id_text(task.tenant_id.0)],
-                        |_| Ok(()),
-                    )?
-                    .is_some();
-                if agent_ok {
+                // (no agent) or runs after (and expires this task), and no other create counts
+                // the agent's open tasks between this count and the insert.
+                let cordoned = tx.optional(
+                    "SELECT cordoned FROM agents WHERE id = ?1 AND tenant_id = ?2",
+                    params![id_text(task.agent_id.0), id_text(task.tenant_id.0)],
+                    |row| row.flag("cordoned"),
+                )?;
+                let agent_ok = cordoned.is_some();
+                let refused = match cordoned {
+                    None => None,
+                    Some(cordoned) => {
+                        let open = match lifecycle::queue_cap(&task) {
+                            None => None,
+                            Some(_) => Some(tx.one(
+                                &format!(
+                                    "SELECT COUNT(*) AS n FROM tasks WHERE agent_id = ?1 \
+                                     AND state IN {}",
+                                    lifecycle::OPEN_STATES_SQL
+                                ),
+                                [id_text(task.agent_id.0)],
+                                |row| row.int("n"),
+                            )?),
+                        };
+                        let open = open.map(|n| u64::try_from(n).unwrap_or(0));
+                        lifecycle::admit(&task, cordoned, open).err()
+                    }
+                };
+                if agent_ok && refused.is_none() {
                     let inserted = tx.optional(
                         concat!(
                             "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
@@ -152,6 +182,9 @@ impl TaskStore for SqliteStore {
                             CreateTaskOutcome::KeyConflict
                         });
                     }
+                }
+                if let Some(refused) = refused {
+                    return Ok(refused.outcome());
                 }
                 Err(StoreError::Conflict {
                     constraint: if agent_ok {
@@ -246,6 +279,9 @@ impl TaskStore for SqliteStore {
                 let fingerprint = fingerprint.clone();
                 move |db| {
                     Ok(match binding(db, agent, &fingerprint, generation)? {
+                        Binding::Current if !lifecycle::may_claim(suspended(db, agent)?) => {
+                            Some(ClaimOutcome::Empty)
+                        }
                         Binding::Current => db
                             .optional(
                                 "SELECT 1 FROM tasks WHERE agent_id = ?1 \
@@ -270,6 +306,9 @@ impl TaskStore for SqliteStore {
                     Binding::Current => {}
                     Binding::Fenced => return Ok(ClaimOutcome::Fenced),
                     Binding::Revoked => return Ok(ClaimOutcome::Revoked),
+                }
+                if !lifecycle::may_claim(suspended(tx, agent)?) {
+                    return Ok(ClaimOutcome::Empty);
                 }
                 let now = millis(now);
                 // The writer runs one operation at a time, so the head read here is still the

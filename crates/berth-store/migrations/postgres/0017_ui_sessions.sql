@@ -1,5 +1,5 @@
 -- Web UI sessions (issue 13), PostgreSQL flavour. Keep it column-for-column symmetric with
--- migrations/sqlite/0018_ui_sessions.sql.
+-- migrations/sqlite/0017_ui_sessions.sql.
 
 -- A browser session made by signing in with an API token. Only the SHA-256 of the random
 -- session id is kept (the id itself lives in the browser's HttpOnly cookie). The session acts as
