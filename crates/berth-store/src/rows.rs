@@ -675,39 +675,6 @@ pub(crate) fn read_grant(row: &impl ColumnReader) -> Result<Grant, StoreError> {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use time::macros::datetime;
-
-    #[test]
-    fn millis_truncates_and_converts_to_utc() {
-        let t = datetime!(2024-02-29 12:34:56.789_654_321 +02:00);
-        assert_eq!(millis(t), datetime!(2024-02-29 10:34:56.789 UTC));
-        let before_epoch = datetime!(1969-12-31 23:59:59.999_999 UTC);
-        assert_eq!(millis(before_epoch), datetime!(1969-12-31 23:59:59.999 UTC));
-        assert_eq!(
-            from_unix_millis("t", unix_millis(before_epoch)).ok(),
-            Some(millis(before_epoch))
-        );
-        assert_eq!(
-            unix_millis(t),
-            from_unix_millis("t", unix_millis(t))
-                .map(unix_millis)
-                .unwrap()
-        );
-    }
-
-    #[test]
-    fn token_labels_win() {
-        let agent = BTreeMap::from([("a".to_string(), "1".to_string()), ("b".into(), "2".into())]);
-        let token = BTreeMap::from([("b".to_string(), "3".to_string())]);
-        let merged = merge_labels(agent, token);
-        assert_eq!(merged["a"], "1");
-        assert_eq!(merged["b"], "3");
-    }
-}
-
 macro_rules! ssh_target_columns {
     () => {
         "id, tenant_id, name, host, port, user_name, via_agent, via_selector, host_key, \
@@ -747,4 +714,37 @@ pub(crate) fn read_artifact(row: &impl ColumnReader) -> Result<Artifact, StoreEr
         size: narrow("artifacts.size", row.int("size")?)?,
         created_at: row.time("created_at")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn millis_truncates_and_converts_to_utc() {
+        let t = datetime!(2024-02-29 12:34:56.789_654_321 +02:00);
+        assert_eq!(millis(t), datetime!(2024-02-29 10:34:56.789 UTC));
+        let before_epoch = datetime!(1969-12-31 23:59:59.999_999 UTC);
+        assert_eq!(millis(before_epoch), datetime!(1969-12-31 23:59:59.999 UTC));
+        assert_eq!(
+            from_unix_millis("t", unix_millis(before_epoch)).ok(),
+            Some(millis(before_epoch))
+        );
+        assert_eq!(
+            unix_millis(t),
+            from_unix_millis("t", unix_millis(t))
+                .map(unix_millis)
+                .unwrap()
+        );
+    }
+
+    #[test]
+    fn token_labels_win() {
+        let agent = BTreeMap::from([("a".to_string(), "1".to_string()), ("b".into(), "2".into())]);
+        let token = BTreeMap::from([("b".to_string(), "3".to_string())]);
+        let merged = merge_labels(agent, token);
+        assert_eq!(merged["a"], "1");
+        assert_eq!(merged["b"], "3");
+    }
 }

@@ -266,7 +266,7 @@ enum ReleaseCommand {
         #[arg(long, env = "BERTH_REGISTRY_PASSWORD", hide_env_values = true)]
         registry_password: Option<String>,
         #[command(flatten)]
-        ssh: berth_cli::ssh_target::SshReleaseArgs,
+        ssh: Box<berth_cli::ssh_target::SshReleaseArgs>,
     },
     /// List releases.
     #[command(alias = "list")]
@@ -1030,7 +1030,7 @@ async fn release_command(
                     name,
                     components,
                     compose: compose_text,
-                    ssh: berth_cli::ssh_target::ssh_release(&client, ssh).await?,
+                    ssh: berth_cli::ssh_target::ssh_release(&client, *ssh).await?,
                     registry_username,
                     registry_password,
                 })
