@@ -65,6 +65,23 @@ pub fn open(
         .map_err(|_| EnvelopeError::Open)
 }
 
+/// The value of a stored version: [`open`] with the row's own tenant, key and version.
+pub fn open_sealed(
+    master: &MasterKey,
+    sealed: berth_store::SealedSecret,
+) -> Result<Vec<u8>, EnvelopeError> {
+    open(
+        master,
+        sealed.meta.tenant_id,
+        &sealed.meta.key,
+        sealed.meta.version,
+        &Envelope {
+            wrapped_key: sealed.wrapped_key,
+            ciphertext: sealed.ciphertext,
+        },
+    )
+}
+
 /// A generated value: 32 random bytes, URL-safe base64 without padding.
 pub fn generate_value() -> String {
     use base64::engine::general_purpose::URL_SAFE_NO_PAD;

@@ -161,22 +161,9 @@ pub(crate) async fn sealed_key(
         .get_secret(target.tenant_id, key, None)
         .await?
         .ok_or_else(|| SshTaskError::KeyMissing(key.clone()))?;
-    let value = envelope::open(
-        &state.master_key,
-        target.tenant_id,
-        key,
-        sealed.meta.version,
-        &envelope::Envelope {
-            wrapped_key: sealed.wrapped_key,
-            ciphertext: sealed.ciphertext,
-        },
-    )
-    .map_err(|_| SshTaskError::Seal)?;
+    let value = envelope::open_sealed(&state.master_key, sealed).map_err(|_| SshTaskError::Seal)?;
     let value = String::from_utf8(value).map_err(|_| SshTaskError::Seal)?;
     let credentials = BTreeMap::from([(SSH_PRIVATE_KEY_CREDENTIAL.to_string(), value)]);
-    let clear = serde_json::to_vec(&credentials).map_err(|_| SshTaskError::Seal)?;
-    state
-        .master_key
-        .seal(&clear, task.0.as_bytes())
+    crate::routes::tasks::seal_credentials(&state.master_key, &credentials, task)
         .map_err(|_| SshTaskError::Seal)
 }

@@ -24,7 +24,7 @@ use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::grants::{self, LeaseRefusal};
 use crate::rate;
 use crate::routes::desired::agent_environment;
-use crate::secrets::{self as envelope, Envelope};
+use crate::secrets as envelope;
 use crate::SharedState;
 
 /// The largest value a secret may hold.
@@ -323,17 +323,8 @@ pub(crate) async fn environment_values(
             else {
                 continue;
             };
-            let value = envelope::open(
-                &state.master_key,
-                env.tenant_id,
-                &meta.key,
-                meta.version,
-                &Envelope {
-                    wrapped_key: sealed.wrapped_key,
-                    ciphertext: sealed.ciphertext,
-                },
-            )
-            .map_err(|e| ApiError::internal(&e))?;
+            let value = envelope::open_sealed(&state.master_key, sealed)
+                .map_err(|e| ApiError::internal(&e))?;
             values.push(String::from_utf8_lossy(&value).into_owned());
         }
     }
@@ -461,17 +452,8 @@ async fn kv_read(
         return Err(secret_not_found(&key));
     };
     let version = sealed.meta.version;
-    let value = envelope::open(
-        &state.master_key,
-        env.tenant_id,
-        &key,
-        version,
-        &Envelope {
-            wrapped_key: sealed.wrapped_key,
-            ciphertext: sealed.ciphertext,
-        },
-    )
-    .map_err(|e| ApiError::internal(&e))?;
+    let value =
+        envelope::open_sealed(&state.master_key, sealed).map_err(|e| ApiError::internal(&e))?;
     let value = String::from_utf8(value).map_err(|e| ApiError::internal(&e.utf8_error()))?;
     tracing::debug!(caller = caller.agent_key(), jti = %grant.jti, key, version, "builtin secret read");
     let body = serde_json::json!({

@@ -15,7 +15,7 @@ use berth_proto::ssh_target::{
     valid_ssh_target_name, ArtifactView, CreateSshTarget, SshTargetView, MAX_ARTIFACT_BYTES,
 };
 use berth_proto::{AgentId, ErrorBody, SshTargetId};
-use berth_store::{Agent, AgentFilter, Artifact, SshTarget, StoreError};
+use berth_store::{Agent, Artifact, SshTarget, StoreError};
 
 use crate::auth::{AgentCaller, Caller};
 use crate::error::{ApiError, ApiResult};
@@ -80,25 +80,17 @@ async fn agent_named(state: &SharedState, caller: &Caller, name: &str) -> ApiRes
             return Ok(agent);
         }
     }
-    let mut after = None;
-    loop {
-        let page = state
-            .store
-            .list_agents(caller.tenant(), &AgentFilter::default(), after, 500)
-            .await?;
-        if let Some(agent) = page.items.into_iter().find(|a| a.name == name) {
-            return Ok(agent);
-        }
-        match page.next {
-            Some(next) => after = Some(AgentId(next)),
-            None => {
-                return Err(ApiError::unprocessable(
-                    codes::AGENT_NOT_FOUND,
-                    format!("viaAgent: no agent named {name:?}"),
-                ))
-            }
-        }
-    }
+    let every = std::collections::BTreeMap::new();
+    crate::deploy::matching_agents(state, caller.tenant(), &every, None)
+        .await?
+        .into_iter()
+        .find(|a| a.name == name)
+        .ok_or_else(|| {
+            ApiError::unprocessable(
+                codes::AGENT_NOT_FOUND,
+                format!("viaAgent: no agent named {name:?}"),
+            )
+        })
 }
 
 /// Register a host without an agent, reached through one: an agent by name (`viaAgent`), or

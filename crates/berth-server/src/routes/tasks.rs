@@ -67,6 +67,17 @@ pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
     }
 }
 
+/// A task's credentials as its row keeps them: sealed under the master key for that task's id
+/// only (`transport::assignment` opens them for its deliveries).
+pub(crate) fn seal_credentials(
+    master: &berth_crypto::MasterKey,
+    credentials: &BTreeMap<String, String>,
+    task: TaskId,
+) -> Result<Vec<u8>, Box<dyn std::error::Error + Send + Sync>> {
+    let clear = serde_json::to_vec(credentials)?;
+    Ok(master.seal(&clear, task.0.as_bytes())?)
+}
+
 /// Whether the agent reports the capability the task kind needs (seed strings, by name).
 pub(crate) fn can_run(agent: &berth_store::Agent, kind: TaskKind) -> bool {
     let names: Vec<&str> = agent.capabilities.iter().map(|c| c.name.as_str()).collect();
@@ -256,15 +267,9 @@ pub async fn create(
     };
     let id = TaskId::new();
     let credentials_sealed = match &req.credentials {
-        Some(creds) if !creds.is_empty() => {
-            let clear = serde_json::to_vec(creds).map_err(|e| ApiError::internal(&e))?;
-            Some(
-                state
-                    .master_key
-                    .seal(&clear, id.0.as_bytes())
-                    .map_err(|e| ApiError::internal(&e))?,
-            )
-        }
+        Some(creds) if !creds.is_empty() => Some(
+            seal_credentials(&state.master_key, creds, id).map_err(|e| ApiError::internal(&*e))?,
+        ),
         _ => None,
     };
     let outcome = state
