@@ -10,6 +10,7 @@ mod events;
 mod fleet;
 mod stats;
 mod tasks;
+mod ui;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -61,6 +62,10 @@ enum Command {
     /// (open loop), then the closed-loop maximum, side by side with the heartbeat maximum of
     /// the same agents.
     Checkins(checkins::CheckinsArgs),
+    /// The web UI in headless Chromium: the agents page's first byte with N agents against the
+    /// same page of the JSON API, and the time from a task's event to its row in the DOM
+    /// against the event reaching an EventSource in the same page.
+    Ui(ui::UiArgs),
 }
 
 #[derive(Args, Debug)]
@@ -132,6 +137,7 @@ fn main() -> anyhow::Result<()> {
             Command::Verify(args) => tasks::verify(&args),
             Command::Events(args) => events::events(args).await,
             Command::Checkins(args) => checkins::checkins(args).await,
+            Command::Ui(args) => ui::ui(args).await,
         }
     })
 }

@@ -66,6 +66,7 @@ async fn open_counts(client: &Client, agent: AgentId) -> anyhow::Result<Vec<usiz
                     state: Some(state),
                     agent_id: Some(agent),
                     task_type: None,
+                    order: None,
                     cursor,
                     limit: Some(500),
                 })

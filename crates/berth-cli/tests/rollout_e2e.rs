@@ -72,20 +72,6 @@ fn target(server: &Server, root: &Path, name: &str, labels: &[String]) -> Agent 
 }
 
 /// `berth <args>` to its end: (exit code, stdout, stderr).
-fn run(server: &Server, token: &str, args: &[&str], timeout: Duration) -> (i32, String, String) {
-    let mut cmd = command(BERTH);
-    cmd.args(args)
-        .env("BERTH_SERVER", &server.url)
-        .env("BERTH_TOKEN", token)
-        .env("BERTH_CA_FILE", server.data_dir.join("ca.crt"));
-    let out = Proc::spawn(&format!("berth {}", args.join(" ")), cmd).finish(timeout);
-    (
-        out.status.code().unwrap_or(-1),
-        out.stdout,
-        strip_ansi(&out.stderr),
-    )
-}
-
 /// Creates release `name` of one component `web` from `image`; the container name and the
 /// ports come from each target's labels, the health check URL from its label `health`.
 fn release(server: &Server, prefix: &str, name: &str, image: &Image) -> Value {
@@ -144,8 +130,7 @@ fn target_of<'a>(d: &'a Value, name: &str) -> &'a Value {
 
 /// `berth deploy RELEASE --env ENV --wait`: its exit code and output.
 fn deploy_wait(server: &Server, release: &str, env: &str) -> (i32, String, String) {
-    run(
-        server,
+    server.run_as(
         &server.admin_token,
         &["deploy", release, "--env", env, "--wait"],
         ROLLOUT,
@@ -310,8 +295,7 @@ fn environments_roll_out_roll_back_and_prove_it() {
     audit_shows_the_failed_rollout(&server, &failed);
 
     // --- Rollback and pin: back to the previous successful release (r1), pinned. ---
-    let (code, out, err) = run(
-        &server,
+    let (code, out, err) = server.run_as(
         &server.admin_token,
         &["rollback", "--env", "qa", "--wait"],
         ROLLOUT,
@@ -533,7 +517,7 @@ fn target_phases(server: &Server, deployment: &str, target: &str) -> Vec<String>
 fn audit_shows_the_failed_rollout(server: &Server, failed: &Value) {
     let tmp = tempdir();
     let file = tmp.path().join("audit.jsonl");
-    let (code, out, err) = run(server, &server.admin_token, &["audit", "export"], EXIT);
+    let (code, out, err) = server.run_as(&server.admin_token, &["audit", "export"], EXIT);
     assert_eq!(code, 0, "{err}");
     std::fs::write(&file, &out).unwrap();
     let entries: Vec<Value> = out
@@ -566,8 +550,7 @@ fn audit_shows_the_failed_rollout(server: &Server, failed: &Value) {
         created < qa1_deployed && qa1_deployed < qa2_failed && qa2_failed < qa1_rolled_back,
         "{created} {qa1_deployed} {qa2_failed} {qa1_rolled_back}"
     );
-    let (code, out, err) = run(
-        server,
+    let (code, out, err) = server.run_as(
         &server.admin_token,
         &["audit", "verify", file.to_str().unwrap()],
         EXIT,

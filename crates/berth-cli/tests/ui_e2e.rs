@@ -121,10 +121,13 @@ async fn wait_js(client: &Client, what: &str, script: &str) -> Value {
         if value.as_bool() == Some(true) || (!value.is_null() && value.as_bool().is_none()) {
             return value;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}: {script} is {value}"
-        );
+        if std::time::Instant::now() >= deadline {
+            let text = client
+                .execute("return document.body.innerText;", vec![])
+                .await
+                .unwrap_or_default();
+            panic!("timed out waiting for {what}: {script} is {value}; the page says: {text}");
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -598,5 +601,229 @@ async fn deploy_from_the_form_approve_as_another_user_and_watch_it_go_green() {
     screenshots(&alice, "deployment-succeeded").await;
     alice.close().await.expect("close");
     bob.close().await.expect("close");
+    drop(cleanup);
+}
+
+/// A rollout that fails on its second target: the page follows it live to `rolled_back`, with
+/// the failing target's code and the redacted tail of its task's log; then the agent's page
+/// shows its session generation and the stickers an `inspect` read back, and the audit export
+/// downloaded from the UI verifies offline with `berth audit verify`.
+#[tokio::test]
+async fn a_failed_deployment_rolls_back_live_and_the_audit_export_verifies() {
+    const TEST: &str = "a_failed_deployment_rolls_back_live_and_the_audit_export_verifies";
+    let Some(env) = fixtures::env(TEST) else {
+        return;
+    };
+    let Some(driver) = chromedriver(TEST) else {
+        return;
+    };
+    let cleanup = Cleanup::new(&fixtures::unique("berth-e2e"));
+    let prefix = cleanup.prefix.clone();
+    let dir = tempdir();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    // web-1's health check reaches its own container; web-2's a port nobody listens on.
+    let (port1, port2) = (free_port(), free_port());
+    let first = docker_target(
+        &server,
+        dir.path(),
+        "web-1",
+        &[
+            "app=web".into(),
+            format!("port={port1}"),
+            format!("health={port1}"),
+        ],
+    );
+    let _second = docker_target(
+        &server,
+        dir.path(),
+        "web-2",
+        &["app=web".into(), format!("port={port2}"), "health=9".into()],
+    );
+    let image = make_image(&env.registry, &prefix, "web", Variant::Healthy, "v1", None);
+    for (release, health) in [("r1", "port"), ("r2", "health")] {
+        let config = json!({
+            "containerName": format!("{prefix}-{{{{target.name}}}}"),
+            "ports": ["127.0.0.1:{{target.labels.port}}:8080/tcp"],
+            "restartPolicy": "no",
+            "healthCheck": {"type": "http", "interval": 1,
+                            "url": format!("http://127.0.0.1:{{{{target.labels.{health}}}}}/")},
+        });
+        server.cli(&[
+            "release",
+            "create",
+            release,
+            "--image",
+            &format!("web={}", image.reference()),
+            "--config",
+            &format!("web={config}"),
+        ]);
+    }
+    server.cli(&[
+        "env",
+        "create",
+        "web",
+        "--tier",
+        "dev",
+        "--selector",
+        "app=web",
+        "--max-parallel",
+        "1",
+        "--health-timeout",
+        "5",
+    ]);
+    let (code, out, err) = server.run_as(
+        &server.admin_token,
+        &["deploy", "r1", "--env", "web", "--wait"],
+        SETTLE,
+    );
+    assert_eq!(code, 0, "deploy r1: {out}\n{err}");
+
+    let client = browser(&driver).await;
+    sign_in(&client, &server, &server.admin_token).await;
+    client
+        .goto(&format!("{}/environments/web", server.url))
+        .await
+        .expect("environment");
+    client
+        .find(Locator::Css("#release"))
+        .await
+        .expect("release field")
+        .send_keys("r2")
+        .await
+        .expect("type");
+    client
+        .find(Locator::Css("[data-action=plan]"))
+        .await
+        .expect("plan button")
+        .click()
+        .await
+        .expect("plan");
+    wait_js(&client, "the plan", "!!document.querySelector('ol.waves')").await;
+    client
+        .find(Locator::Css("[data-action=deploy]"))
+        .await
+        .expect("confirm button")
+        .click()
+        .await
+        .expect("deploy");
+    wait_js(
+        &client,
+        "the deployment's page, live",
+        "document.querySelector('h1').textContent.startsWith('Deployment') \
+         && document.getElementById('main').dataset.stream === 'open'",
+    )
+    .await;
+    client
+        .execute("window.berthMark = 1; return true;", vec![])
+        .await
+        .expect("mark");
+    for (what, selector) in [
+        (
+            "the deployment rolled back",
+            "dl .badge[data-state=rolled_back]",
+        ),
+        (
+            "a target rolled back",
+            "ul.targets .badge[data-state=rolled_back]",
+        ),
+        (
+            "a failed task's code",
+            "ul.targets details.log code.failure",
+        ),
+        ("its log's tail", "ul.targets details.log pre"),
+    ] {
+        wait_js(
+            &client,
+            what,
+            &format!("!!document.querySelector({})", json!(selector)),
+        )
+        .await;
+    }
+    let mark = client
+        .execute("return window.berthMark === 1;", vec![])
+        .await
+        .expect("mark");
+    assert_eq!(mark, Value::Bool(true), "followed live, without a reload");
+    let codes = client
+        .execute(
+            "return Array.from(document.querySelectorAll('ul.targets code.failure')).map(c => c.textContent);",
+            vec![],
+        )
+        .await
+        .expect("codes");
+    assert!(
+        codes.to_string().contains("HEALTH_CHECK_FAILED"),
+        "the failing target's code: {codes}"
+    );
+    screenshots(&client, "deployment-rolled-back").await;
+
+    // The agent's page: its session generation, and the stickers an inspect read back.
+    server.cli(&[
+        "task",
+        "create",
+        "--agent",
+        first.id.as_str(),
+        "--type",
+        "inspect",
+        "--wait",
+    ]);
+    client
+        .goto(&format!("{}/agents/{}", server.url, first.id))
+        .await
+        .expect("agent page");
+    let facts = client
+        .execute(
+            "return document.querySelector('dl.facts').textContent;",
+            vec![],
+        )
+        .await
+        .expect("facts");
+    assert!(
+        facts.to_string().contains("Session generation1"),
+        "the generation of its one session: {facts}"
+    );
+    let sticker = format!("{prefix}-web-1");
+    wait_js(
+        &client,
+        "its sticker",
+        &format!(
+            "Array.from(document.querySelectorAll('section[aria-labelledby=stickers] td')).some(td => td.textContent === {})",
+            json!(sticker)
+        ),
+    )
+    .await;
+    screenshots(&client, "agent-stickers").await;
+
+    // The audit export, as the browser downloads it, verifies offline.
+    client
+        .goto(&format!("{}/audit", server.url))
+        .await
+        .expect("audit page");
+    let export = client
+        .execute_async(
+            "const done = arguments[arguments.length - 1]; \
+             fetch(document.querySelector('a[download]').href).then(r => r.text()).then(done);",
+            vec![],
+        )
+        .await
+        .expect("export");
+    let export = export.as_str().expect("the export's text");
+    assert!(export.lines().count() > 5, "{export}");
+    let file = dir.path().join("audit.jsonl");
+    std::fs::write(&file, export).expect("write the export");
+    let ca = dir.path().join("data").join("ca.crt");
+    let (code, out, err) = server.run_as(
+        &server.admin_token,
+        &[
+            "audit",
+            "verify",
+            file.to_str().unwrap(),
+            "--ca",
+            ca.to_str().unwrap(),
+        ],
+        SETTLE,
+    );
+    assert_eq!(code, 0, "berth audit verify: {out}\n{err}");
+    client.close().await.expect("close");
     drop(cleanup);
 }

@@ -6,30 +6,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
-/// What a sticker says.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Sticker {
-    /// The target: a container name, a compose project, or any name the task chose.
-    pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub release_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub release_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub digest: Option<String>,
-    /// The task that wrote it.
-    pub task_id: String,
-    #[serde(with = "time::serde::rfc3339")]
-    pub written_at: time::OffsetDateTime,
-    /// Anything else the task wants recorded.
-    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
-    pub extra: serde_json::Map<String, serde_json::Value>,
-}
+pub use berth_proto::sticker::Sticker;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StickerError {

@@ -196,6 +196,10 @@ pub struct Agent {
     #[serde(default, with = "crate::rfc3339::option")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub certificate_expires_at: Option<OffsetDateTime>,
+    /// The session generation last granted (`X-Berth-Generation`); 0 before its first session.
+    /// Each new session increments it, and a request carrying an older one is fenced.
+    #[serde(default)]
+    pub session_generation: u64,
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: OffsetDateTime,

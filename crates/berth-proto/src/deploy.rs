@@ -767,6 +767,9 @@ pub struct ListDeployments {
     /// An environment name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<String>,
+    /// `oldest` (default) or `newest` first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<crate::task::ListOrder>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cursor: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -19,6 +19,7 @@ pub mod reference;
 pub mod release;
 pub mod result;
 pub mod ssh_target;
+pub mod sticker;
 pub mod task;
 pub mod transport;
 

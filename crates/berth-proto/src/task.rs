@@ -281,7 +281,19 @@ impl Request for GetTask {
     }
 }
 
-/// `GET /api/v1/tasks?state=&agentId=&type=&cursor=&limit=`.
+/// Which end of a list comes first: ids are UUIDv7, so id order is creation order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum ListOrder {
+    /// Oldest first (the default): a cursor walks forward in time.
+    #[default]
+    Oldest,
+    /// Newest first: what a person looking at recent work wants; a cursor walks back in time.
+    Newest,
+}
+
+/// `GET /api/v1/tasks?state=&agentId=&type=&order=&cursor=&limit=`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -292,6 +304,9 @@ pub struct ListTasks {
     pub agent_id: Option<AgentId>,
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
     pub task_type: Option<String>,
+    /// `oldest` (default) or `newest` first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<ListOrder>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cursor: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

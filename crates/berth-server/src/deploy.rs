@@ -842,6 +842,7 @@ mod tests {
             previous_certificate_fingerprint: None,
             cordoned: false,
             suspended: false,
+            generation: 0,
             created_at: now,
             updated_at: now,
         })

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use berth_proto::admin::Role;
 use berth_proto::agent::{AgentStatus, Capability, ResourceUsage};
+use berth_proto::task::ListOrder;
 use berth_proto::transport::ProgressPhase;
 use berth_proto::{
     AgentId, AssignmentId, DeploymentId, EnvironmentId, ReleaseId, SshTargetId, TaskId, TenantId,
@@ -31,7 +32,7 @@ macro_rules! agent_columns {
         "id, tenant_id, name, version, capabilities, labels, status, reported_status, \
          environment, last_heartbeat, resource_usage, certificate_fingerprint, \
          certificate_expires_at, previous_certificate_fingerprint, cordoned, suspended, \
-         created_at, updated_at"
+         generation, created_at, updated_at"
     };
 }
 pub(crate) use agent_columns;
@@ -198,9 +199,27 @@ pub(crate) fn read_agent(row: &impl ColumnReader) -> Result<Agent, StoreError> {
         previous_certificate_fingerprint: row.text_opt("previous_certificate_fingerprint")?,
         cordoned: row.flag("cordoned")?,
         suspended: row.flag("suspended")?,
+        generation: row.int("generation")?,
         created_at: row.time("created_at")?,
         updated_at: row.time("updated_at")?,
     })
+}
+
+/// Which page of a list by id: the ids past the cursor `after` (the previous page's last id), in
+/// `order`, at most `limit`.
+pub(crate) struct PageRequest {
+    pub after: Option<Uuid>,
+    pub order: ListOrder,
+    pub limit: u32,
+}
+
+/// A paged list's SQL by id for `order`: the condition after the cursor (followed by the cursor's
+/// bound id) and the `ORDER BY`. The same on both backends.
+pub(crate) fn order_sql(order: ListOrder) -> (&'static str, &'static str) {
+    match order {
+        ListOrder::Oldest => (" AND id > ", " ORDER BY id"),
+        ListOrder::Newest => (" AND id < ", " ORDER BY id DESC"),
+    }
 }
 
 fn narrow<T: TryFrom<i64>>(column: &str, v: i64) -> Result<T, StoreError> {

@@ -732,6 +732,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                         let page = client
                             .send(&ListDeployments {
                                 environment: environment.clone(),
+                                order: None,
                                 cursor,
                                 limit: Some(500),
                             })
@@ -953,6 +954,7 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
                         state,
                         agent_id: agent,
                         task_type: task_type.clone(),
+                        order: None,
                         cursor,
                         limit: Some(500),
                     })

@@ -495,6 +495,22 @@ impl Server {
         self.try_cli(args).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// `berth ARGS` as `token`, as a person runs it (no `--output json`): its exit code, stdout
+    /// and stderr (colours stripped).
+    pub fn run_as(&self, token: &str, args: &[&str], timeout: Duration) -> (i32, String, String) {
+        let mut cmd = command(BERTH);
+        cmd.args(args)
+            .env("BERTH_SERVER", &self.url)
+            .env("BERTH_TOKEN", token)
+            .env("BERTH_CA_FILE", self.data_dir.join("ca.crt"));
+        let out = Proc::spawn(&format!("berth {}", args.join(" ")), cmd).finish(timeout);
+        (
+            out.status.code().unwrap_or(-1),
+            out.stdout,
+            strip_ansi(&out.stderr),
+        )
+    }
+
     /// A one-time registration token (`berth token create -o json`).
     pub fn registration_token(&self) -> String {
         self.registration_token_with(&[])

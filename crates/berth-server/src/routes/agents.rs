@@ -50,6 +50,8 @@ fn to_wire(a: berth_store::Agent) -> Agent {
         resource_usage: a.resource_usage,
         certificate_fingerprint: a.certificate_fingerprint,
         certificate_expires_at: a.certificate_expires_at,
+        // Never negative: the store starts at 0 and only increments.
+        session_generation: u64::try_from(a.generation).unwrap_or(0),
         created_at: a.created_at,
         updated_at: a.updated_at,
     }

@@ -629,7 +629,7 @@ pub async fn plan(
     }))
 }
 
-/// The tenant's deployments, oldest first, optionally of one environment.
+/// The tenant's deployments, oldest first unless `order=newest`, optionally of one environment.
 #[utoipa::path(get, path = "/api/v1/deployments", tag = "deployments", params(ListDeployments), security(("bearer" = [])),
     responses((status = 200, body = DeploymentList),
         (status = 400, body = ErrorBody, description = "INVALID_REQUEST: a cursor that is not a deployment id"),
@@ -648,7 +648,13 @@ pub async fn list(
     let limit = query.limit.unwrap_or(100).clamp(1, 500);
     let page = state
         .store
-        .list_deployments(caller.tenant(), environment_id, after, limit)
+        .list_deployments(
+            caller.tenant(),
+            environment_id,
+            after,
+            query.order.unwrap_or_default(),
+            limit,
+        )
         .await?;
     let mut items = Vec::with_capacity(page.items.len());
     for d in page.items {

@@ -345,6 +345,7 @@ pub async fn list(
         state: query.state,
         agent_id: query.agent_id,
         task_type: query.task_type.clone(),
+        order: query.order.unwrap_or_default(),
     };
     let page = state
         .store

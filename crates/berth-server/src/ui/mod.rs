@@ -69,6 +69,7 @@ pub(crate) fn router() -> Router<SharedState> {
         .route("/tasks", get(pages::tasks))
         .route("/tasks/{id}", get(pages::task))
         .route("/audit", get(pages::audit))
+        .route("/audit/export", get(pages::audit_export))
         .route("/environments", get(pages::environments))
         .route("/environments/{name}", get(pages::environment))
         .route("/environments/{name}/plan", post(actions::plan))

@@ -4,9 +4,11 @@
 
 use std::collections::BTreeMap;
 
+use axum::body::Body;
 use axum::extract::{Path, Query, State};
+use axum::http::header;
 use axum::http::StatusCode;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_proto::agent::{Agent, AgentStatus, ListAgents, ResourceUsage};
 use berth_proto::audit::{hash_input, AuditActor, AuditEntry, ListAudit, GENESIS_HASH};
@@ -14,9 +16,12 @@ use berth_proto::deploy::{
     DeploymentPlan, DeploymentTargetEvent, DeploymentView, ListDeployments, TargetPhase,
     DEPLOYMENT_TARGET_EVENT,
 };
-use berth_proto::task::{ListTasks, TaskState, TaskView};
+use berth_proto::kind::TaskKind;
+use berth_proto::sticker::Sticker;
+use berth_proto::task::{ListOrder, ListTasks, TaskState, TaskView};
 use berth_proto::{AgentId, DeploymentId, TaskId};
 use berth_store::EventFilter;
+use futures_util::{StreamExt, TryStreamExt};
 use maud::{html, Markup};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -106,6 +111,7 @@ async fn count_tasks(
         State(state.clone()),
         caller(ui),
         ApiQuery(ListTasks {
+            order: Some(ListOrder::Newest),
             state: Some(task_state),
             limit: Some(1000),
             ..Default::default()
@@ -144,6 +150,7 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
         State(state.clone()),
         caller(ui),
         ApiQuery(ListDeployments {
+            order: Some(ListOrder::Newest),
             limit: Some(50),
             ..Default::default()
         }),
@@ -158,6 +165,7 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
         State(state.clone()),
         caller(ui),
         ApiQuery(ListTasks {
+            order: Some(ListOrder::Newest),
             state: Some(TaskState::Failed),
             limit: Some(10),
             ..Default::default()
@@ -236,8 +244,10 @@ fn deployment_table(items: &[DeploymentView]) -> Markup {
     }
 }
 
+/// An id's last 8 characters, for display. berth's ids are UUIDv7, whose leading characters are
+/// a timestamp shared by everything created in the same minute; the tail is random.
 fn short(id: &str) -> &str {
-    id.get(..8).unwrap_or(id)
+    id.get(id.len().saturating_sub(8)..).unwrap_or(id)
 }
 
 #[derive(Deserialize, Default)]
@@ -370,12 +380,14 @@ async fn agent_page(state: &SharedState, ui: &UiCaller, id: &str) -> ApiResult<M
         State(state.clone()),
         caller(ui),
         ApiQuery(ListTasks {
+            order: Some(ListOrder::Newest),
             agent_id: Some(id),
             limit: Some(20),
             ..Default::default()
         }),
     )
     .await?;
+    let stickers = last_stickers(state, ui, id).await?;
     Ok(page(
         ui,
         Nav::Agents,
@@ -386,6 +398,7 @@ async fn agent_page(state: &SharedState, ui: &UiCaller, id: &str) -> ApiResult<M
                 dt { "Status" } dd { (status_badge(a.status)) }
                 dt { "Version" } dd { (a.version) }
                 dt { "Last heartbeat" } dd { (time(a.last_heartbeat)) }
+                dt { "Session generation" } dd { (a.session_generation) }
                 dt { "Environment" } dd { (opt(&a.environment)) }
                 dt { "Certificate expires" } dd { (time(a.certificate_expires_at)) }
                 dt { "Certificate" } dd { code.wrap { (a.certificate_fingerprint.as_deref().unwrap_or("—")) } }
@@ -399,6 +412,18 @@ async fn agent_page(state: &SharedState, ui: &UiCaller, id: &str) -> ApiResult<M
                     None => p.muted { "No heartbeat with resource usage yet." },
                 }
             }
+            section aria-labelledby="stickers" {
+                h2 #stickers { "Stickers" }
+                @match &stickers {
+                    Some((task, list)) => {
+                        p.muted { "As the last succeeded " code { "inspect" } " read them on the host: task "
+                            a href={ "/tasks/" (task.id) } { code { (short(&task.id.to_string())) } } ", "
+                            (time(task.finished_at)) ", its signed result verified." }
+                        (sticker_table(list))
+                    }
+                    None => p.muted { "No " code { "inspect" } " has read this agent's stickers yet (drift checks run one for each environment's target)." },
+                }
+            }
             section aria-labelledby="recent" {
                 h2 #recent { "Recent tasks" }
                 (task_table(&recent.items))
@@ -406,6 +431,56 @@ async fn agent_page(state: &SharedState, ui: &UiCaller, id: &str) -> ApiResult<M
             }
         },
     ))
+}
+
+/// The stickers of the agent's last succeeded `inspect` (its result's `outputs.stickers`), with
+/// that task. What the host said, not what berth meant to deploy.
+async fn last_stickers(
+    state: &SharedState,
+    ui: &UiCaller,
+    agent: AgentId,
+) -> ApiResult<Option<(TaskView, Vec<Sticker>)>> {
+    let Json(list) = tasks::list(
+        State(state.clone()),
+        caller(ui),
+        ApiQuery(ListTasks {
+            order: Some(ListOrder::Newest),
+            agent_id: Some(agent),
+            task_type: Some(TaskKind::Inspect.spec().name.to_string()),
+            state: Some(TaskState::Succeeded),
+            limit: Some(1),
+            ..Default::default()
+        }),
+    )
+    .await?;
+    Ok(list.items.into_iter().next().map(|task| {
+        let stickers = task
+            .result
+            .as_ref()
+            .and_then(|r| r.pointer("/outputs/stickers"))
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default();
+        (task, stickers)
+    }))
+}
+
+fn sticker_table(stickers: &[Sticker]) -> Markup {
+    html! {
+        @if stickers.is_empty() {
+            p.muted { "No stickers on the host." }
+        } @else {
+            div.table { table {
+                thead { tr { th { "Name" } th { "Release" } th { "Digest" } th { "Written" } th { "By task" } } }
+                tbody { @for st in stickers { tr {
+                    td { (st.name) }
+                    td { (opt(&st.release_name)) }
+                    td { code.wrap { (st.digest.as_deref().unwrap_or("—")) } }
+                    td { (time(Some(st.written_at))) }
+                    td { code { (short(&st.task_id)) } }
+                } } }
+            } }
+        }
+    }
 }
 
 fn parse_id<T: std::str::FromStr>(id: &str) -> ApiResult<T> {
@@ -496,6 +571,7 @@ pub async fn tasks(
         Err(e) => return error_page(&e),
     };
     let query = ListTasks {
+        order: Some(ListOrder::Newest),
         state: parse(&q.state),
         agent_id: agent,
         task_type: nonempty(&q.task_type),
@@ -561,7 +637,7 @@ fn task_table(items: &[TaskView]) -> Markup {
         } @else {
             div.table { table {
                 thead { tr { th { "Task" } th { "Type" } th { "State" } th { "Agent" } th { "Error" } th { "Updated" } } }
-                tbody { @for t in items { tr {
+                tbody { @for t in items { tr data-task=(t.id) {
                     td { a href={ "/tasks/" (t.id) } { code { (short(&t.id.to_string())) } } }
                     td { (t.task_type) }
                     td { (badge(t.state.as_str())) @if t.read_back { " " span.badge data-state="read_back" { "read back" } } }
@@ -682,7 +758,7 @@ pub async fn audit(
                                 Err(why) => { span.badge data-state="failed" { "chain broken" } " " (why) }
                             }
                         }
-                        p { a href="/api/v1/audit?limit=1000" download="audit.json" { "Export (JSON, the API)" } " · or " code { "berth audit export | berth audit verify" } " offline, with the signatures." }
+                        p { a href="/audit/export" download="berth-audit.jsonl" { "Export the whole log" } " (JSON lines, as " code { "berth audit export" } " writes them): " code { "berth audit verify FILE" } " checks it offline, with every result's signature." }
                         div.table { table {
                             thead { tr { th { "#" } th { "Time" } th { "Actor" } th { "Action" } th { "Subject" } } }
                             tbody { @for e in &page_.items { tr {
@@ -700,6 +776,60 @@ pub async fn audit(
                 )
             }),
     )
+}
+
+/// `/audit/export`: the whole log as JSON lines, the format of `berth audit export`, so the
+/// download checks offline with `berth audit verify`. Read a page of 1000 at a time through the
+/// API's handler and streamed, so a long log is never held in memory whole.
+pub async fn audit_export(State(state): State<SharedState>, ui: UiCaller) -> Response {
+    let token = ui.caller.0.clone();
+    let read = move |after: u64| {
+        let state = state.clone();
+        let caller = Caller(token.clone());
+        async move {
+            let query = ListAudit {
+                after,
+                limit: Some(1000),
+            };
+            let Json(page) = audit::list(State(state), ReadCaller(caller), ApiQuery(query)).await?;
+            let mut lines = Vec::new();
+            for entry in &page.items {
+                serde_json::to_writer(&mut lines, entry)
+                    .map_err(|e| crate::error::ApiError::internal(&e))?;
+                lines.push(b'\n');
+            }
+            ApiResult::Ok((lines, page.next))
+        }
+    };
+    // The first page is read before the response starts, so a viewer gets the API's refusal as
+    // a page rather than an empty download.
+    let (first, next) = match read(0).await {
+        Ok(page) => page,
+        Err(e) => return error_page(&e),
+    };
+    let rest = futures_util::stream::try_unfold(next, move |next| {
+        let read = read.clone();
+        async move {
+            match next {
+                Some(after) => read(after).await.map(|(lines, next)| Some((lines, next))),
+                None => Ok(None),
+            }
+        }
+    });
+    let body = futures_util::stream::once(async { Ok(first) }).chain(rest);
+    (
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson"),
+            (
+                header::CONTENT_DISPOSITION,
+                "attachment; filename=\"berth-audit.jsonl\"",
+            ),
+        ],
+        Body::from_stream(body.map_err(|e: crate::error::ApiError| {
+            std::io::Error::other(format!("{}: {}", e.code, e.detail))
+        })),
+    )
+        .into_response()
 }
 
 fn actor(a: &AuditActor) -> String {
@@ -791,6 +921,7 @@ pub(super) async fn environment_page(
         State(state.clone()),
         caller(ui),
         ApiQuery(ListDeployments {
+            order: Some(ListOrder::Newest),
             environment: Some(name.to_string()),
             limit: Some(10),
             ..Default::default()
@@ -914,6 +1045,7 @@ pub(super) async fn deployment_page(
         && !is_token(&d.requested_by)
         && !d.approvals.iter().any(|a| is_token(&a.by));
     let timeline = phase_history(state, ui, &d).await?;
+    let failed = failed_tasks(state, ui, &d).await?;
     let mut waves: BTreeMap<u32, Vec<_>> = BTreeMap::new();
     for t in &d.targets {
         waves.entry(t.wave).or_default().push(t);
@@ -930,7 +1062,7 @@ pub(super) async fn deployment_page(
             dl.facts {
                 dt { "Environment" } dd { a href={ "/environments/" (percent(&d.environment)) } { (d.environment) } }
                 dt { "Release" } dd { (d.release) }
-                dt { "State" } dd { (badge(d.state.as_str())) @if d.rolling_back { " " (badge("rolling_back")) } }
+                dt { "State" } dd { (badge(d.state.as_str())) @if d.rolling_back && d.state.is_active() { " " (badge("rolling_back")) } }
                 dt { "Requested by" } dd { (actor(&d.requested_by)) }
                 dt { "Approvals" } dd { (d.approvals.len()) " of " (d.approvals_required) }
                 dt { "Error" } dd { (opt(&d.error_code)) @if let Some(detail) = &d.detail { " " span.muted { (detail) } } }
@@ -956,12 +1088,70 @@ pub(super) async fn deployment_page(
                             (badge(t.phase.as_str()))
                             @if let Some(code) = &t.error_code { " " code { (code) } }
                             @if let Some(detail) = &t.detail { " " span.muted { (detail) } }
+                            @for task in failed.get(&t.agent_id).into_iter().flatten() {
+                                details.log {
+                                    summary {
+                                        "Task " a href={ "/tasks/" (task.id) } { code { (short(&task.id.to_string())) } }
+                                        " failed" @if let Some(code) = &task.error_code { ": " code.failure { (code) } }
+                                    }
+                                    @if task.tail.is_empty() { p.muted { "Its log is empty." } } @else { pre { code { (task.tail) } } }
+                                }
+                            }
                         }
                     } }
                 }
             }
         },
     ))
+}
+
+/// Lines of a task's log shown on the deployment page.
+const LOG_TAIL_LINES: usize = 20;
+
+/// A failed task of a deployment target: its id, its error code and the last lines of its log.
+struct FailedTask {
+    id: TaskId,
+    error_code: Option<String>,
+    tail: String,
+}
+
+/// The failed tasks among each target's last deployment task and last rollback task, for the
+/// targets that failed or were rolled back (a rolled-back target's own code is cleared by its
+/// rollback; the failure stays in its task). The agent redacts a log before it signs the result
+/// (every credential and secret value becomes `***`): the page shows that log as received.
+async fn failed_tasks(
+    state: &SharedState,
+    ui: &UiCaller,
+    d: &DeploymentView,
+) -> ApiResult<BTreeMap<AgentId, Vec<FailedTask>>> {
+    let mut failed: BTreeMap<AgentId, Vec<FailedTask>> = BTreeMap::new();
+    let ended_badly = d
+        .targets
+        .iter()
+        .filter(|t| matches!(t.phase, TargetPhase::Failed | TargetPhase::RolledBack));
+    for t in ended_badly.take(PAGE as usize) {
+        for id in [t.tasks.last(), t.rollback_tasks.last()]
+            .into_iter()
+            .flatten()
+        {
+            let Json(task) = tasks::get(State(state.clone()), caller(ui), ApiPath(*id)).await?;
+            if task.state != TaskState::Failed {
+                continue;
+            }
+            let logs = task.result.as_ref().and_then(|r| r.pointer("/logs"));
+            let lines: Vec<&str> = logs
+                .and_then(|l| l.as_str())
+                .unwrap_or("")
+                .lines()
+                .collect();
+            failed.entry(t.agent_id).or_default().push(FailedTask {
+                id: *id,
+                error_code: task.error_code,
+                tail: lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n"),
+            });
+        }
+    }
+    Ok(failed)
 }
 
 /// Each target's phases with the time each began, from the deployment's `deployment.target`
@@ -1018,7 +1208,7 @@ fn timeline_chart(timeline: &Timeline) -> Markup {
                     @let x0 = x(*at);
                     @let x1 = phases.get(i + 1).map_or(label_w + bar_w, |(next, _)| x(*next));
                     // A phase that began at the last event has no length yet: a visible stub.
-                    rect x=(format!("{x0:.1}")) y=(y + 4.0) width=(format!("{:.1}", (x1 - x0).max(6.0))) height="16" data-phase=(phase.as_str()) {
+                    rect x=(format!("{x0:.1}")) y=(y + 4.0) width=(format!("{:.1}", (x1 - x0).max(6.0))) height="16" data-phase=(phase.as_str()) data-tone=(tone(*phase)) {
                         title { (phase.as_str()) " from " (at.time().to_string()) }
                     }
                 }
@@ -1026,5 +1216,22 @@ fn timeline_chart(timeline: &Timeline) -> Markup {
             text x=(label_w) y=(height - 2.0) class="note" { "0 s" }
             text x=(label_w + bar_w) y=(height - 2.0) class="note" text-anchor="end" { (format!("{span:.0} s")) }
         }
+        ul.legend aria-label="Phases" {
+            @for phase in TargetPhase::ALL.iter().filter(|p| timeline.iter().any(|(_, ps)| ps.iter().any(|(_, q)| q == *p))) {
+                li { i data-tone=(tone(*phase)) {} (phase.as_str()) }
+            }
+        }
+    }
+}
+
+/// A phase's colour on the timeline: working, done, in doubt or undoing, failed, or waiting.
+fn tone(phase: TargetPhase) -> &'static str {
+    use TargetPhase::*;
+    match phase {
+        Deploying | Pulling | Starting | Health => "working",
+        Succeeded => "ok",
+        RollingBack | Unknown => "warn",
+        Failed | RolledBack | RollbackFailed => "bad",
+        Waiting | Queued | Skipped => "idle",
     }
 }

@@ -40,6 +40,8 @@ pub async fn registration_succeeds(store: &DynStore) {
         previous_certificate_fingerprint: None,
         cordoned: false,
         suspended: false,
+        // No session yet.
+        generation: 0,
         created_at: millis(agent.created_at),
         updated_at: millis(agent.created_at),
     };
@@ -983,6 +985,9 @@ pub async fn session_lease(store: &DynStore) {
             lease_expires_at: millis(t + Duration::seconds(40))
         }
     );
+    // The agent's row says which generation it holds (the API's `sessionGeneration`).
+    let row = store.get_agent(tenant.id, agent.id).await.expect("get");
+    assert_eq!(row.map(|a| a.generation), Some(2));
     // Expired (the lease ends at its instant): anyone takes it over.
     let takeover = store
         .acquire_session(

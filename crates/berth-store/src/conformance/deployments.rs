@@ -7,6 +7,7 @@ use berth_proto::audit::{actions, AuditActor};
 use berth_proto::deploy::{
     DeploymentKind, DeploymentState, Drift, ObservedComponent, RolloutPolicy, TargetPhase, Tier,
 };
+use berth_proto::task::ListOrder;
 use berth_proto::{DeploymentId, EnvironmentId, ReleaseId};
 
 use super::*;
@@ -301,7 +302,7 @@ pub async fn deployment_create_round_trip(store: &DynStore) {
     )
     .await;
     let all = store
-        .list_deployments(t.id, None, None, 100)
+        .list_deployments(t.id, None, None, ListOrder::Oldest, 100)
         .await
         .expect("list");
     let ids: Vec<_> = all.items.iter().map(|d| d.id).collect();
@@ -315,7 +316,7 @@ pub async fn deployment_create_round_trip(store: &DynStore) {
     );
     assert_eq!(all.next, None);
     let first_page = store
-        .list_deployments(t.id, Some(env.id), None, 1)
+        .list_deployments(t.id, Some(env.id), None, ListOrder::Oldest, 1)
         .await
         .expect("list");
     assert_eq!(first_page.items.len(), 1);
@@ -323,16 +324,34 @@ pub async fn deployment_create_round_trip(store: &DynStore) {
     assert_eq!(first_page.items[0].state, DeploymentState::Succeeded);
     let after = first_page.next.map(DeploymentId).expect("a next page");
     let second_page = store
-        .list_deployments(t.id, Some(env.id), Some(after), 1)
+        .list_deployments(t.id, Some(env.id), Some(after), ListOrder::Oldest, 1)
         .await
         .expect("list");
     assert_eq!(second_page.items, vec![second.deployment.clone()]);
     let last = store
-        .list_deployments(t.id, Some(env.id), Some(second.deployment.id), 1)
+        .list_deployments(
+            t.id,
+            Some(env.id),
+            Some(second.deployment.id),
+            ListOrder::Oldest,
+            1,
+        )
         .await
         .expect("list");
     assert_eq!(last.items, Vec::new());
     assert_eq!(last.next, None);
+    // Newest first: the environment's latest deployment, then the one before.
+    let newest = store
+        .list_deployments(t.id, Some(env.id), None, ListOrder::Newest, 1)
+        .await
+        .expect("list");
+    assert_eq!(newest.items, vec![second.deployment.clone()]);
+    let before = newest.next.map(DeploymentId).expect("a next page");
+    let older = store
+        .list_deployments(t.id, Some(env.id), Some(before), ListOrder::Newest, 1)
+        .await
+        .expect("list");
+    assert_eq!(older.items[0].id, created.deployment.id);
 }
 
 pub async fn deployment_one_active_per_environment(store: &DynStore) {
@@ -367,7 +386,7 @@ pub async fn deployment_one_active_per_environment(store: &DynStore) {
     .await;
     let next = deploy(store, new_deployment(&env, &r1, DeploymentState::Pending)).await;
     let listed = store
-        .list_deployments(t.id, Some(env.id), None, 100)
+        .list_deployments(t.id, Some(env.id), None, ListOrder::Oldest, 100)
         .await
         .expect("list");
     assert_eq!(listed.items.len(), 2, "the refused creates wrote nothing");
@@ -401,7 +420,7 @@ pub async fn deployment_one_active_per_environment(store: &DynStore) {
     }
     assert_eq!(won, 1, "exactly one concurrent create wins");
     let listed = store
-        .list_deployments(t.id, Some(race.id), None, 100)
+        .list_deployments(t.id, Some(race.id), None, ListOrder::Oldest, 100)
         .await
         .expect("list");
     assert_eq!(listed.items.len(), 1);
@@ -1097,7 +1116,7 @@ pub async fn deployment_tenant_isolation(store: &DynStore) {
     assert_eq!(store.get_deployment(other, id).await.expect("get"), None);
     assert_eq!(
         store
-            .list_deployments(other, None, None, 100)
+            .list_deployments(other, None, None, ListOrder::Oldest, 100)
             .await
             .expect("list")
             .items,
@@ -1105,7 +1124,7 @@ pub async fn deployment_tenant_isolation(store: &DynStore) {
     );
     assert_eq!(
         store
-            .list_deployments(other, Some(env.id), None, 100)
+            .list_deployments(other, Some(env.id), None, ListOrder::Oldest, 100)
             .await
             .expect("list")
             .items,

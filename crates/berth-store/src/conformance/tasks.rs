@@ -2,6 +2,7 @@
 //! retry, lease expiry, the read-back sweep, deleted agents, tenant isolation, listing and wake-ups.
 
 use super::*;
+use berth_proto::task::ListOrder;
 
 pub async fn task_create_idempotency(store: &DynStore) {
     let tenant = tenant(store).await;
@@ -1445,6 +1446,7 @@ pub async fn list_tasks(store: &DynStore) {
         state: Some(TaskState::Pending),
         agent_id: Some(a.id),
         task_type: Some("docker.run".to_string()),
+        ..TaskFilter::default()
     };
     assert_eq!(ids(list(pending_deploys_of_a).await), vec![second.id]);
 
@@ -1460,6 +1462,30 @@ pub async fn list_tasks(store: &DynStore) {
         .expect("list");
     assert_eq!(ids(rest.clone()), vec![fourth.id]);
     assert_eq!(rest.next, None);
+
+    // Newest first (the web UI's lists): the same pages from the other end.
+    let newest = TaskFilter {
+        order: ListOrder::Newest,
+        ..TaskFilter::default()
+    };
+    let page = store
+        .list_tasks(tenant.id, &newest, None, 3)
+        .await
+        .expect("list");
+    assert_eq!(ids(page.clone()), vec![fourth.id, third.id, second.id]);
+    assert_eq!(page.next, Some(second.id.0));
+    let rest = store
+        .list_tasks(tenant.id, &newest, page.next.map(TaskId), 3)
+        .await
+        .expect("list");
+    assert_eq!(ids(rest.clone()), vec![first.id]);
+    assert_eq!(rest.next, None);
+    let newest_of_b = TaskFilter {
+        agent_id: Some(b.id),
+        order: ListOrder::Newest,
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(list(newest_of_b).await), vec![fourth.id, third.id]);
 }
 
 pub async fn task_events(store: &DynStore) {

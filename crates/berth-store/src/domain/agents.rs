@@ -51,6 +51,9 @@ pub struct Agent {
     /// It claims nothing new ([`crate::TaskStore::claim_task`] answers `Empty`); shown as
     /// `blocked`. Its session and heartbeats go on, so it can be resumed without a restart.
     pub suspended: bool,
+    /// The session generation last granted (0: never had a session); a request with another
+    /// is fenced.
+    pub generation: i64,
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
 }

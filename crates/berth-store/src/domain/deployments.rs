@@ -195,12 +195,14 @@ pub trait DeploymentStore: Send + Sync {
         tenant: TenantId,
         id: DeploymentId,
     ) -> Result<Option<DeploymentDetail>>;
-    /// The tenant's deployments (of one environment when given), by id after `after`.
+    /// The tenant's deployments (of one environment when given), by id after `after`, oldest or
+    /// newest first.
     async fn list_deployments(
         &self,
         tenant: TenantId,
         environment: Option<EnvironmentId>,
         after: Option<DeploymentId>,
+        order: berth_proto::task::ListOrder,
         limit: u32,
     ) -> Result<crate::Page<Deployment>>;
     /// Whether the release has a `succeeded` deployment in the tenant's environment of that

@@ -158,6 +158,7 @@ pub struct TaskFilter {
     pub state: Option<TaskState>,
     pub agent_id: Option<AgentId>,
     pub task_type: Option<String>,
+    pub order: berth_proto::task::ListOrder,
 }
 
 // One value per poll, moved once: boxing would only add an allocation and clumsier matches.
@@ -327,7 +328,8 @@ pub trait TaskStore: Send + Sync {
     /// even so.
     async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome>;
     async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>>;
-    /// Ordered by id (creation order); `after` is the previous page's `next`.
+    /// Ordered by id (creation order), oldest or newest first as `filter.order` says; `after`
+    /// is the previous page's `next`.
     async fn list_tasks(
         &self,
         tenant: TenantId,

@@ -151,8 +151,11 @@ impl AgentStore for PostgresStore {
         fetch_page(
             &self.pool,
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order: berth_proto::task::ListOrder::Oldest,
+                limit,
+            },
             "list agents",
             rows::read_agent,
             |a| a.id.0,

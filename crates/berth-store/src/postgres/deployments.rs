@@ -387,6 +387,7 @@ impl DeploymentStore for PostgresStore {
         tenant: TenantId,
         environment: Option<EnvironmentId>,
         after: Option<DeploymentId>,
+        order: berth_proto::task::ListOrder,
         limit: u32,
     ) -> Result<Page<Deployment>> {
         let limit = limit.max(1);
@@ -400,8 +401,11 @@ impl DeploymentStore for PostgresStore {
         fetch_page(
             &self.pool,
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order,
+                limit,
+            },
             "list deployments",
             rows::read_deployment,
             |d| d.id.0,

@@ -16,7 +16,7 @@ use time::OffsetDateTime;
 use tokio::sync::{broadcast, oneshot, watch};
 use uuid::Uuid;
 
-use crate::rows::{self, db_error, get, ColumnReader};
+use crate::rows::{self, db_error, get, ColumnReader, PageRequest};
 use crate::{Page, Result, Store, StoreError};
 
 mod agents;
@@ -166,17 +166,23 @@ async fn notify(conn: &mut PgConnection, agent: AgentId) -> Result<()> {
 async fn fetch_page<T>(
     pool: &PgPool,
     mut query: QueryBuilder<'_, Postgres>,
-    after: Option<Uuid>,
-    limit: u32,
+    page: PageRequest,
     operation: &'static str,
     read: fn(&PgRow) -> Result<T>,
     id: fn(&T) -> Uuid,
 ) -> Result<Page<T>> {
+    let PageRequest {
+        after,
+        order,
+        limit,
+    } = page;
+    let (past, direction) = rows::order_sql(order);
     if let Some(after) = after {
-        query.push(" AND id > ").push_bind(after);
+        query.push(past).push_bind(after);
     }
     query
-        .push(" ORDER BY id LIMIT ")
+        .push(direction)
+        .push(" LIMIT ")
         .push_bind(i64::from(limit));
     let items = query
         .build()

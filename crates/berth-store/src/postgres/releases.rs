@@ -67,8 +67,11 @@ impl ReleaseStore for PostgresStore {
         fetch_page(
             &self.pool,
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order: berth_proto::task::ListOrder::Oldest,
+                limit,
+            },
             "list releases",
             rows::read_release,
             |r| r.id.0,

@@ -202,8 +202,11 @@ impl TaskStore for PostgresStore {
         fetch_page(
             &self.pool,
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order: filter.order,
+                limit,
+            },
             "list tasks",
             rows::read_task,
             |t| t.id.0,

@@ -164,8 +164,11 @@ impl AgentStore for SqliteStore {
         self.fetch_page(
             "list agents",
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order: berth_proto::task::ListOrder::Oldest,
+                limit,
+            },
             |row| rows::read_agent(row),
             |a| a.id.0,
         )

@@ -321,6 +321,7 @@ impl DeploymentStore for SqliteStore {
         tenant: TenantId,
         environment: Option<EnvironmentId>,
         after: Option<DeploymentId>,
+        order: berth_proto::task::ListOrder,
         limit: u32,
     ) -> Result<Page<Deployment>> {
         let limit = limit.max(1);
@@ -334,8 +335,11 @@ impl DeploymentStore for SqliteStore {
         self.fetch_page(
             "list deployments",
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order,
+                limit,
+            },
             |row| rows::read_deployment(row),
             |d| d.id.0,
         )

@@ -20,7 +20,7 @@ use time::OffsetDateTime;
 use tokio::sync::{broadcast, watch};
 use uuid::Uuid;
 
-use crate::rows::{self, db_error, ColumnReader};
+use crate::rows::{self, db_error, ColumnReader, PageRequest};
 use crate::{Page, Result, Store, StoreError};
 
 mod agents;
@@ -179,16 +179,22 @@ impl SqliteStore {
         &self,
         operation: &'static str,
         mut query: Query,
-        after: Option<Uuid>,
-        limit: u32,
+        page: PageRequest,
         read: fn(&Row<'_>) -> Result<T>,
         id: fn(&T) -> Uuid,
     ) -> Result<Page<T>> {
+        let PageRequest {
+            after,
+            order,
+            limit,
+        } = page;
+        let (past, direction) = rows::order_sql(order);
         if let Some(after) = after {
-            query.push(" AND id > ").push_bind(id_text(after));
+            query.push(past).push_bind(id_text(after));
         }
         query
-            .push(" ORDER BY id LIMIT ")
+            .push(direction)
+            .push(" LIMIT ")
             .push_bind(i64::from(limit));
         let items = self
             .readers

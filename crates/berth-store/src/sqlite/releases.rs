@@ -77,8 +77,11 @@ impl ReleaseStore for SqliteStore {
         self.fetch_page(
             "list releases",
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order: berth_proto::task::ListOrder::Oldest,
+                limit,
+            },
             |row| rows::read_release(row),
             |r| r.id.0,
         )

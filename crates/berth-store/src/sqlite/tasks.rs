@@ -249,8 +249,11 @@ impl TaskStore for SqliteStore {
         self.fetch_page(
             "list tasks",
             query,
-            after.map(|id| id.0),
-            limit,
+            crate::rows::PageRequest {
+                after: after.map(|id| id.0),
+                order: filter.order,
+                limit,
+            },
             |row| rows::read_task(row),
             |t| t.id.0,
         )
