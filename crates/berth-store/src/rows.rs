@@ -721,39 +721,6 @@ pub(crate) fn read_artifact(row: &impl ColumnReader) -> Result<Artifact, StoreEr
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use time::macros::datetime;
-
-    #[test]
-    fn millis_truncates_and_converts_to_utc() {
-        let t = datetime!(2024-02-29 12:34:56.789_654_321 +02:00);
-        assert_eq!(millis(t), datetime!(2024-02-29 10:34:56.789 UTC));
-        let before_epoch = datetime!(1969-12-31 23:59:59.999_999 UTC);
-        assert_eq!(millis(before_epoch), datetime!(1969-12-31 23:59:59.999 UTC));
-        assert_eq!(
-            from_unix_millis("t", unix_millis(before_epoch)).ok(),
-            Some(millis(before_epoch))
-        );
-        assert_eq!(
-            unix_millis(t),
-            from_unix_millis("t", unix_millis(t))
-                .map(unix_millis)
-                .unwrap()
-        );
-    }
-
-    #[test]
-    fn token_labels_win() {
-        let agent = BTreeMap::from([("a".to_string(), "1".to_string()), ("b".into(), "2".into())]);
-        let token = BTreeMap::from([("b".to_string(), "3".to_string())]);
-        let merged = merge_labels(agent, token);
-        assert_eq!(merged["a"], "1");
-        assert_eq!(merged["b"], "3");
-    }
-}
-
 /// The webhook columns, in the order [`read_webhook`] expects.
 macro_rules! webhook_columns {
     () => {
@@ -842,4 +809,37 @@ pub(crate) fn read_delivery(row: &impl ColumnReader) -> Result<crate::Delivery, 
         secret_wrapped_key: blob("secret_wrapped_key")?,
         secret_ciphertext: blob("secret_ciphertext")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn millis_truncates_and_converts_to_utc() {
+        let t = datetime!(2024-02-29 12:34:56.789_654_321 +02:00);
+        assert_eq!(millis(t), datetime!(2024-02-29 10:34:56.789 UTC));
+        let before_epoch = datetime!(1969-12-31 23:59:59.999_999 UTC);
+        assert_eq!(millis(before_epoch), datetime!(1969-12-31 23:59:59.999 UTC));
+        assert_eq!(
+            from_unix_millis("t", unix_millis(before_epoch)).ok(),
+            Some(millis(before_epoch))
+        );
+        assert_eq!(
+            unix_millis(t),
+            from_unix_millis("t", unix_millis(t))
+                .map(unix_millis)
+                .unwrap()
+        );
+    }
+
+    #[test]
+    fn token_labels_win() {
+        let agent = BTreeMap::from([("a".to_string(), "1".to_string()), ("b".into(), "2".into())]);
+        let token = BTreeMap::from([("b".to_string(), "3".to_string())]);
+        let merged = merge_labels(agent, token);
+        assert_eq!(merged["a"], "1");
+        assert_eq!(merged["b"], "3");
+    }
 }
