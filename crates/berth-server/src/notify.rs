@@ -237,9 +237,10 @@ async fn deliver(state: &SharedState, client: &reqwest::Client, delivery: Delive
         .await
     {
         Ok(true) => {}
+        // Its lease ran out first (it is `unknown` now), or its webhook was deleted meanwhile.
         Ok(false) => tracing::warn!(
             notification = n.id,
-            "the send outlived its lease; the notification stays unknown"
+            "the notification changed during the send; its outcome was not recorded"
         ),
         Err(e) => {
             // Left `sending`: it becomes `unknown` when its lease ends, never sent twice.
@@ -260,7 +261,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_connection_is_retryable_and_a_silent_receiver_is_unknown() {
+    async fn a_refused_connection_is_retryable_and_a_silent_or_closing_receiver_is_unknown() {
         let client = berth_client::webhook_http_client(Duration::from_millis(500)).unwrap();
         let refused = refused_addr().await;
         let sent = classify(
@@ -290,6 +291,30 @@ mod tests {
         );
         assert!(matches!(sent, Sent::Unknown(ref code, _) if code == "TIMEOUT"));
         hold.abort();
+
+        // Reads the request, then closes the connection without an answer.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let close = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 1024];
+            let _ = socket.read(&mut buf).await;
+            drop(socket);
+        });
+        let sent = classify(
+            client
+                .post(format!("http://{addr}/"))
+                .body("{}")
+                .send()
+                .await
+                .map(|r| r.status()),
+        );
+        assert!(
+            matches!(sent, Sent::Unknown(ref code, _) if code == "SEND_FAILED"),
+            "{sent:?}"
+        );
+        close.await.unwrap();
     }
 
     #[test]
@@ -325,10 +350,12 @@ mod tests {
 
     #[test]
     fn the_signature_covers_timestamp_and_body() {
-        // HMAC-SHA256("secret", "1700000000.{}"), computed independently.
+        // HMAC-SHA256("secret", "1700000000.{}"), computed independently (Python's hmac).
         let sig = signature(b"secret", 1_700_000_000, b"{}");
-        assert!(sig.starts_with("sha256="));
-        assert_eq!(sig.len(), "sha256=".len() + 64);
+        assert_eq!(
+            sig,
+            "sha256=b8569b78799ff9e3cbff0fc2d63a33a2b57f3282abd07c37ae5e8e7d79a5f163"
+        );
         assert_ne!(sig, signature(b"secret", 1_700_000_001, b"{}"));
         assert_ne!(sig, signature(b"other", 1_700_000_000, b"{}"));
     }
