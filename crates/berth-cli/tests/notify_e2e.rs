@@ -172,3 +172,71 @@ async fn an_unanswered_send_is_unknown_once_until_the_operator_resends_it() {
     }
     assert!(!text.contains("hang-secret") && !text.contains("chat-secret"));
 }
+
+/// The server is killed while a send is in flight: the row was committed `sending` before the
+/// request left, so the restarted server finds it there, makes it `unknown` once its lease
+/// ends (`INTERRUPTED`), and never sends it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_cut_by_a_crash_is_unknown_and_never_resent() {
+    let dir = tempdir();
+    let data = dir.path().join("data");
+    let args = [
+        "--notify-retry-schedule",
+        "100ms",
+        // Long enough that the send is surely still in flight when the test kills the server.
+        "--notify-timeout-secs",
+        "10",
+    ];
+    let mut server = Server::start(&data, &args);
+    let receiver = Receiver::start(&[("/hang", Behaviour::HangOnce, "s")]).await;
+    std::fs::write(dir.path().join("secret"), "s").unwrap();
+    server.cli(&[
+        "webhook",
+        "add",
+        "hang",
+        "--url",
+        &receiver.url("/hang"),
+        "--events",
+        "task.state",
+        "--secret-file",
+        &dir.path().join("secret").display().to_string(),
+    ]);
+    let mut agent = Agent::register(&server, dir.path(), "quiet", &[]);
+    agent.proc.terminate();
+    server.create_task(
+        &agent.id,
+        "health-check",
+        &json!({"type": "tcp", "host": "127.0.0.1", "port": 1}),
+        None,
+    );
+    wait_for(Duration::from_secs(60), "the request to arrive", || {
+        if receiver.deliveries().is_empty() {
+            Err("no delivery yet".to_string())
+        } else {
+            Ok(())
+        }
+    });
+    // In flight: the receiver holds it, and the row says so.
+    assert_eq!(notifications(&server, &[])[0]["state"], "sending");
+    server.proc.kill9();
+
+    let server = Server::start(&data, &args);
+    let row = wait_for(
+        Duration::from_secs(60),
+        "the cut send to be unknown",
+        || {
+            let row = notifications(&server, &[])[0].clone();
+            if row["state"] == "unknown" {
+                Ok(row)
+            } else {
+                Err(row.to_string())
+            }
+        },
+    );
+    assert_eq!(row["lastError"]["code"], "INTERRUPTED");
+    assert_eq!(row["attempts"], 1);
+    // Past the schedule: still the one delivery.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(receiver.deliveries().len(), 1);
+    assert_eq!(notifications(&server, &[])[0]["state"], "unknown");
+}

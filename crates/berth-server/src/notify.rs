@@ -33,8 +33,9 @@ use crate::SharedState;
 
 /// Sends in flight at once.
 const CONCURRENCY: usize = 16;
-/// Added to the timeout to form a send's lease: past it, a row still `sending` was interrupted.
-const LEASE_GRACE: Duration = Duration::from_secs(30);
+/// Added to twice the timeout to form a send's lease: past it, a row still `sending` was
+/// interrupted (a send ends within the timeout; the rest is for recording its outcome).
+const LEASE_GRACE: Duration = Duration::from_secs(5);
 
 pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
     let client = match berth_client::webhook_http_client(state.config.notify.timeout) {
@@ -82,7 +83,7 @@ async fn sweep(
     if free == 0 {
         return;
     }
-    let lease = now + state.config.notify.timeout + LEASE_GRACE;
+    let lease = now + 2 * state.config.notify.timeout + LEASE_GRACE;
     let claimed = match state
         .store
         .claim_notifications(now, lease, free as u32)
