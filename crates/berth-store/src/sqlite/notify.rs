@@ -14,6 +14,23 @@ use crate::{
     Delivery, NewWebhook, Notification, NotifyStore, Resend, Result, SendOutcome, Webhook,
 };
 
+impl SqliteStore {
+    /// Whether a notification in `state` has `next_attempt_at` at or before `at`.
+    async fn any_notification(&self, state: &'static str, at: i64) -> Result<bool> {
+        self.readers
+            .read("notifications due", move |db| {
+                db.one(
+                    "SELECT EXISTS (SELECT 1 FROM notifications \
+                     WHERE state = ?1 AND next_attempt_at <= ?2) AS due",
+                    params![state, at],
+                    |row| rows::ColumnReader::int(row, "due"),
+                )
+            })
+            .await
+            .map(|due| due == 1)
+    }
+}
+
 #[async_trait::async_trait]
 impl NotifyStore for SqliteStore {
     async fn create_webhook(&self, webhook: NewWebhook, actor: AuditActor) -> Result<Webhook> {
@@ -143,6 +160,10 @@ impl NotifyStore for SqliteStore {
         lease_until: OffsetDateTime,
         limit: u32,
     ) -> Result<Vec<Delivery>> {
+        // Idle sweeps never take the write lock: a reader answers "nothing due" first.
+        if !self.any_notification("pending", unix_millis(now)).await? {
+            return Ok(Vec::new());
+        }
         self.writer
             .write("claim notifications", move |tx| {
                 // The one writer runs this whole, so no other claim can interleave.
@@ -214,6 +235,9 @@ impl NotifyStore for SqliteStore {
     }
 
     async fn expire_sending(&self, now: OffsetDateTime) -> Result<u64> {
+        if !self.any_notification("sending", unix_millis(now)).await? {
+            return Ok(0);
+        }
         self.writer
             .write("expire sending notifications", move |tx| {
                 let changed = tx.execute(
