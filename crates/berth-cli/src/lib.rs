@@ -77,6 +77,7 @@ pub mod deploy;
 pub mod desired;
 pub mod dev;
 pub mod docs;
+pub mod notify;
 pub mod output;
 pub mod secret;
 pub mod ssh_target;

@@ -23,6 +23,25 @@ pub fn external_http_client(
     timeout: Duration,
 ) -> Result<reqwest::Client, String> {
     check_addr(addr)?;
+    build(ca_pem, timeout, Duration::from_secs(10))
+}
+
+/// The HTTP client for webhook deliveries: any `http://` or `https://` URL (an admin chose it),
+/// HTTPS against the system's bundle, no redirects (the signed body would follow them), and
+/// `timeout` for the whole exchange, so a receiver that never answers ends the send.
+///
+/// Connecting gets at most half of `timeout` (and 10 s), so a connection that is never made
+/// ends as a connect error, which the sender may retry, and not as the whole exchange's
+/// timeout, which it must take as "maybe delivered".
+pub fn webhook_http_client(timeout: Duration) -> Result<reqwest::Client, String> {
+    build(None, timeout, (timeout / 2).min(Duration::from_secs(10)))
+}
+
+fn build(
+    ca_pem: Option<&[u8]>,
+    timeout: Duration,
+    connect_timeout: Duration,
+) -> Result<reqwest::Client, String> {
     let mut roots = RootCertStore::empty();
     match ca_pem {
         Some(pem) => {
@@ -59,7 +78,7 @@ pub fn external_http_client(
         .use_preconfigured_tls(tls)
         .redirect(reqwest::redirect::Policy::none())
         .timeout(timeout)
-        .connect_timeout(Duration::from_secs(10))
+        .connect_timeout(connect_timeout)
         .build()
         .map_err(|e| format!("http client: {e}"))
 }

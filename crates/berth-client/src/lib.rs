@@ -8,7 +8,7 @@ mod events;
 mod external;
 
 pub use events::{EventStream, StreamError};
-pub use external::external_http_client;
+pub use external::{external_http_client, webhook_http_client};
 
 use std::sync::Arc;
 use std::time::Duration;

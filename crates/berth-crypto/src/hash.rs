@@ -13,6 +13,15 @@ pub fn sha256(data: &[u8]) -> [u8; 32] {
     out
 }
 
+/// HMAC-SHA256 of `data` under `key`: how the server signs a webhook delivery.
+pub fn hmac_sha256(key: &[u8], data: &[u8]) -> [u8; 32] {
+    use aws_lc_rs::hmac;
+    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, key), data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(tag.as_ref());
+    out
+}
+
 /// Lowercase hex SHA-256 of `data`.
 pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(sha256(data))
@@ -34,6 +43,15 @@ pub fn random_token(prefix: &str) -> String {
 /// bits of entropy, so an unsalted fast hash is enough and keeps lookups by hash possible.
 pub fn hash_token(token: &str) -> String {
     sha256_hex(token.as_bytes())
+}
+
+#[cfg(test)]
+#[test]
+fn hmac_sha256_matches_rfc_4231_case_2() {
+    assert_eq!(
+        hex::encode(hmac_sha256(b"Jefe", b"what do ya want for nothing?")),
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+    );
 }
 
 /// `N` bytes from the system CSPRNG.

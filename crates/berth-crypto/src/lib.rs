@@ -18,7 +18,8 @@ pub use ca::{
 };
 pub use error::{CryptoError, Result};
 pub use hash::{
-    fingerprint, hash_token, random_bytes, random_token, random_unit, sha256, sha256_hex,
+    fingerprint, hash_token, hmac_sha256, random_bytes, random_token, random_unit, sha256,
+    sha256_hex,
 };
 pub use jwt::{verify_jwt, JwtSigner, PublicJwk};
 pub use master_key::MasterKey;

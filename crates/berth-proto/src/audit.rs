@@ -41,6 +41,10 @@ pub mod actions {
     pub const DEPLOYMENT_CREATE: &str = "deployment.create";
     pub const DEPLOYMENT_APPROVE: &str = "deployment.approve";
     pub const DEPLOYMENT_CANCEL: &str = "deployment.cancel";
+    /// Webhooks and their notifications (issue 14 item 3).
+    pub const WEBHOOK_CREATE: &str = "webhook.create";
+    pub const WEBHOOK_DELETE: &str = "webhook.delete";
+    pub const NOTIFICATION_RESEND: &str = "notification.resend";
     /// The environment now wants a pushed bundle; `details`: its name and the sha.
     pub const ENVIRONMENT_SET_DESIRED: &str = "environment.set_desired";
     /// Checkins answer `down` from now on; `details`: its name and `purgeVolumes`.

@@ -809,6 +809,10 @@ pub const DEPLOYMENT_TARGET_EVENT: &str = "deployment.target";
 /// `environment.drift`: a target's drift changed (or its first read-back found it drifted);
 /// `data` is `{environmentId, agentId, drift, runningRelease}`.
 pub const ENVIRONMENT_DRIFT_EVENT: &str = "environment.drift";
+/// `deployment.approval`: a token approved a deployment (migration 0019); `data` is
+/// `{deploymentId, environmentId, approvedBy}` (`approvedBy`: the approving token's
+/// `AuditActor`).
+pub const DEPLOYMENT_APPROVAL_EVENT: &str = "deployment.approval";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -183,6 +183,12 @@ pub mod codes {
     pub const APPLY_FAILED: &str = "APPLY_FAILED";
     /// The environment's secrets provider is not configured on this server (no OpenBao).
     pub const PROVIDER_UNAVAILABLE: &str = "PROVIDER_UNAVAILABLE";
+    // --- notifications (issue 14 item 3) ---
+    pub const WEBHOOK_EXISTS: &str = "WEBHOOK_EXISTS";
+    pub const WEBHOOK_NOT_FOUND: &str = "WEBHOOK_NOT_FOUND";
+    pub const NOTIFICATION_NOT_FOUND: &str = "NOTIFICATION_NOT_FOUND";
+    /// Only an `unknown`, `failed` or `dead` notification may be resent.
+    pub const NOTIFICATION_NOT_RESENDABLE: &str = "NOTIFICATION_NOT_RESENDABLE";
     /// A web UI form without the session's CSRF token (or with another one): nothing was done.
     pub const CSRF_INVALID: &str = "CSRF_INVALID";
     /// A web UI action without a live session (none, expired, signed out, or its token deleted).

@@ -3,8 +3,8 @@
 //! `Last-Event-ID` (or `?after=`) resumes after a sequence number.
 //!
 //! Kinds: `task.state` (data [`TaskStateEvent`]), `agent.registered`, `agent.status`,
-//! `agent.deleted`, `agent.hold` (data [`AgentEvent`]), `deployment.state`, `deployment.target` and
-//! `environment.drift` (data in `crate::deploy`). Clients ignore kinds they do not know.
+//! `agent.deleted`, `agent.hold` (data [`AgentEvent`]), `deployment.state`, `deployment.target`,
+//! `deployment.approval` and `environment.drift` (data in `crate::deploy`). Clients ignore kinds they do not know.
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;

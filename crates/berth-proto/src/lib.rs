@@ -13,6 +13,7 @@ pub mod event;
 pub mod ids;
 pub mod json;
 pub mod kind;
+pub mod notify;
 pub mod payload;
 pub mod redact;
 pub mod reference;

@@ -75,6 +75,63 @@ pub struct ServerConfig {
     /// refused (`429 QUEUE_FULL`). Read-backs and the server's own deployment and drift tasks
     /// are not refused by it (they count, though).
     pub max_open_tasks_per_agent: u32,
+    /// The webhook sender's schedule and timeout.
+    pub notify: NotifySettings,
+}
+
+/// How the notification sender delivers (issue 14 item 3).
+#[derive(Debug, Clone)]
+pub struct NotifySettings {
+    /// The delay before each retry of a refused or 5xx send; once used up the notification is
+    /// `dead`. Default seed 003's 1 s, 8 s, 64 s, 5 min.
+    pub retry_schedule: Vec<Duration>,
+    /// The longest one send may take; a send that times out after the request left is
+    /// `unknown`.
+    pub timeout: Duration,
+    /// How often the sender looks for due rows when nothing wakes it.
+    pub sweep_interval: Duration,
+}
+
+impl Default for NotifySettings {
+    fn default() -> Self {
+        NotifySettings {
+            retry_schedule: [1, 8, 64, 300].map(Duration::from_secs).to_vec(),
+            timeout: Duration::from_secs(10),
+            sweep_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// `1s,8s,64s,5m` (units `ms`, `s`, `m`, `h`; at most 16 steps, each at most a day).
+pub fn parse_retry_schedule(text: &str) -> Result<Vec<Duration>, String> {
+    let steps = text
+        .split(',')
+        .map(|step| {
+            let step = step.trim();
+            let split = step
+                .find(|c: char| !c.is_ascii_digit())
+                .ok_or_else(|| format!("{step:?}: give a unit (ms, s, m or h)"))?;
+            let (digits, unit) = step.split_at(split);
+            let n: u64 = digits
+                .parse()
+                .map_err(|_| format!("{step:?}: not a number of {unit}"))?;
+            let d = match unit {
+                "ms" => Duration::from_millis(n),
+                "s" => Duration::from_secs(n),
+                "m" => Duration::from_secs(n.saturating_mul(60)),
+                "h" => Duration::from_secs(n.saturating_mul(3600)),
+                _ => return Err(format!("{step:?}: the unit is one of ms, s, m, h")),
+            };
+            if d > Duration::from_secs(86_400) {
+                return Err(format!("{step:?}: at most a day"));
+            }
+            Ok(d)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if steps.len() > 16 {
+        return Err("at most 16 retries".into());
+    }
+    Ok(steps)
 }
 
 impl OpenBaoSettings {
@@ -118,6 +175,7 @@ impl ServerConfig {
             public_url: None,
             openbao: None,
             max_open_tasks_per_agent: 1_000,
+            notify: NotifySettings::default(),
         }
     }
 
@@ -141,6 +199,26 @@ impl ServerConfig {
                 .join("berth.db")
                 .to_string_lossy()
                 .into_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod notify_tests {
+    use super::*;
+
+    #[test]
+    fn the_seed_schedule_parses() {
+        assert_eq!(
+            parse_retry_schedule("1s,8s,64s,5m").unwrap(),
+            NotifySettings::default().retry_schedule
+        );
+        assert_eq!(
+            parse_retry_schedule("50ms, 2s").unwrap(),
+            [Duration::from_millis(50), Duration::from_secs(2)]
+        );
+        for bad in ["", "5", "1x", "s", "2d", "25h"] {
+            assert!(parse_retry_schedule(bad).is_err(), "{bad}");
         }
     }
 }

@@ -16,6 +16,7 @@ mod fault;
 mod grants;
 mod heartbeat;
 mod metrics;
+mod notify;
 mod openapi;
 pub mod openbao;
 mod rate;
@@ -38,7 +39,7 @@ use tokio::net::TcpListener;
 
 pub use bootstrap::{Bootstrapped, DataDir};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{OpenBaoSettings, ServerConfig};
+pub use config::{parse_retry_schedule, NotifySettings, OpenBaoSettings, ServerConfig};
 pub use error::ServerError;
 pub use openapi::openapi_json;
 
@@ -62,6 +63,8 @@ pub(crate) struct AppState {
     /// Verifies seed-compatible agents' OpenBao tokens; `None` without OpenBao (or without the
     /// server's own OpenBao token), when bearer-token agents are refused.
     pub bao: Option<Arc<openbao::TokenVerifier>>,
+    /// Wakes the notification sender before its next sweep (a resend).
+    pub notify_wake: tokio::sync::Notify,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -103,6 +106,7 @@ impl Server {
             stopping: tokio::sync::watch::channel(false).0,
             rate: rate::RateLimiter::default(),
             bao,
+            notify_wake: tokio::sync::Notify::new(),
         });
         Ok(Server {
             state,
@@ -127,6 +131,7 @@ impl Server {
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
         let deployments = tokio::spawn(deploy::run(self.state.clone(), stop_rx.clone()));
         let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
+        let notify = tokio::spawn(notify::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -146,6 +151,7 @@ impl Server {
         let _ = reconciler.await;
         let _ = deployments.await;
         let _ = drift.await;
+        let _ = notify.await;
         self.state.heartbeats.close().await;
         result
     }

@@ -23,6 +23,7 @@ pub use domain::desired::{
     SetDesiredOutcome,
 };
 pub use domain::events::*;
+pub use domain::notify::*;
 pub use domain::releases::*;
 pub use domain::secrets::*;
 pub use domain::ssh_targets::*;
@@ -40,7 +41,7 @@ pub enum StoreError {
     /// `deployment_id`, `deployment_target`, `deployment_in_progress` (the environment has a
     /// pending, awaiting or running deployment), `task_agent` (a task for an agent that is not,
     /// or no longer, the tenant's), `approval_token` (an approval by other than an API token), `secret_version` (a concurrent put
-    /// took that version), `grant_jti` or `ssh_target_name`.
+    /// took that version), `grant_jti`, `ssh_target_name` or `webhook_name`.
     #[error("conflict on {constraint}")]
     Conflict { constraint: &'static str },
     #[error("database error during {operation}")]
@@ -91,6 +92,7 @@ pub trait Store:
     + GrantStore
     + SshTargetStore
     + ArtifactStore
+    + NotifyStore
     + Send
     + Sync
     + 'static

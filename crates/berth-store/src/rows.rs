@@ -386,6 +386,11 @@ const UNIQUE_CONSTRAINTS: &[(&str, &str, &str)] = &[
         "ssh_targets.tenant_id, ssh_targets.name",
         "ssh_target_name",
     ),
+    (
+        "webhooks_tenant_id_name_key",
+        "webhooks.tenant_id, webhooks.name",
+        "webhook_name",
+    ),
 ];
 
 /// The `Conflict` name of the unique constraint `err` violated, if it is a known one.
@@ -732,6 +737,96 @@ pub(crate) fn read_artifact(row: &impl ColumnReader) -> Result<Artifact, StoreEr
         sha256: row.text("sha256")?,
         size: narrow("artifacts.size", row.int("size")?)?,
         created_at: row.time("created_at")?,
+    })
+}
+
+/// The webhook columns, in the order [`read_webhook`] expects.
+macro_rules! webhook_columns {
+    () => {
+        "id, tenant_id, name, url, format, events, created_at"
+    };
+}
+pub(crate) use webhook_columns;
+
+pub(crate) fn read_webhook(row: &impl ColumnReader) -> Result<crate::Webhook, StoreError> {
+    let format = row.text("format")?;
+    Ok(crate::Webhook {
+        id: row.int("id")?,
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        name: row.text("name")?,
+        url: row.text("url")?,
+        format: berth_proto::notify::WebhookFormat::parse(&format)
+            .ok_or_else(|| StoreError::Corrupt(format!("webhooks.format: {format:?}")))?,
+        events: serde_json::from_value(row.json("events")?)
+            .map_err(|e| StoreError::Corrupt(format!("webhooks.events: {e}")))?,
+        created_at: row.time("created_at")?,
+    })
+}
+
+/// A notification with its webhook's name (`n`: notifications, `w`: webhooks), in the order
+/// [`read_notification`] expects; `delivery_columns!` adds what a send needs.
+macro_rules! notification_columns {
+    () => {
+        "n.id, n.tenant_id, n.webhook_id, w.name AS webhook, n.event_id, n.event_kind, \
+         n.event_data, n.event_at, n.idempotency_key, n.state, n.attempts, n.retries, \
+         n.next_attempt_at, n.error_code, n.error_message, n.created_at, n.updated_at"
+    };
+}
+pub(crate) use notification_columns;
+
+macro_rules! delivery_columns {
+    () => {
+        concat!(
+            crate::rows::notification_columns!(),
+            ", w.url, w.format, w.secret_wrapped_key, w.secret_ciphertext"
+        )
+    };
+}
+pub(crate) use delivery_columns;
+
+fn count(column: &'static str, n: i64) -> Result<u32, StoreError> {
+    u32::try_from(n).map_err(|_| StoreError::Corrupt(format!("{column}: {n}")))
+}
+
+pub(crate) fn read_notification(
+    row: &impl ColumnReader,
+) -> Result<crate::Notification, StoreError> {
+    let state = row.text("state")?;
+    Ok(crate::Notification {
+        id: row.int("id")?,
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        webhook_id: row.int("webhook_id")?,
+        webhook: row.text("webhook")?,
+        event_id: row.int("event_id")?,
+        event_kind: row.text("event_kind")?,
+        event_data: row.json("event_data")?,
+        event_at: row.time("event_at")?,
+        idempotency_key: row.text("idempotency_key")?,
+        state: berth_proto::notify::NotificationState::parse(&state)
+            .ok_or_else(|| StoreError::Corrupt(format!("notifications.state: {state:?}")))?,
+        attempts: count("attempts", row.int("attempts")?)?,
+        retries: count("retries", row.int("retries")?)?,
+        next_attempt_at: row.time("next_attempt_at")?,
+        error_code: row.text_opt("error_code")?,
+        error_message: row.text_opt("error_message")?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+    })
+}
+
+pub(crate) fn read_delivery(row: &impl ColumnReader) -> Result<crate::Delivery, StoreError> {
+    let format = row.text("format")?;
+    let blob = |column| {
+        row.bytes_opt(column)?
+            .ok_or_else(|| StoreError::Corrupt(format!("webhooks.{column} is null")))
+    };
+    Ok(crate::Delivery {
+        notification: read_notification(row)?,
+        url: row.text("url")?,
+        format: berth_proto::notify::WebhookFormat::parse(&format)
+            .ok_or_else(|| StoreError::Corrupt(format!("webhooks.format: {format:?}")))?,
+        secret_wrapped_key: blob("secret_wrapped_key")?,
+        secret_ciphertext: blob("secret_ciphertext")?,
     })
 }
 

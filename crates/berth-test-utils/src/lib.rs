@@ -24,6 +24,7 @@ pub mod docker;
 pub mod openbao;
 pub mod postgres;
 pub mod ssh;
+pub mod webhook;
 
 // ---------------------------------------------------------------------------------------------
 // Services

@@ -102,6 +102,12 @@ enum Command {
     /// Files releases ship to SSH targets, stored by sha256.
     #[command(subcommand)]
     Artifact(berth_cli::ssh_target::ArtifactCommand),
+    /// Webhooks on deployment and approval events (signed, through an outbox).
+    #[command(subcommand)]
+    Webhook(berth_cli::notify::WebhookCommand),
+    /// The notification outbox: what each webhook send did; resend by choice.
+    #[command(subcommand)]
+    Notify(berth_cli::notify::NotifyCommand),
     /// Deploy a release into an environment.
     Deploy {
         release: String,
@@ -382,6 +388,18 @@ struct ServerArgs {
     /// read-backs and the server's own deployment and drift tasks are never refused by it.
     #[arg(long, env = "BERTH_MAX_OPEN_TASKS_PER_AGENT", default_value_t = 1000)]
     max_open_tasks_per_agent: u32,
+    /// The delays before each retry of a webhook send that was refused or answered 5xx, then
+    /// the notification is dead (units ms, s, m, h).
+    #[arg(
+        long,
+        env = "BERTH_NOTIFY_RETRY_SCHEDULE",
+        default_value = "1s,8s,64s,5m"
+    )]
+    notify_retry_schedule: String,
+    /// The longest one webhook send may take; one that times out after the request left is
+    /// `unknown` and is never resent by itself.
+    #[arg(long, env = "BERTH_NOTIFY_TIMEOUT_SECS", default_value_t = 10)]
+    notify_timeout_secs: u64,
     /// OpenBao holds desired-state secrets (seed 001's `openbao` provider): its address, given
     /// to agents in leases. Without it the `builtin` store serves them.
     #[arg(long, env = "BERTH_OPENBAO_ADDR")]
@@ -439,6 +457,13 @@ impl ServerArgs {
         config.header_read_timeout = Duration::from_secs(self.header_read_timeout_secs);
         config.body_read_timeout = Duration::from_secs(self.body_read_timeout_secs);
         config.max_open_tasks_per_agent = self.max_open_tasks_per_agent;
+        if self.notify_timeout_secs == 0 {
+            bail!("--notify-timeout-secs must be at least 1");
+        }
+        config.notify.retry_schedule =
+            berth_server::parse_retry_schedule(&self.notify_retry_schedule)
+                .map_err(|e| anyhow::anyhow!("--notify-retry-schedule: {e}"))?;
+        config.notify.timeout = Duration::from_secs(self.notify_timeout_secs);
         if let Some(addr) = &self.openbao_addr {
             let ca_pem = match &self.openbao_ca_file {
                 Some(f) => Some(
@@ -694,6 +719,12 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Artifact(cmd) => {
             berth_cli::ssh_target::artifact(&admin_client(&cli.conn)?, out, cmd).await
+        }
+        Command::Webhook(cmd) => {
+            berth_cli::notify::webhook(&admin_client(&cli.conn)?, out, cmd).await
+        }
+        Command::Notify(cmd) => {
+            berth_cli::notify::notify(&admin_client(&cli.conn)?, out, cmd).await
         }
         Command::Deploy {
             release,

@@ -18,6 +18,7 @@ pub mod deployments;
 pub mod desired;
 pub mod events;
 pub mod meta;
+pub mod notify;
 pub mod releases;
 pub mod secrets;
 pub mod ssh_targets;
@@ -101,6 +102,10 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
             ssh_targets::list_artifacts
         ))
         .routes(routes!(ssh_targets::agent_artifact))
+        .routes(routes!(notify::create_webhook, notify::list_webhooks))
+        .routes(routes!(notify::delete_webhook))
+        .routes(routes!(notify::list_notifications))
+        .routes(routes!(notify::resend))
         .routes(routes!(audit::list))
         .routes(routes!(events::stream))
 }

@@ -16,7 +16,7 @@ use crate::{
     Event, EventFilter, NewDeployment, Release, ReleaseRef, TargetObservation,
 };
 
-fn token(name: &str) -> AuditActor {
+pub(super) fn token(name: &str) -> AuditActor {
     AuditActor::Token {
         id: uuid::Uuid::new_v4(),
         name: name.to_string(),
@@ -64,7 +64,7 @@ pub(super) async fn create_environment(
         .expect("create environment")
 }
 
-async fn release(store: &DynStore, tenant: TenantId, name: &str) -> ReleaseRef {
+pub(super) async fn release(store: &DynStore, tenant: TenantId, name: &str) -> ReleaseRef {
     let created = store
         .create_release(
             Release {
@@ -104,7 +104,7 @@ fn target(deployment: DeploymentId, wave: u32, name: &str) -> DeploymentTarget {
 
 /// A deployment of `release` into `env` with two targets in wave 0 and one in wave 1, as the
 /// server would create it.
-fn new_deployment(
+pub(super) fn new_deployment(
     env: &Environment,
     release: &ReleaseRef,
     state: DeploymentState,
@@ -146,7 +146,7 @@ fn new_deployment(
     }
 }
 
-async fn deploy(store: &DynStore, new: NewDeployment) -> DeploymentDetail {
+pub(super) async fn deploy(store: &DynStore, new: NewDeployment) -> DeploymentDetail {
     store
         .create_deployment(new)
         .await

@@ -29,6 +29,7 @@ mod audit;
 mod deployments;
 mod desired;
 mod events;
+mod notify;
 mod releases;
 mod secrets;
 mod ssh_targets;
@@ -40,6 +41,7 @@ pub use audit::*;
 pub use deployments::*;
 pub use desired::*;
 pub use events::*;
+pub use notify::*;
 pub use releases::*;
 pub use secrets::*;
 pub use ssh_targets::*;
@@ -130,6 +132,8 @@ macro_rules! conformance_cases {
             desired_checkins_and_reports,
             ssh_targets_create_get_delete,
             artifacts_content_addressed,
+            notifications_written_with_events,
+            notification_claims_and_outcomes,
         }
     };
 }

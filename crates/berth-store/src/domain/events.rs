@@ -13,7 +13,7 @@ pub struct Event {
     pub id: i64,
     pub tenant_id: TenantId,
     /// `task.state`, `agent.registered`, `agent.status`, `agent.deleted`, `deployment.state`,
-    /// `deployment.target`, `environment.drift`.
+    /// `deployment.target`, `deployment.approval` (migration 0019), `environment.drift`.
     pub kind: String,
     pub task_id: Option<TaskId>,
     pub agent_id: Option<AgentId>,
