@@ -756,6 +756,14 @@ async fn a_failed_deployment_rolls_back_live_and_the_audit_export_verifies() {
         "the failing target's code: {codes}"
     );
     screenshots(&client, "deployment-rolled-back").await;
+    client.goto(&server.url).await.expect("overview");
+    wait_js(
+        &client,
+        "the environment on the overview",
+        "document.body.textContent.includes('r1')",
+    )
+    .await;
+    screenshots(&client, "overview-after-rollback").await;
 
     // The agent's page: its session generation, and the stickers an inspect read back.
     server.cli(&[

@@ -97,8 +97,9 @@
 
   var source = new EventSource("/api/v1/events?" + query);
   source.onmessage = onEvent;
-  ["task.state", "agent.registered", "agent.status", "agent.deleted", "deployment.state",
-   "deployment.target", "environment.drift"].forEach(function (kind) {
+  ["task.state", "agent.registered", "agent.status", "agent.deleted", "agent.hold",
+   "deployment.state", "deployment.target", "deployment.approval",
+   "environment.drift"].forEach(function (kind) {
     source.addEventListener(kind, onEvent);
   });
   source.onopen = function () {
