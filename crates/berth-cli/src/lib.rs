@@ -78,6 +78,7 @@ pub mod desired;
 pub mod dev;
 pub mod docs;
 pub mod output;
+pub mod readiness;
 pub mod secret;
 pub mod ssh_target;
 

@@ -14,6 +14,7 @@ pub mod ids;
 pub mod json;
 pub mod kind;
 pub mod payload;
+pub mod readiness;
 pub mod redact;
 pub mod reference;
 pub mod release;

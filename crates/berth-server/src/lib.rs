@@ -20,6 +20,7 @@ mod openapi;
 pub mod openbao;
 mod rate;
 mod readback;
+mod readiness;
 mod reconcile;
 mod registry;
 mod routes;
@@ -127,6 +128,7 @@ impl Server {
         let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
         let deployments = tokio::spawn(deploy::run(self.state.clone(), stop_rx.clone()));
         let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
+        let readiness = tokio::spawn(readiness::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -146,6 +148,7 @@ impl Server {
         let _ = reconciler.await;
         let _ = deployments.await;
         let _ = drift.await;
+        let _ = readiness.await;
         self.state.heartbeats.close().await;
         result
     }

@@ -23,6 +23,7 @@ pub use domain::desired::{
     SetDesiredOutcome,
 };
 pub use domain::events::*;
+pub use domain::readiness::*;
 pub use domain::releases::*;
 pub use domain::secrets::*;
 pub use domain::ssh_targets::*;
@@ -91,6 +92,7 @@ pub trait Store:
     + GrantStore
     + SshTargetStore
     + ArtifactStore
+    + ReadinessStore
     + Send
     + Sync
     + 'static

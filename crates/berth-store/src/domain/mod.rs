@@ -6,6 +6,7 @@ pub mod audit;
 pub mod deployments;
 pub mod desired;
 pub mod events;
+pub mod readiness;
 pub mod releases;
 pub mod secrets;
 pub mod ssh_targets;

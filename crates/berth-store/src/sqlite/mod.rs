@@ -28,6 +28,7 @@ mod audit;
 mod deployments;
 mod desired;
 mod events;
+mod readiness;
 mod releases;
 mod secrets;
 mod ssh_targets;
