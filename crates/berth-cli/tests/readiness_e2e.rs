@@ -318,8 +318,14 @@ fn verify_names_each_cause_of_unreadiness() {
     // Ready: every condition True, each with its own evidence.
     let out = verify_ready(&server, "rdy");
     assert!(out.contains("OperationalReady True"), "{out}");
-    assert!(line(&out, "Configured").contains("1 digest(s) found"), "{out}");
-    assert!(line(&out, "SecretsResolvable").contains("1 secret(s) exist"), "{out}");
+    assert!(
+        line(&out, "Configured").contains("1 digest(s) found"),
+        "{out}"
+    );
+    assert!(
+        line(&out, "SecretsResolvable").contains("1 secret(s) exist"),
+        "{out}"
+    );
     assert!(line(&out, "Healthy").contains(" OK "), "{out}");
     let r = readiness(&server, "rdy");
     assert_eq!(r["operationalReady"], true, "{r}");
@@ -386,13 +392,29 @@ fn verify_names_each_cause_of_unreadiness() {
     pending.assert_running();
     agent.proc.signal(libc::SIGCONT);
     let done = pending.finish(VERIFY);
-    assert_eq!(done.status.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
-    assert!(done.stdout.contains("OperationalReady True"), "{}", done.stdout);
+    assert_eq!(
+        done.status.code(),
+        Some(0),
+        "{}\n{}",
+        done.stdout,
+        done.stderr
+    );
+    assert!(
+        done.stdout.contains("OperationalReady True"),
+        "{}",
+        done.stdout
+    );
 
     // 5. The agent stopped: not reachable, and a requireReady deployment is refused.
     agent.proc.kill9();
     server.wait_agent(&agent.id, "offline", |a| a["status"] == "offline");
-    verify_names(&server, "rdy", "TargetsReachable", "TARGET_OFFLINE", "ready-1");
+    verify_names(
+        &server,
+        "rdy",
+        "TargetsReachable",
+        "TARGET_OFFLINE",
+        "ready-1",
+    );
     let (code, _, err) = run(&server, &["deploy", "r1", "--env", "rdy"], None);
     assert_ne!(code, 0);
     assert!(
