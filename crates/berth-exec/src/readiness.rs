@@ -84,7 +84,7 @@ async fn docker(names: &[String]) -> (ProbeCheck, Vec<berth_proto::payload::Insp
         Ok(list) => (
             ok,
             list.into_iter()
-                .filter(|c| names.iter().any(|n| *n == c.name))
+                .filter(|c| names.contains(&c.name))
                 .collect(),
         ),
         Err(e) => failed(format!("listing containers: {e}")),

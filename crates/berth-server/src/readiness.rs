@@ -15,9 +15,9 @@
 //! 4. `SecretsResolvable`: each secrets-manifest entry of the desired bundle exists; builtin
 //!    ones by the store's row (never opened). OpenBao-backed ones would be the agent's to check
 //!    and are reported `False`/`SECRETS_UNCHECKABLE` for now.
-//! 5-7. One `readiness-probe` task per reachable host, keyed by the pass (so the next pass
-//!    never reuses it). Its verified, signed result is `RoutesExecutable` for that host; its
-//!    report gives `RegistryReachable` (each registry's `/v2/` from the host) and `Healthy`
+//! 5. to 7. One `readiness-probe` task per reachable host, keyed by the pass (so the next
+//!    pass never reuses it). Its verified, signed result is `RoutesExecutable` for that host;
+//!    its report gives `RegistryReachable` (each registry's `/v2/` from the host) and `Healthy`
 //!    (the Docker engine answers, and each of the release's containers runs and is not
 //!    unhealthy). A probe not finished yet is `Unknown` (transient: the pass stays open) until
 //!    [`PROBE_DEADLINE`], then `PROBE_TIMEOUT`.
@@ -45,6 +45,9 @@ use tokio::sync::watch;
 use crate::registry::ResolveError;
 use crate::targets::{Target, TargetKind};
 use crate::SharedState;
+
+/// What one host's probe said: its report, or why there is none (a reason and a message).
+type ProbeOutcome = Result<ProbeReport, (String, String)>;
 
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const PAGE: u32 = 100;
@@ -197,8 +200,10 @@ async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreEr
     }
     r.updated_at = now;
     let expected = stored.map(|s| s.version);
-    if state.store.put_readiness(r.clone(), expected).await? {
-        if r.pass.as_ref().is_some_and(|p| p.complete) {
+    if state.store.put_readiness(r.clone(), expected).await?
+        && r.pass.as_ref().is_some_and(|p| p.complete)
+    {
+        {
             tracing::info!(environment = %env.name, generation = r.generation, ready = r.operational_ready, "readiness pass complete");
         }
     }
@@ -372,7 +377,7 @@ async fn evaluate(
             hosts
         })
         .unwrap_or_default();
-    let mut reports: Vec<(String, Result<ProbeReport, (String, String)>)> = Vec::new();
+    let mut reports: Vec<(String, ProbeOutcome)> = Vec::new();
     let mut pending: Vec<String> = Vec::new();
     let mut probed: BTreeMap<AgentId, ()> = BTreeMap::new();
     let deadline_passed = now
