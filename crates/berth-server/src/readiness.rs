@@ -22,8 +22,10 @@
 //!    unhealthy). A probe not finished yet is `Unknown` (transient: the pass stays open) until
 //!    [`PROBE_DEADLINE`], then `PROBE_TIMEOUT`.
 //!
-//! The pass is complete once every condition is terminal; only then is `operationalReady`
-//! written, and the nonce it was started for echoed as `verifyObserved`. Like every reconciler
+//! A completed pass is also refreshed every `driftIntervalSecs`. The pass is complete once
+//! every condition is terminal; only then is `operationalReady` written (until then it is the
+//! last completed pass's of the same generation; a new generation starts at false), and the
+//! nonce it was started for echoed as `verifyObserved`. Like every reconciler
 //! this is a sweep: a crash between steps only delays the pass.
 
 use std::collections::BTreeMap;
@@ -169,7 +171,14 @@ async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreEr
         .filter(|n| r.verify_observed.as_ref() != Some(n));
     let nonce_unserved =
         open_nonce.is_some() && r.pass.as_ref().and_then(|p| p.nonce.clone()) != open_nonce;
-    if new_generation || r.pass.is_none() || nonce_unserved {
+    // A completed pass is refreshed every `driftIntervalSecs`, as drift is read back: a target
+    // that went away since is noticed without a verify.
+    let refresh = time::Duration::seconds(env.drift_interval_secs.into());
+    let stale = r
+        .pass
+        .as_ref()
+        .is_some_and(|p| p.complete && now >= p.started_at + refresh);
+    if new_generation || r.pass.is_none() || nonce_unserved || stale {
         r.pass = Some(ReadinessPass {
             id: uuid::Uuid::new_v4(),
             started_at: now,
@@ -190,7 +199,10 @@ async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreEr
                 )
             })
             .collect();
-        r.operational_ready = false;
+        // Within a generation, readiness is the last completed pass's until this one completes.
+        if new_generation {
+            r.operational_ready = false;
+        }
     } else if r.pass.as_ref().is_some_and(|p| p.complete) {
         return Ok(());
     }
