@@ -589,6 +589,15 @@ async fn evaluate(
             now,
             generation,
         ),
+        // An SSH target runs no containers: its release is read back by drift (the sticker).
+        Some(_) if env.target_type == berth_proto::deploy::TargetType::Ssh => condition(
+            ConditionType::Healthy,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "ssh targets run no containers; drift reads their sticker back",
+            now,
+            generation,
+        ),
         Some(_) if !pending.is_empty() => pending_condition(ConditionType::Healthy),
         Some(rel) => {
             let mut bad = Vec::new();
