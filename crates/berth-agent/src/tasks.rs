@@ -105,6 +105,7 @@ impl Runner {
             }),
             Arc::new(SshExecutor::with_artifacts(artifacts.clone())),
             Arc::new(UploadFiles::new(config.upload_root()).with_artifacts(artifacts)),
+            Arc::new(berth_exec::readiness::ReadinessProbe),
         ];
         let executors = executors
             .into_iter()

@@ -28,7 +28,7 @@ pub fn print_environment(out: Output, e: &EnvironmentView) -> anyhow::Result<()>
     out.print(e, || {
         let selector: Vec<String> = e.selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
         format!(
-            "name:            {}\ntier:            {}\nselector:        {}\npolicy:          maxParallel {}, stopOnFailure {}, autoRollback {}, healthTimeout {}s\npromote from:    {}\napprovals:       {}\nauto heal:       {}\ndrift interval:  {}s\ncurrent release: {}\nprevious:        {}\npinned:          {}",
+            "name:            {}\ntier:            {}\nselector:        {}\npolicy:          maxParallel {}, stopOnFailure {}, autoRollback {}, healthTimeout {}s, requireReady {}\npromote from:    {}\napprovals:       {}\nauto heal:       {}\ndrift interval:  {}s\ncurrent release: {}\nprevious:        {}\npinned:          {}",
             e.name,
             e.tier.as_str(),
             selector.join(","),
@@ -36,6 +36,7 @@ pub fn print_environment(out: Output, e: &EnvironmentView) -> anyhow::Result<()>
             e.policy.stop_on_failure,
             e.policy.auto_rollback,
             e.policy.health_timeout_secs,
+            e.policy.require_ready,
             or_dash(e.promote_from.as_deref()),
             e.approvals,
             e.auto_heal,

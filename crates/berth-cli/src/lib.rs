@@ -79,6 +79,7 @@ pub mod dev;
 pub mod docs;
 pub mod notify;
 pub mod output;
+pub mod readiness;
 pub mod secret;
 pub mod ssh_target;
 

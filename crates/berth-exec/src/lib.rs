@@ -25,6 +25,7 @@ pub mod error;
 pub mod hooks;
 pub mod probe;
 mod process;
+pub mod readiness;
 pub mod redact;
 mod reference;
 mod run;

@@ -38,6 +38,8 @@ pub mod actions {
     pub const ENVIRONMENT_CREATE: &str = "environment.create";
     /// The pin a rollback set was lifted.
     pub const ENVIRONMENT_UNPIN: &str = "environment.unpin";
+    /// A fresh readiness pass asked for; `details`: the environment's name and the nonce.
+    pub const ENVIRONMENT_VERIFY: &str = "environment.verify";
     pub const DEPLOYMENT_CREATE: &str = "deployment.create";
     pub const DEPLOYMENT_APPROVE: &str = "deployment.approve";
     pub const DEPLOYMENT_CANCEL: &str = "deployment.cancel";

@@ -98,6 +98,10 @@ pub struct RolloutPolicy {
     /// `progress_deadline`; also its delivery lease, so a lost agent is noticed after it.
     #[serde(default = "ten_minutes")]
     pub task_timeout_secs: u64,
+    /// A deployment may start only while the environment is `OperationalReady` for its
+    /// current generation (`crate::readiness`; else 409 `ENV_NOT_READY`). Default false.
+    #[serde(default)]
+    pub require_ready: bool,
 }
 
 fn ten_minutes() -> u64 {
@@ -122,6 +126,7 @@ impl Default for RolloutPolicy {
             auto_rollback: true,
             health_timeout_secs: 60,
             task_timeout_secs: 600,
+            require_ready: false,
         }
     }
 }

@@ -113,6 +113,9 @@ pub mod codes {
     // --- environments and deployments ---
     pub const ENVIRONMENT_EXISTS: &str = "ENVIRONMENT_EXISTS";
     pub const ENVIRONMENT_NOT_FOUND: &str = "ENVIRONMENT_NOT_FOUND";
+    /// The environment requires readiness (`policy.requireReady`) and is not `OperationalReady`
+    /// for its current generation; the detail names the conditions that are not `True`.
+    pub const ENV_NOT_READY: &str = "ENV_NOT_READY";
     pub const DEPLOYMENT_NOT_FOUND: &str = "DEPLOYMENT_NOT_FOUND";
     /// The environment has a deployment that has not finished (the database's unique index on
     /// an environment's active deployment decides, not a read before the write).

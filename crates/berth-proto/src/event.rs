@@ -4,7 +4,9 @@
 //!
 //! Kinds: `task.state` (data [`TaskStateEvent`]), `agent.registered`, `agent.status`,
 //! `agent.deleted`, `agent.hold` (data [`AgentEvent`]), `deployment.state`, `deployment.target`,
-//! `deployment.approval` and `environment.drift` (data in `crate::deploy`). Clients ignore kinds they do not know.
+//! `deployment.approval` and `environment.drift` (data in `crate::deploy`), and
+//! `environment.readiness` (data `{environmentId, generation, operationalReady, verifyObserved}`;
+//! the conditions are read from `GET …/readiness`). Clients ignore kinds they do not know.
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -20,6 +22,8 @@ pub const AGENT_DELETED: &str = "agent.deleted";
 /// An operator cordoned, uncordoned, suspended or resumed the agent (data [`AgentEvent`] with
 /// `cordoned` and `suspended`).
 pub const AGENT_HOLD: &str = "agent.hold";
+/// An environment's readiness conditions, readiness or answered verify nonce changed.
+pub const ENVIRONMENT_READINESS: &str = "environment.readiness";
 
 /// The `Last-Event-ID` request header of SSE, lowercase as HTTP/2 sends it.
 pub const LAST_EVENT_ID_HEADER: &str = "last-event-id";

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::payload::{
     CheckPayload, CommandPayload, DeployTaskPayload, HealthCheckPayload, InspectPayload,
-    ReadStickerPayload, RollbackTaskPayload, SshDeployPayload, UploadFilesPayload,
-    WriteStickerPayload,
+    ReadStickerPayload, ReadinessProbePayload, RollbackTaskPayload, SshDeployPayload,
+    UploadFilesPayload, WriteStickerPayload,
 };
 
 /// Seed 000's capability strings, as agents report them and `requiredCapability` names them.
@@ -44,6 +44,9 @@ pub enum TaskKind {
     SshDeploy,
     #[serde(rename = "upload-files")]
     UploadFiles,
+    /// An environment's readiness checks on one host (issue 14): no side effects.
+    #[serde(rename = "readiness-probe")]
+    ReadinessProbe,
 }
 
 /// What one task kind means. See [`TaskKind::spec`].
@@ -80,7 +83,7 @@ fn parses<T: DeserializeOwned + CheckPayload>(payload: &serde_json::Value) -> Re
 }
 
 impl TaskKind {
-    pub const ALL: [TaskKind; 10] = [
+    pub const ALL: [TaskKind; 11] = [
         TaskKind::HealthCheck,
         TaskKind::Inspect,
         TaskKind::ReadSticker,
@@ -91,6 +94,7 @@ impl TaskKind {
         TaskKind::Rollback,
         TaskKind::SshDeploy,
         TaskKind::UploadFiles,
+        TaskKind::ReadinessProbe,
     ];
 
     /// The table.
@@ -178,6 +182,13 @@ impl TaskKind {
                 &[],
                 parses::<UploadFilesPayload>,
             ),
+            TaskKind::ReadinessProbe => kind(
+                "readiness-probe",
+                false,
+                AGENT,
+                &[],
+                parses::<ReadinessProbePayload>,
+            ),
         }
     }
 
@@ -242,7 +253,7 @@ mod tests {
     #[test]
     fn the_table() {
         // (kind, side effects, capability, payload with a sticker, the sticker read back)
-        let rows: [(TaskKind, bool, &str, serde_json::Value, Option<&str>); 10] = [
+        let rows: [(TaskKind, bool, &str, serde_json::Value, Option<&str>); 11] = [
             (
                 TaskKind::HealthCheck,
                 false,
@@ -306,6 +317,13 @@ mod tests {
                 true,
                 "agent",
                 json!({"directory": "/srv/app", "files": [{"name": "a", "content": "x"}]}),
+                None,
+            ),
+            (
+                TaskKind::ReadinessProbe,
+                false,
+                "agent",
+                json!({"docker": true, "registries": ["127.0.0.1:5000"]}),
                 None,
             ),
         ];

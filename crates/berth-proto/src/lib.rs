@@ -15,6 +15,7 @@ pub mod json;
 pub mod kind;
 pub mod notify;
 pub mod payload;
+pub mod readiness;
 pub mod redact;
 pub mod reference;
 pub mod release;

@@ -718,6 +718,61 @@ pub enum SshHealthCheckKind {
     Command,
 }
 
+/// `readiness-probe`: what one host checks for an environment's readiness
+/// (`crate::readiness`). Read-only: nothing on the host changes, and no secret value is read.
+/// The result's `outputs` is a [`crate::readiness::ProbeReport`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReadinessProbePayload {
+    /// Ask the Docker engine (a fresh connection, `GET /_ping`): the release runs containers.
+    #[serde(default)]
+    pub docker: bool,
+    /// Registry hosts (`host[:port]`) whose `/v2/` must answer from this host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registries: Vec<String>,
+    /// berth's containers of the current release on this host, by name: the `Healthy` check.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub containers: Vec<String>,
+    /// The readiness pass this probe belongs to (makes each pass's probe a new task).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass: Option<String>,
+}
+
+/// A registry host as an image reference names it: letters, digits, `.`, `-`, `_`, `[`, `]`,
+/// `:` (a port or an IPv6 address), 1-255 bytes.
+pub fn valid_registry_host(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 255
+        && host.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b'[' | b']' | b':')
+        })
+}
+
+impl CheckPayload for ReadinessProbePayload {
+    fn check(&self) -> Result<(), String> {
+        if self.registries.len() > 64 || self.containers.len() > 256 {
+            return Err("at most 64 registries and 256 containers".into());
+        }
+        for host in &self.registries {
+            check_field(
+                "registries[]",
+                Some(host),
+                valid_registry_host,
+                "a registry host[:port]",
+            )?;
+        }
+        for name in &self.containers {
+            check_field(
+                "containers[]",
+                Some(name),
+                valid_container_name,
+                CONTAINER_RULE,
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// One container carrying berth labels, as the agent's `inspect` task reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -21,6 +21,7 @@ mod openapi;
 pub mod openbao;
 mod rate;
 mod readback;
+mod readiness;
 mod reconcile;
 mod registry;
 mod routes;
@@ -132,6 +133,7 @@ impl Server {
         let deployments = tokio::spawn(deploy::run(self.state.clone(), stop_rx.clone()));
         let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
         let notify = tokio::spawn(notify::run(self.state.clone(), stop_rx.clone()));
+        let readiness = tokio::spawn(readiness::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -152,6 +154,7 @@ impl Server {
         let _ = deployments.await;
         let _ = drift.await;
         let _ = notify.await;
+        let _ = readiness.await;
         self.state.heartbeats.close().await;
         result
     }

@@ -39,6 +39,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub enum ResolveError {
     Unauthorized(String),
+    /// The registry answered `404` for the manifest: it does not have it.
+    NotFound(String),
     Unresolvable(String),
 }
 
@@ -125,7 +127,7 @@ impl Registries {
         }
         let status = response.status();
         if status == StatusCode::NOT_FOUND {
-            return Err(ResolveError::Unresolvable(format!(
+            return Err(ResolveError::NotFound(format!(
                 "registry {host} has no manifest {reference} in {path}"
             )));
         }

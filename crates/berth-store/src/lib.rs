@@ -24,6 +24,7 @@ pub use domain::desired::{
 };
 pub use domain::events::*;
 pub use domain::notify::*;
+pub use domain::readiness::*;
 pub use domain::releases::*;
 pub use domain::secrets::*;
 pub use domain::ssh_targets::*;
@@ -93,6 +94,7 @@ pub trait Store:
     + SshTargetStore
     + ArtifactStore
     + NotifyStore
+    + ReadinessStore
     + Send
     + Sync
     + 'static

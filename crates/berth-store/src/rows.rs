@@ -814,6 +814,30 @@ pub(crate) fn read_notification(
     })
 }
 
+macro_rules! readiness_columns {
+    () => {
+        "environment_id, tenant_id, generation, spec, conditions, operational_ready, pass, \
+         verify_request, verify_observed, version, updated_at"
+    };
+}
+pub(crate) use readiness_columns;
+
+pub(crate) fn read_readiness(row: &impl ColumnReader) -> Result<crate::Readiness, StoreError> {
+    Ok(crate::Readiness {
+        environment_id: EnvironmentId(row.uuid("environment_id")?),
+        tenant_id: TenantId(row.uuid("tenant_id")?),
+        generation: row.int("generation")?,
+        spec: row.text("spec")?,
+        conditions: from_json("environment_readiness.conditions", row.json("conditions")?)?,
+        operational_ready: row.flag("operational_ready")?,
+        pass: from_json("environment_readiness.pass", row.json("pass")?)?,
+        verify_request: row.text_opt("verify_request")?,
+        verify_observed: row.text_opt("verify_observed")?,
+        version: row.int("version")?,
+        updated_at: row.time("updated_at")?,
+    })
+}
+
 pub(crate) fn read_delivery(row: &impl ColumnReader) -> Result<crate::Delivery, StoreError> {
     let format = row.text("format")?;
     let blob = |column| {

@@ -179,6 +179,10 @@ enum EnvCommand {
         /// How often each target is read back for drift (e.g. 5m, 30s).
         #[arg(long, default_value = "5m")]
         drift_interval: String,
+        /// A deployment starts only while the environment is OperationalReady
+        /// (`berth env verify`); else 409 ENV_NOT_READY.
+        #[arg(long)]
+        require_ready: bool,
     },
     /// List environments.
     #[command(alias = "list")]
@@ -189,6 +193,17 @@ enum EnvCommand {
     Status { name: String },
     /// Lift the pin a rollback set.
     Unpin { name: String },
+    /// The readiness conditions as the last pass left them.
+    Readiness { name: String },
+    /// Run a completely fresh readiness pass, wait for every condition to reach a terminal
+    /// status, print them; exit 3 when the environment is not OperationalReady, 1 on errors
+    /// and when the pass did not complete within --timeout.
+    Verify {
+        name: String,
+        /// Give up after this long (e.g. 5m, 90s).
+        #[arg(long, default_value = "5m")]
+        timeout: String,
+    },
     /// Point the environment at a pushed bundle; its agents apply it at their next checkin.
     SetDesired { name: String, sha: String },
     /// Retire the environment: its agents take the stack down (admin).
@@ -594,6 +609,10 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(dispatch(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<berth_cli::readiness::NotReady>() => {
+            eprintln!("berth: {e:#}");
+            ExitCode::from(berth_cli::readiness::EXIT_NOT_READY)
+        }
         Err(e) => {
             eprintln!("berth: {e:#}");
             ExitCode::FAILURE
@@ -856,6 +875,7 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
             approvals,
             auto_heal,
             drift_interval,
+            require_ready,
         } => {
             let env = client
                 .send(&CreateEnvironment {
@@ -873,6 +893,7 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
                         auto_rollback: !no_auto_rollback,
                         health_timeout_secs: health_timeout,
                         task_timeout_secs: task_timeout,
+                        require_ready,
                     },
                     promote_from,
                     approvals,
@@ -896,6 +917,11 @@ async fn env_command(conn: &Connection, out: Output, cmd: EnvCommand) -> anyhow:
         }
         EnvCommand::Unpin { name } => {
             deploy::print_environment(out, &client.send(&UnpinEnvironment { name }).await?)
+        }
+        EnvCommand::Readiness { name } => berth_cli::readiness::show(&client, out, name).await,
+        EnvCommand::Verify { name, timeout } => {
+            let timeout = berth_cli::parse_duration(&timeout)?;
+            berth_cli::readiness::verify(&client, out, name, timeout).await
         }
         EnvCommand::SetDesired { name, sha } => {
             berth_cli::desired::set_desired(&client, out, name, sha).await

@@ -104,7 +104,7 @@ pub(crate) fn deployment_view(d: DeploymentDetail) -> DeploymentView {
     }
 }
 
-fn environment_not_found(name: &str) -> ApiError {
+pub(crate) fn environment_not_found(name: &str) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         codes::ENVIRONMENT_NOT_FOUND,
@@ -112,7 +112,11 @@ fn environment_not_found(name: &str) -> ApiError {
     )
 }
 
-async fn environment(state: &SharedState, caller: &Caller, name: &str) -> ApiResult<Environment> {
+pub(crate) async fn environment(
+    state: &SharedState,
+    caller: &Caller,
+    name: &str,
+) -> ApiResult<Environment> {
     state
         .store
         .get_environment(caller.tenant(), name)
@@ -548,7 +552,7 @@ async fn start(
         (status = 201, body = DeploymentView, description = "created"),
         (status = 403, body = ErrorBody, description = "FORBIDDEN: a viewer token"),
         (status = 404, body = ErrorBody, description = "ENVIRONMENT_NOT_FOUND or RELEASE_NOT_FOUND"),
-        (status = 409, body = ErrorBody, description = "DEPLOYMENT_IN_PROGRESS, ENVIRONMENT_PINNED or PROMOTION_REQUIRED"),
+        (status = 409, body = ErrorBody, description = "DEPLOYMENT_IN_PROGRESS, ENVIRONMENT_PINNED, PROMOTION_REQUIRED or ENV_NOT_READY (`policy.requireReady`: names the conditions that are not True)"),
         (status = 422, body = ErrorBody, description = "NO_TARGETS, CAPABILITY_MISSING or INVALID_REQUEST"),
     ))]
 pub async fn create(
@@ -558,6 +562,27 @@ pub async fn create(
 ) -> ApiResult<(StatusCode, Json<DeploymentView>)> {
     caller.require_deployer()?;
     let (env, release, targets, _) = prepare(&state, &caller, &req).await?;
+    if env.policy.require_ready {
+        let readiness = crate::routes::readiness::view(&state, &env).await?;
+        if !readiness.operational_ready {
+            let why = readiness.not_true();
+            return Err(ApiError::conflict(
+                codes::ENV_NOT_READY,
+                format!(
+                    "environment {:?} requires readiness and is not OperationalReady for \
+                     generation {}: {}; `berth env verify {}`",
+                    env.name,
+                    readiness.generation,
+                    if why.is_empty() {
+                        "no completed pass yet".to_string()
+                    } else {
+                        why.join(", ")
+                    },
+                    env.name
+                ),
+            ));
+        }
+    }
     start(
         &state,
         &env,

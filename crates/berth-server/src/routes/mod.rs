@@ -19,6 +19,7 @@ pub mod desired;
 pub mod events;
 pub mod meta;
 pub mod notify;
+pub mod readiness;
 pub mod releases;
 pub mod secrets;
 pub mod ssh_targets;
@@ -69,6 +70,8 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(deployments::get_environment))
         .routes(routes!(deployments::environment_status))
         .routes(routes!(deployments::unpin_environment))
+        .routes(routes!(readiness::get_readiness))
+        .routes(routes!(readiness::verify))
         .routes(routes!(deployments::rollback_environment))
         .routes(routes!(deployments::create, deployments::list))
         .routes(routes!(deployments::plan))

@@ -53,10 +53,12 @@ async fn resolve(
                 codes::REGISTRY_UNAUTHORIZED,
                 format!("component {component} ({image}): {why}"),
             ),
-            ResolveError::Unresolvable(why) => ApiError::unprocessable(
-                codes::DIGEST_UNRESOLVABLE,
-                format!("component {component} ({image}) has no resolvable digest: {why}"),
-            ),
+            ResolveError::NotFound(why) | ResolveError::Unresolvable(why) => {
+                ApiError::unprocessable(
+                    codes::DIGEST_UNRESOLVABLE,
+                    format!("component {component} ({image}) has no resolvable digest: {why}"),
+                )
+            }
         })?;
     Ok(Component {
         name: component.to_string(),

@@ -39,6 +39,7 @@ fn environment(tenant: TenantId, name: &str, tier: Tier) -> Environment {
             auto_rollback: false,
             health_timeout_secs: 45,
             task_timeout_secs: 300,
+            require_ready: false,
         },
         promote_from: (tier == Tier::Prod).then(|| "staging".to_string()),
         approvals: tier.default_approvals(),

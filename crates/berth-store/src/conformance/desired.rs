@@ -29,6 +29,7 @@ async fn desired_env(store: &DynStore, tenant: TenantId, name: &str) -> DesiredE
                     auto_rollback: false,
                     health_timeout_secs: 45,
                     task_timeout_secs: 300,
+                    require_ready: false,
                 },
                 promote_from: None,
                 approvals: 0,

@@ -30,6 +30,7 @@ mod deployments;
 mod desired;
 mod events;
 mod notify;
+mod readiness;
 mod releases;
 mod secrets;
 mod ssh_targets;
@@ -42,6 +43,7 @@ pub use deployments::*;
 pub use desired::*;
 pub use events::*;
 pub use notify::*;
+pub use readiness::*;
 pub use releases::*;
 pub use secrets::*;
 pub use ssh_targets::*;
@@ -115,6 +117,9 @@ macro_rules! conformance_cases {
             events_wake_readers,
             events_cursor_never_skips,
             environment_create_get_list,
+            readiness_round_trip,
+            readiness_verify_nonce,
+            readiness_environments_listed,
             deployment_create_round_trip,
             deployment_one_active_per_environment,
             deployment_approvals,

@@ -7,6 +7,7 @@ pub mod deployments;
 pub mod desired;
 pub mod events;
 pub mod notify;
+pub mod readiness;
 pub mod releases;
 pub mod secrets;
 pub mod ssh_targets;

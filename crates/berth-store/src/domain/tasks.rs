@@ -302,6 +302,17 @@ pub fn drift_check_key(
 
 const DEPLOYMENT_KEY_PREFIX: &str = "deployment:";
 const DRIFT_KEY_PREFIX: &str = "drift:";
+const READINESS_KEY_PREFIX: &str = "readiness:";
+
+/// The key of a readiness pass's probe of one host: a repeated sweep of the same pass finds
+/// the task again, and the next pass (another `pass`) never reuses it.
+pub fn readiness_probe_key(
+    environment: berth_proto::EnvironmentId,
+    pass: uuid::Uuid,
+    agent: AgentId,
+) -> String {
+    format!("{READINESS_KEY_PREFIX}{environment}:{pass}:{agent}")
+}
 
 /// Whether an idempotency key is in the server's own namespace (read-backs, deployments, drift
 /// checks), which a client's `Idempotency-Key` may never use: a client key there could stop a
@@ -311,6 +322,7 @@ pub fn is_internal_key(key: &str) -> bool {
         READ_BACK_KEY_PREFIX,
         DEPLOYMENT_KEY_PREFIX,
         DRIFT_KEY_PREFIX,
+        READINESS_KEY_PREFIX,
     ]
     .iter()
     .any(|prefix| key.starts_with(prefix))

@@ -25,6 +25,7 @@ mod deployments;
 mod desired;
 mod events;
 mod notify;
+mod readiness;
 mod releases;
 mod secrets;
 mod ssh_targets;

@@ -1,0 +1,927 @@
+//! Readiness (issue 14, seed 003's "Readiness flow"): each environment's seven conditions,
+//! evaluated in order by passes, each pass fresh (nothing kept from an earlier one).
+//!
+//! A pass starts when the environment's generation changes, or when an operator's `verify`
+//! set a nonce no pass has answered yet. The generation counts the environment's spec
+//! revisions: a change of its current, previous or pinned release (each moves `updated_at`) or
+//! of its desired bundle is a new one. Within a pass:
+//!
+//! 1. `Configured`: the current release resolves, and each component's digest is asked of its
+//!    registry (`registry.rs`, the manifest by digest; credentials are never stored, so a
+//!    registry that wants them is `REGISTRY_UNAUTHORIZED`).
+//! 2. `TargetsReachable`: each selected target is online with a heartbeat within three
+//!    intervals (an SSH target: its via agent).
+//! 3. `CapabilitiesMatch`: each target's agent reports the capability of the release's kind.
+//! 4. `SecretsResolvable`: each secrets-manifest entry of the desired bundle exists; builtin
+//!    ones by the store's row (never opened). OpenBao-backed ones would be the agent's to check
+//!    and are reported `False`/`SECRETS_UNCHECKABLE` for now.
+//! 5. to 7. One `readiness-probe` task per reachable host, keyed by the pass (so the next
+//!    pass never reuses it). Its verified, signed result is `RoutesExecutable` for that host;
+//!    its report gives `RegistryReachable` (each registry's `/v2/` from the host) and `Healthy`
+//!    (the Docker engine answers, and each of the release's containers runs and is not
+//!    unhealthy). A probe not finished yet is `Unknown` (transient: the pass stays open) until
+//!    [`PROBE_DEADLINE`], then `PROBE_TIMEOUT`.
+//!
+//! A completed pass is also refreshed every `driftIntervalSecs`. The pass is complete once
+//! every condition is terminal; only then is `operationalReady` written (until then it is the
+//! last completed pass's of the same generation; a new generation starts at false), and the
+//! nonce it was started for echoed as `verifyObserved`. Like every reconciler
+//! this is a sweep: a crash between steps only delays the pass.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use berth_proto::error::ErrorChain;
+use berth_proto::kind::TaskKind;
+use berth_proto::payload::ReadinessProbePayload;
+use berth_proto::readiness::{reasons, Condition, ConditionStatus, ConditionType, ProbeReport};
+use berth_proto::reference::parse_image;
+use berth_proto::{AgentId, TaskId};
+use berth_store::{
+    readiness_probe_key, CreateTaskOutcome, Environment, NewTask, Readiness, ReadinessPass,
+    Release, StoreError, TaskState,
+};
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use crate::registry::ResolveError;
+use crate::targets::{Target, TargetKind};
+use crate::SharedState;
+
+/// What one host's probe said: its report, or why there is none (a reason and a message).
+type ProbeOutcome = Result<ProbeReport, (String, String)>;
+
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+const PAGE: u32 = 100;
+const PROBE_TIMEOUT_SECS: u32 = 60;
+/// How long a pass waits for a probe before it calls it `PROBE_TIMEOUT`.
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(120);
+/// Probes run before the host's queued work (a read-back still goes first).
+const PROBE_PRIORITY: i32 = 1000;
+
+pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => sweep(&state).await,
+        }
+    }
+}
+
+async fn sweep(state: &SharedState) {
+    let mut after = None;
+    loop {
+        let page = match state.store.readiness_environments(after, PAGE).await {
+            Ok(page) => page,
+            Err(e) => {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(error = %ErrorChain(&e), "readiness sweep failed");
+                return;
+            }
+        };
+        for env in &page {
+            if let Err(e) = reconcile(state, env).await {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(environment = %env.name, error = %ErrorChain(&e), "readiness pass failed");
+            }
+        }
+        match page.last() {
+            Some(last) if page.len() == PAGE as usize => after = Some(last.id),
+            _ => break,
+        }
+    }
+}
+
+/// What the generation is counted for: everything a condition depends on that an operator
+/// changes on the environment.
+async fn spec_of(state: &SharedState, env: &Environment) -> Result<String, StoreError> {
+    let desired = state
+        .store
+        .desired_environment(env.tenant_id, &env.name)
+        .await?
+        .and_then(|d| d.desired_sha);
+    let id = |r: &Option<berth_store::ReleaseRef>| r.as_ref().map(|r| r.id.to_string());
+    Ok(format!(
+        "current={:?} pinned={:?} updated={} desired={:?}",
+        id(&env.current_release),
+        id(&env.pinned_release),
+        env.updated_at.unix_timestamp_nanos() / 1_000_000,
+        desired
+    ))
+}
+
+fn condition(
+    kind: ConditionType,
+    status: ConditionStatus,
+    reason: &str,
+    message: impl Into<String>,
+    at: OffsetDateTime,
+    generation: i64,
+) -> Condition {
+    Condition {
+        kind,
+        status,
+        reason: reason.to_string(),
+        message: message.into(),
+        observed_at: at,
+        generation,
+    }
+}
+
+/// Whether the stored readiness answers for the environment as it is now: its spec summary
+/// and a completed pass. The deployment gate (`requireReady`) asks this.
+pub(crate) async fn current(
+    state: &SharedState,
+    env: &Environment,
+) -> Result<Option<Readiness>, StoreError> {
+    let Some(r) = state.store.get_readiness(env.tenant_id, env.id).await? else {
+        return Ok(None);
+    };
+    let fresh = r.spec == spec_of(state, env).await?;
+    Ok(fresh.then_some(r))
+}
+
+async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreError> {
+    let stored = state.store.get_readiness(env.tenant_id, env.id).await?;
+    let now = state.config.clock.now();
+    let spec = spec_of(state, env).await?;
+    let mut r = stored.clone().unwrap_or_else(|| Readiness {
+        tenant_id: env.tenant_id,
+        environment_id: env.id,
+        generation: 0,
+        spec: String::new(),
+        conditions: Vec::new(),
+        operational_ready: false,
+        pass: None,
+        verify_request: None,
+        verify_observed: None,
+        version: 0,
+        updated_at: now,
+    });
+    let new_generation = r.spec != spec;
+    if new_generation {
+        r.generation += 1;
+        r.spec = spec;
+    }
+    // A nonce no pass answered yet, and no pass in flight for it: a fresh pass.
+    let open_nonce = r
+        .verify_request
+        .clone()
+        .filter(|n| r.verify_observed.as_ref() != Some(n));
+    let nonce_unserved =
+        open_nonce.is_some() && r.pass.as_ref().and_then(|p| p.nonce.clone()) != open_nonce;
+    // A completed pass is refreshed every `driftIntervalSecs`, as drift is read back: a target
+    // that went away since is noticed without a verify.
+    let refresh = time::Duration::seconds(env.drift_interval_secs.into());
+    let stale = r
+        .pass
+        .as_ref()
+        .is_some_and(|p| p.complete && now >= p.started_at + refresh);
+    if new_generation || r.pass.is_none() || nonce_unserved || stale {
+        r.pass = Some(ReadinessPass {
+            id: uuid::Uuid::new_v4(),
+            started_at: now,
+            nonce: open_nonce,
+            probes: Vec::new(),
+            complete: false,
+        });
+        r.conditions = ConditionType::ALL
+            .into_iter()
+            .map(|kind| {
+                condition(
+                    kind,
+                    ConditionStatus::Unknown,
+                    reasons::PENDING,
+                    "not evaluated yet",
+                    now,
+                    r.generation,
+                )
+            })
+            .collect();
+        // Within a generation, readiness is the last completed pass's until this one completes.
+        if new_generation {
+            r.operational_ready = false;
+        }
+    } else if r.pass.as_ref().is_some_and(|p| p.complete) {
+        return Ok(());
+    }
+    evaluate(state, env, &mut r, now).await?;
+    if stored.as_ref() == Some(&r) {
+        return Ok(());
+    }
+    r.updated_at = now;
+    let expected = stored.map(|s| s.version);
+    if state.store.put_readiness(r.clone(), expected).await?
+        && r.pass.as_ref().is_some_and(|p| p.complete)
+    {
+        {
+            tracing::info!(environment = %env.name, generation = r.generation, ready = r.operational_ready, "readiness pass complete");
+        }
+    }
+    Ok(())
+}
+
+/// One step of the pass in `r`: the server-side conditions once, the probes until they settle.
+async fn evaluate(
+    state: &SharedState,
+    env: &Environment,
+    r: &mut Readiness,
+    now: OffsetDateTime,
+) -> Result<(), StoreError> {
+    let generation = r.generation;
+    let mut pass = r.pass.clone().expect("a pass");
+    let get = |r: &Readiness, kind| {
+        r.conditions
+            .iter()
+            .find(|c| c.kind == kind)
+            .cloned()
+            .expect("every condition")
+    };
+    let set = |r: &mut Readiness, c: Condition| {
+        if let Some(slot) = r.conditions.iter_mut().find(|x| x.kind == c.kind) {
+            *slot = c;
+        }
+    };
+    let release = match &env.current_release {
+        Some(current) => {
+            state
+                .store
+                .get_release(env.tenant_id, &current.name)
+                .await?
+        }
+        None => None,
+    };
+    let targets = crate::targets::matching(state, env).await?;
+    // Each target's probe host: the agent itself, or an SSH target's via agent.
+    let mut hosts: Vec<(Target, Option<berth_store::Agent>)> = Vec::new();
+    for target in &targets {
+        let host = match &target.kind {
+            TargetKind::Agent(agent) => Some((**agent).clone()),
+            TargetKind::Ssh(ssh) => crate::targets::via_agent(state, ssh).await?,
+        };
+        hosts.push((target.clone(), host));
+    }
+    let live_after = now
+        - time::Duration::try_from(state.config.heartbeat_interval * 3)
+            .unwrap_or(time::Duration::seconds(90));
+    let reachable = |a: &Option<berth_store::Agent>| {
+        a.as_ref().is_some_and(|a| {
+            a.status == berth_proto::agent::AgentStatus::Online
+                && a.last_heartbeat.is_some_and(|h| h >= live_after)
+        })
+    };
+
+    // 1. Configured.
+    if !get(r, ConditionType::Configured).status.is_terminal() {
+        let c = configured(state, env, release.as_ref(), now, generation).await;
+        set(r, c);
+    }
+    // 2. TargetsReachable.
+    if !get(r, ConditionType::TargetsReachable).status.is_terminal() {
+        let offline: Vec<String> = hosts
+            .iter()
+            .filter(|(_, host)| !reachable(host))
+            .map(|(t, host)| match (&t.kind, host) {
+                (TargetKind::Ssh(_), Some(via)) => format!("{} (via {})", t.name, via.name),
+                (TargetKind::Ssh(_), None) => format!("{} (no via agent)", t.name),
+                _ => t.name.clone(),
+            })
+            .collect();
+        let c = if targets.is_empty() {
+            condition(
+                ConditionType::TargetsReachable,
+                ConditionStatus::False,
+                reasons::NO_TARGETS,
+                "the selector picks no target",
+                now,
+                generation,
+            )
+        } else if offline.is_empty() {
+            condition(
+                ConditionType::TargetsReachable,
+                ConditionStatus::True,
+                reasons::OK,
+                format!("{} target(s) online", targets.len()),
+                now,
+                generation,
+            )
+        } else {
+            condition(
+                ConditionType::TargetsReachable,
+                ConditionStatus::False,
+                reasons::TARGET_OFFLINE,
+                format!("offline or without a live session: {}", offline.join(", ")),
+                now,
+                generation,
+            )
+        };
+        set(r, c);
+    }
+    // 3. CapabilitiesMatch.
+    if !get(r, ConditionType::CapabilitiesMatch)
+        .status
+        .is_terminal()
+    {
+        let kind = match (env.target_type, release.as_ref()) {
+            (berth_proto::deploy::TargetType::Ssh, _) => Some(TaskKind::SshDeploy),
+            (_, Some(rel)) if !rel.components.is_empty() => Some(TaskKind::DockerRun),
+            _ => None,
+        };
+        let missing: Vec<String> = match kind {
+            None => Vec::new(),
+            Some(kind) => hosts
+                .iter()
+                .filter_map(|(t, host)| match host {
+                    Some(a) if crate::routes::tasks::can_run(a, kind) => None,
+                    _ => Some(format!("{} lacks {}", t.name, kind.required_capability())),
+                })
+                .collect(),
+        };
+        let c = if missing.is_empty() {
+            condition(
+                ConditionType::CapabilitiesMatch,
+                ConditionStatus::True,
+                if kind.is_some() {
+                    reasons::OK
+                } else {
+                    reasons::NOTHING_TO_CHECK
+                },
+                kind.map_or("no release to run".to_string(), |k| {
+                    format!("every target can run {k}")
+                }),
+                now,
+                generation,
+            )
+        } else {
+            condition(
+                ConditionType::CapabilitiesMatch,
+                ConditionStatus::False,
+                reasons::CAPABILITY_MISSING,
+                missing.join(", "),
+                now,
+                generation,
+            )
+        };
+        set(r, c);
+    }
+    // 4. SecretsResolvable.
+    if !get(r, ConditionType::SecretsResolvable)
+        .status
+        .is_terminal()
+    {
+        let c = secrets(state, env, now, generation).await?;
+        set(r, c);
+    }
+
+    // 5-7. The probes, one per reachable host (an SSH target's via agent once).
+    let registries: Vec<String> = release
+        .as_ref()
+        .map(|rel| {
+            let mut hosts: Vec<String> = rel
+                .components
+                .iter()
+                .filter_map(|c| parse_image(&c.image).ok())
+                .map(|i| i.registry().to_string())
+                .collect();
+            hosts.sort();
+            hosts.dedup();
+            hosts
+        })
+        .unwrap_or_default();
+    let mut reports: Vec<(String, ProbeOutcome)> = Vec::new();
+    let mut pending: Vec<String> = Vec::new();
+    let mut probed: BTreeMap<AgentId, ()> = BTreeMap::new();
+    let deadline_passed = now
+        >= pass.started_at
+            + time::Duration::try_from(PROBE_DEADLINE).unwrap_or(time::Duration::minutes(2));
+    for (target, host) in &hosts {
+        let Some(agent) = host.as_ref().filter(|_| reachable(host)) else {
+            reports.push((
+                target.name.clone(),
+                Err((
+                    reasons::TARGET_OFFLINE.into(),
+                    format!("{}: not probed, the target is not reachable", target.name),
+                )),
+            ));
+            continue;
+        };
+        if probed.insert(agent.id, ()).is_some() {
+            continue;
+        }
+        let containers: Vec<String> = match (&target.kind, release.as_ref()) {
+            (TargetKind::Agent(_), Some(rel)) => rel
+                .components
+                .iter()
+                .filter_map(|c| crate::deploy::container_name(c, target).ok())
+                .collect(),
+            _ => Vec::new(),
+        };
+        let task_id = match pass.probes.iter().find(|(a, _)| *a == agent.id) {
+            Some((_, t)) => Some(*t),
+            None => {
+                let payload = ReadinessProbePayload {
+                    docker: matches!(target.kind, TargetKind::Agent(_))
+                        && release.as_ref().is_some_and(|r| !r.components.is_empty()),
+                    registries: registries.clone(),
+                    containers,
+                    pass: Some(pass.id.to_string()),
+                };
+                let created = create_probe(state, env, &pass, agent.id, payload).await?;
+                if let Some(t) = created {
+                    pass.probes.push((agent.id, t));
+                }
+                created
+            }
+        };
+        let Some(task_id) = task_id else {
+            reports.push((
+                target.name.clone(),
+                Err((
+                    reasons::PROBE_FAILED.into(),
+                    format!(
+                        "{}: the probe could not be queued (cordoned or queue full)",
+                        agent.name
+                    ),
+                )),
+            ));
+            continue;
+        };
+        let task = state.store.get_task(env.tenant_id, task_id).await?;
+        match task.map(|(t, _)| t) {
+            Some(t) if t.state == TaskState::Succeeded => {
+                let report = t
+                    .result
+                    .as_ref()
+                    .and_then(|r| r.get("outputs"))
+                    .and_then(|o| serde_json::from_value::<ProbeReport>(o.clone()).ok())
+                    .unwrap_or_default();
+                reports.push((agent.name.clone(), Ok(report)));
+            }
+            Some(t) if t.state.is_terminal() => reports.push((
+                agent.name.clone(),
+                Err((
+                    reasons::PROBE_FAILED.into(),
+                    format!(
+                        "{}: the probe task {} ended {} ({})",
+                        agent.name,
+                        t.id,
+                        t.state.as_str(),
+                        t.error_code.as_deref().unwrap_or("no code")
+                    ),
+                )),
+            )),
+            Some(_) if !deadline_passed => pending.push(agent.name.clone()),
+            Some(t) => reports.push((
+                agent.name.clone(),
+                Err((
+                    reasons::PROBE_TIMEOUT.into(),
+                    format!(
+                        "{}: the probe task {} did not finish within {}s",
+                        agent.name,
+                        t.id,
+                        PROBE_DEADLINE.as_secs()
+                    ),
+                )),
+            )),
+            None => reports.push((
+                agent.name.clone(),
+                Err((
+                    reasons::PROBE_FAILED.into(),
+                    format!("{}: the probe task is gone", agent.name),
+                )),
+            )),
+        }
+    }
+    let pending_condition = |kind| {
+        condition(
+            kind,
+            ConditionStatus::Unknown,
+            reasons::PROBE_PENDING,
+            format!("waiting for the probe of {}", pending.join(", ")),
+            now,
+            generation,
+        )
+    };
+    // RoutesExecutable: every host ran this pass's probe and its signed result verified.
+    let failed: Vec<&(String, String)> = reports
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().err())
+        .collect();
+    let routes = if !pending.is_empty() {
+        pending_condition(ConditionType::RoutesExecutable)
+    } else if targets.is_empty() {
+        condition(
+            ConditionType::RoutesExecutable,
+            ConditionStatus::False,
+            reasons::NO_TARGETS,
+            "no target to probe",
+            now,
+            generation,
+        )
+    } else if let Some((reason, _)) = failed.first() {
+        condition(
+            ConditionType::RoutesExecutable,
+            ConditionStatus::False,
+            reason,
+            failed
+                .iter()
+                .map(|(_, m)| m.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+            now,
+            generation,
+        )
+    } else {
+        condition(
+            ConditionType::RoutesExecutable,
+            ConditionStatus::True,
+            reasons::OK,
+            format!("{} host(s) ran the signed probe", reports.len()),
+            now,
+            generation,
+        )
+    };
+    set(r, routes);
+    // RegistryReachable: each registry's /v2/ from each probed host.
+    let registry = if registries.is_empty() {
+        condition(
+            ConditionType::RegistryReachable,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "the release names no registry",
+            now,
+            generation,
+        )
+    } else if !pending.is_empty() {
+        pending_condition(ConditionType::RegistryReachable)
+    } else {
+        let mut bad = Vec::new();
+        for (host, report) in &reports {
+            match report {
+                Ok(report) => {
+                    for check in report.registries.iter().filter(|c| !c.ok) {
+                        bad.push((
+                            reasons::REGISTRY_UNREACHABLE,
+                            format!("registry {} from {host}: {}", check.host, check.detail),
+                        ));
+                    }
+                }
+                Err((reason, message)) => bad.push((reason.as_str(), message.clone())),
+            }
+        }
+        verdict(
+            ConditionType::RegistryReachable,
+            bad,
+            "every registry answers /v2/ from every target",
+            now,
+            generation,
+        )
+    };
+    set(r, registry);
+    // Healthy: the engine answers and each container of the current release runs healthy.
+    let healthy = match release.as_ref() {
+        None => condition(
+            ConditionType::Healthy,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "no release deployed yet",
+            now,
+            generation,
+        ),
+        // An SSH target runs no containers: its release is read back by drift (the sticker).
+        Some(_) if env.target_type == berth_proto::deploy::TargetType::Ssh => condition(
+            ConditionType::Healthy,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "ssh targets run no containers; drift reads their sticker back",
+            now,
+            generation,
+        ),
+        Some(_) if !pending.is_empty() => pending_condition(ConditionType::Healthy),
+        Some(rel) => {
+            let mut bad = Vec::new();
+            for (target, _) in hosts
+                .iter()
+                .filter(|(t, _)| matches!(t.kind, TargetKind::Agent(_)))
+            {
+                let report = reports
+                    .iter()
+                    .find(|(n, _)| *n == target.name)
+                    .map(|(_, r)| r);
+                match report {
+                    Some(Ok(report)) => {
+                        if let Some(docker) = report.docker.as_ref().filter(|d| !d.ok) {
+                            bad.push((
+                                reasons::DOCKER_UNAVAILABLE,
+                                format!("docker on {}: {}", target.name, docker.detail),
+                            ));
+                            continue;
+                        }
+                        for component in &rel.components {
+                            let Ok(name) = crate::deploy::container_name(component, target) else {
+                                continue;
+                            };
+                            let found = report.containers.iter().find(|c| c.name == name);
+                            let ok = found.is_some_and(|c| {
+                                c.state == "running"
+                                    && !matches!(
+                                        c.health.as_deref(),
+                                        Some("unhealthy" | "starting")
+                                    )
+                                    && c.image.ends_with(&component.digest)
+                            });
+                            if !ok {
+                                bad.push((
+                                    reasons::UNHEALTHY,
+                                    format!(
+                                        "{name} on {}: {}",
+                                        target.name,
+                                        found.map_or("missing".to_string(), |c| format!(
+                                            "{} {}",
+                                            c.state,
+                                            c.health.as_deref().unwrap_or("")
+                                        ))
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                    Some(Err((reason, message))) => bad.push((reason.as_str(), message.clone())),
+                    None => {}
+                }
+            }
+            verdict(
+                ConditionType::Healthy,
+                bad,
+                "every container of the release runs healthy",
+                now,
+                generation,
+            )
+        }
+    };
+    set(r, healthy);
+
+    pass.complete = r.conditions.iter().all(|c| c.status.is_terminal());
+    if pass.complete {
+        r.operational_ready = r
+            .conditions
+            .iter()
+            .all(|c| c.status == ConditionStatus::True && c.generation == generation);
+        if let Some(nonce) = &pass.nonce {
+            r.verify_observed = Some(nonce.clone());
+        }
+    }
+    r.pass = Some(pass);
+    Ok(())
+}
+
+fn verdict(
+    kind: ConditionType,
+    bad: Vec<(&str, String)>,
+    ok: &str,
+    now: OffsetDateTime,
+    generation: i64,
+) -> Condition {
+    match bad.first() {
+        None => condition(
+            kind,
+            ConditionStatus::True,
+            reasons::OK,
+            ok,
+            now,
+            generation,
+        ),
+        Some((reason, _)) => condition(
+            kind,
+            ConditionStatus::False,
+            reason,
+            bad.iter()
+                .map(|(_, m)| m.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+            now,
+            generation,
+        ),
+    }
+}
+
+async fn configured(
+    state: &SharedState,
+    env: &Environment,
+    release: Option<&Release>,
+    now: OffsetDateTime,
+    generation: i64,
+) -> Condition {
+    let make = |status, reason: &str, message: String| {
+        condition(
+            ConditionType::Configured,
+            status,
+            reason,
+            message,
+            now,
+            generation,
+        )
+    };
+    let Some(current) = &env.current_release else {
+        return make(
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "no release deployed yet".into(),
+        );
+    };
+    let Some(release) = release else {
+        return make(
+            ConditionStatus::False,
+            reasons::RELEASE_NOT_FOUND,
+            format!("release {:?} does not resolve", current.name),
+        );
+    };
+    let mut bad: Vec<(&str, String)> = Vec::new();
+    for component in &release.components {
+        let reference = format!("{}@{}", component.image, component.digest);
+        let image = match parse_image(&reference) {
+            Ok(i) => i,
+            Err(e) => {
+                bad.push((reasons::DIGEST_NOT_FOUND, e));
+                continue;
+            }
+        };
+        match state.registries.resolve(&image, None).await {
+            Ok(_) => {}
+            Err(ResolveError::NotFound(why)) => bad.push((
+                reasons::DIGEST_NOT_FOUND,
+                format!("component {} ({reference}): {why}", component.name),
+            )),
+            Err(ResolveError::Unauthorized(why)) => bad.push((
+                reasons::REGISTRY_UNAUTHORIZED,
+                format!("component {} ({reference}): {why}", component.name),
+            )),
+            Err(ResolveError::Unresolvable(why)) => bad.push((
+                reasons::REGISTRY_UNREACHABLE,
+                format!("component {} ({reference}): {why}", component.name),
+            )),
+        }
+    }
+    match bad.first() {
+        None => make(
+            ConditionStatus::True,
+            reasons::OK,
+            format!(
+                "release {} resolves; {} digest(s) found",
+                release.name,
+                release.components.len()
+            ),
+        ),
+        Some((reason, _)) => make(
+            ConditionStatus::False,
+            reason,
+            bad.iter()
+                .map(|(_, m)| m.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+    }
+}
+
+/// The desired bundle's manifest entries: builtin ones must have a live version in the store
+/// (the sealed row is found, never opened).
+async fn secrets(
+    state: &SharedState,
+    env: &Environment,
+    now: OffsetDateTime,
+    generation: i64,
+) -> Result<Condition, StoreError> {
+    let make = |status, reason: &str, message: String| {
+        condition(
+            ConditionType::SecretsResolvable,
+            status,
+            reason,
+            message,
+            now,
+            generation,
+        )
+    };
+    let desired = state
+        .store
+        .desired_environment(env.tenant_id, &env.name)
+        .await?
+        .and_then(|d| d.desired_sha);
+    let Some(sha) = desired else {
+        return Ok(make(
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "no desired bundle".into(),
+        ));
+    };
+    let Some(tar) = state.store.get_bundle(env.id, &sha).await? else {
+        return Ok(make(
+            ConditionStatus::False,
+            reasons::BUNDLE_UNREADABLE,
+            format!("bundle {sha} is not stored"),
+        ));
+    };
+    let bundle = match berth_bundle::open(&tar, &sha, &berth_bundle::Limits::default()) {
+        Ok(b) => b,
+        Err(e) => {
+            return Ok(make(
+                ConditionStatus::False,
+                reasons::BUNDLE_UNREADABLE,
+                format!("bundle {sha}: {e}"),
+            ))
+        }
+    };
+    let manifest = bundle.manifest;
+    if manifest.entries.is_empty() {
+        return Ok(make(
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "the secrets manifest is empty".into(),
+        ));
+    }
+    if manifest.vault_mode != "builtin" {
+        return Ok(make(
+            ConditionStatus::False,
+            reasons::SECRETS_UNCHECKABLE,
+            format!(
+                "{} secret(s) are {}-backed; their existence is not checked yet",
+                manifest.entries.len(),
+                manifest.vault_mode
+            ),
+        ));
+    }
+    let mut missing = Vec::new();
+    for entry in &manifest.entries {
+        let key = berth_proto::desired::SecretPath::parse(&entry.path).map(|p| p.store_key());
+        let found = match key {
+            Some(key) => state
+                .store
+                .get_secret(env.tenant_id, &key, entry.version)
+                .await?
+                .is_some(),
+            None => false,
+        };
+        if !found {
+            missing.push(match entry.version {
+                Some(v) => format!("{} (version {v})", entry.path),
+                None => entry.path.clone(),
+            });
+        }
+    }
+    Ok(if missing.is_empty() {
+        make(
+            ConditionStatus::True,
+            reasons::OK,
+            format!("{} secret(s) exist", manifest.entries.len()),
+        )
+    } else {
+        make(
+            ConditionStatus::False,
+            reasons::SECRET_NOT_FOUND,
+            format!("not found: {}", missing.join(", ")),
+        )
+    })
+}
+
+/// Queues the pass's probe of one host. `None`: the host takes no task now (cordoned, its
+/// queue full, deleted).
+async fn create_probe(
+    state: &SharedState,
+    env: &Environment,
+    pass: &ReadinessPass,
+    agent: AgentId,
+    payload: ReadinessProbePayload,
+) -> Result<Option<TaskId>, StoreError> {
+    let payload = serde_json::to_value(payload)
+        .map_err(|e| StoreError::Corrupt(format!("readiness-probe payload: {e}")))?;
+    let task = NewTask {
+        id: TaskId::new(),
+        tenant_id: env.tenant_id,
+        task_type: TaskKind::ReadinessProbe.name().into(),
+        agent_id: agent,
+        payload,
+        credentials_sealed: None,
+        variables: Default::default(),
+        timeout_seconds: PROBE_TIMEOUT_SECS,
+        priority: PROBE_PRIORITY,
+        side_effects: false,
+        idempotency_key: Some(readiness_probe_key(env.id, pass.id, agent)),
+        request_hash: None,
+        read_back_of: None,
+        queue_cap: None,
+        created_at: state.config.clock.now(),
+        created_by: None,
+    };
+    match state.store.create_task(task).await {
+        Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => Ok(Some(t.id)),
+        Ok(
+            CreateTaskOutcome::KeyConflict
+            | CreateTaskOutcome::AgentCordoned
+            | CreateTaskOutcome::QueueFull { .. },
+        ) => Ok(None),
+        Err(StoreError::Conflict {
+            constraint: "task_agent",
+        }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
