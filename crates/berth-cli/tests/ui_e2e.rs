@@ -604,7 +604,8 @@ async fn deploy_from_the_form_approve_as_another_user_and_watch_it_go_green() {
     drop(cleanup);
 }
 
-/// A rollout that fails on its second target: the page follows it live to `rolled_back`, with
+/// Readiness verified from the environment's page; then a rollout that fails on its second
+/// target: the page follows it live to `rolled_back`, with
 /// the failing target's code and the redacted tail of its task's log; then the agent's page
 /// shows its session generation and the stickers an `inspect` read back, and the audit export
 /// downloaded from the UI verifies offline with `berth audit verify`.
@@ -684,6 +685,23 @@ async fn a_failed_deployment_rolls_back_live_and_the_audit_export_verifies() {
         .goto(&format!("{}/environments/web", server.url))
         .await
         .expect("environment");
+    // Readiness: "Verify now" runs a fresh pass; the page follows it live until the nonce is
+    // answered, with all seven conditions true.
+    client
+        .find(Locator::Css("[data-action=verify]"))
+        .await
+        .expect("verify button")
+        .click()
+        .await
+        .expect("verify");
+    wait_js(
+        &client,
+        "the verify answered, every condition true",
+        "document.body.textContent.includes('the last verify was answered') \
+         && document.querySelectorAll('table.conditions tr[data-condition] .badge[data-state=succeeded]').length === 7",
+    )
+    .await;
+    screenshots(&client, "environment-readiness").await;
     client
         .find(Locator::Css("#release"))
         .await

@@ -1,4 +1,4 @@
-//! The UI's actions (form POSTs): plan, deploy, roll back, approve. Each checks the session's
+//! The UI's actions (form POSTs): plan, deploy, roll back, verify, approve. Each checks the session's
 //! CSRF token first, then calls the API's handler as the session's token, so the API's roles
 //! decide (a viewer gets the API's `403 FORBIDDEN`, whatever the page showed). Success answers
 //! 303 to the page to look at next; a refusal re-renders the page with it, at its status.
@@ -11,12 +11,12 @@ use berth_proto::deploy::CreateDeployment;
 use berth_proto::DeploymentId;
 use serde::Deserialize;
 
-use super::pages::{caller, deployment_page, environment_page};
+use super::pages::{caller, deployment_page, environment_page, percent};
 use super::session::UiCaller;
 use super::{error_page, page_response};
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath};
-use crate::routes::deployments;
+use crate::routes::{deployments, readiness};
 use crate::SharedState;
 
 #[derive(Deserialize)]
@@ -102,6 +102,23 @@ pub async fn rollback(
     .await
     {
         Ok((_, Json(view))) => Redirect::to(&format!("/deployments/{}", view.id)).into_response(),
+        Err(e) => environment_refused(&state, &ui, &name, e).await,
+    }
+}
+
+/// `POST /environments/{name}/verify`: asks for a fresh readiness pass, then shows the
+/// environment, whose conditions follow the pass live.
+pub async fn verify(
+    State(state): State<SharedState>,
+    ui: UiCaller,
+    Path(name): Path<String>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    if let Err(e) = ui.check_csrf(&form.csrf) {
+        return error_page(&e);
+    }
+    match readiness::verify(State(state.clone()), caller(&ui), ApiPath(name.clone())).await {
+        Ok(_) => Redirect::to(&format!("/environments/{}#readiness", percent(&name))).into_response(),
         Err(e) => environment_refused(&state, &ui, &name, e).await,
     }
 }

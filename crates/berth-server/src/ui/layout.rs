@@ -136,7 +136,13 @@ pub fn time(t: Option<OffsetDateTime>) -> Markup {
             let text = t
                 .format(&time::format_description::well_known::Rfc3339)
                 .unwrap_or_default();
-            html! { time datetime=(text) { (text.replace('T', " ")) } }
+            // Shown to the second (the attribute keeps the full precision, for tools).
+            let shown = t
+                .replace_nanosecond(0)
+                .ok()
+                .and_then(|s| s.format(&time::format_description::well_known::Rfc3339).ok())
+                .unwrap_or_else(|| text.clone());
+            html! { time datetime=(text) title=(text) { (shown.replace('T', " ")) } }
         }
         None => html! { span.muted { "—" } },
     }

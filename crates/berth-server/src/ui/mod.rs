@@ -75,6 +75,7 @@ pub(crate) fn router() -> Router<SharedState> {
         .route("/environments/{name}/plan", post(actions::plan))
         .route("/environments/{name}/deploy", post(actions::deploy))
         .route("/environments/{name}/rollback", post(actions::rollback))
+        .route("/environments/{name}/verify", post(actions::verify))
         .route("/deployments/{id}", get(pages::deployment))
         .route("/deployments/{id}/approve", post(actions::approve))
         .route("/assets/{file}", get(serve_asset))

@@ -17,6 +17,7 @@ use berth_proto::deploy::{
     DEPLOYMENT_TARGET_EVENT,
 };
 use berth_proto::kind::TaskKind;
+use berth_proto::readiness::{ConditionStatus, EnvironmentReadiness};
 use berth_proto::sticker::Sticker;
 use berth_proto::task::{ListOrder, ListTasks, TaskState, TaskView};
 use berth_proto::{AgentId, DeploymentId, TaskId};
@@ -33,7 +34,7 @@ use super::{error_page, page_response};
 use crate::auth::Caller;
 use crate::error::ApiResult;
 use crate::extract::{ApiPath, ApiQuery};
-use crate::routes::{agents, audit, deployments, tasks};
+use crate::routes::{agents, audit, deployments, readiness, tasks};
 use crate::SharedState;
 
 /// Rows per list page.
@@ -326,7 +327,7 @@ fn encode(params: &[(&str, String)]) -> String {
 }
 
 /// Percent-encodes a query value (everything but unreserved characters).
-fn percent(v: &str) -> String {
+pub(super) fn percent(v: &str) -> String {
     v.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
@@ -928,6 +929,12 @@ pub(super) async fn environment_page(
         }),
     )
     .await?;
+    let Json(readiness) = readiness::get_readiness(
+        State(state.clone()),
+        caller(ui),
+        ApiPath(name.to_string()),
+    )
+    .await?;
     let env = &status.environment;
     let can_deploy = ui.caller.require_deployer().is_ok();
     let live = Live {
@@ -967,6 +974,7 @@ pub(super) async fn environment_page(
                     } } }
                 } }
             }
+            (readiness_view(&readiness, can_deploy.then(|| (ui, base.as_str()))))
             @if can_deploy {
                 section aria-labelledby="deploy" {
                     h2 #deploy { "Deploy" }
@@ -999,6 +1007,54 @@ pub(super) async fn environment_page(
             (deployment_table(&history.items))
         },
     ))
+}
+
+/// The environment's conditions, as `berth env verify` prints them; with `verify` (a deployer's
+/// session and the environment's path), the form that asks for a fresh pass.
+fn readiness_view(r: &EnvironmentReadiness, verify: Option<(&UiCaller, &str)>) -> Markup {
+    let pending = r.verify_request.is_some() && r.verify_request != r.verify_observed;
+    html! {
+        section aria-labelledby="readiness" {
+            h2 #readiness { "Readiness" }
+            p {
+                @if r.operational_ready { span.badge data-state="succeeded" { "operational ready" } }
+                @else { span.badge data-state="failed" { "not ready" } }
+                " for generation " (r.generation)
+                @if pending { " · " span.badge data-state="running" { "verifying" } " a fresh pass is running" }
+                @else if r.verify_request.is_some() { " · the last verify was answered" }
+            }
+            @if r.conditions.is_empty() {
+                p.muted { "No pass has run yet." }
+            } @else {
+                div.table { table.conditions {
+                    thead { tr { th { "Condition" } th { "Status" } th { "Reason" } th { "Detail" } th { "Observed" } } }
+                    tbody { @for c in &r.conditions { tr data-condition=(c.kind.as_str()) {
+                        td { (c.kind.as_str()) }
+                        td { span.badge data-state=(condition_state(c.status)) { (c.status.as_str()) } }
+                        td { code { (c.reason) } }
+                        td { (c.message) }
+                        td { (time(Some(c.observed_at))) }
+                    } } }
+                } }
+            }
+            @if let Some((ui, base)) = verify {
+                form.inline method="post" action={ (base) "/verify" } {
+                    (layout::csrf(ui))
+                    button type="submit" data-action="verify" { "Verify now" }
+                    " " span.muted { "a completely fresh pass; nothing from earlier passes is reused" }
+                }
+            }
+        }
+    }
+}
+
+/// A condition status as a badge state: the badge colours are the task states'.
+fn condition_state(status: ConditionStatus) -> &'static str {
+    match status {
+        ConditionStatus::True => "succeeded",
+        ConditionStatus::False => "failed",
+        ConditionStatus::Unknown => "running",
+    }
 }
 
 fn plan_view(plan: &DeploymentPlan) -> Markup {

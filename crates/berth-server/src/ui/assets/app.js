@@ -99,7 +99,7 @@
   source.onmessage = onEvent;
   ["task.state", "agent.registered", "agent.status", "agent.deleted", "agent.hold",
    "deployment.state", "deployment.target", "deployment.approval",
-   "environment.drift"].forEach(function (kind) {
+   "environment.drift", "environment.readiness"].forEach(function (kind) {
     source.addEventListener(kind, onEvent);
   });
   source.onopen = function () {
