@@ -118,7 +118,9 @@ pub async fn verify(
         return error_page(&e);
     }
     match readiness::verify(State(state.clone()), caller(&ui), ApiPath(name.clone())).await {
-        Ok(_) => Redirect::to(&format!("/environments/{}#readiness", percent(&name))).into_response(),
+        Ok(_) => {
+            Redirect::to(&format!("/environments/{}#readiness", percent(&name))).into_response()
+        }
         Err(e) => environment_refused(&state, &ui, &name, e).await,
     }
 }

@@ -140,7 +140,10 @@ pub fn time(t: Option<OffsetDateTime>) -> Markup {
             let shown = t
                 .replace_nanosecond(0)
                 .ok()
-                .and_then(|s| s.format(&time::format_description::well_known::Rfc3339).ok())
+                .and_then(|s| {
+                    s.format(&time::format_description::well_known::Rfc3339)
+                        .ok()
+                })
                 .unwrap_or_else(|| text.clone());
             html! { time datetime=(text) title=(text) { (shown.replace('T', " ")) } }
         }

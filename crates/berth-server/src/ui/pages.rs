@@ -929,12 +929,9 @@ pub(super) async fn environment_page(
         }),
     )
     .await?;
-    let Json(readiness) = readiness::get_readiness(
-        State(state.clone()),
-        caller(ui),
-        ApiPath(name.to_string()),
-    )
-    .await?;
+    let Json(readiness) =
+        readiness::get_readiness(State(state.clone()), caller(ui), ApiPath(name.to_string()))
+            .await?;
     let env = &status.environment;
     let can_deploy = ui.caller.require_deployer().is_ok();
     let live = Live {
@@ -974,7 +971,7 @@ pub(super) async fn environment_page(
                     } } }
                 } }
             }
-            (readiness_view(&readiness, can_deploy.then(|| (ui, base.as_str()))))
+            (readiness_view(&readiness, can_deploy.then_some((ui, base.as_str()))))
             @if can_deploy {
                 section aria-labelledby="deploy" {
                     h2 #deploy { "Deploy" }
