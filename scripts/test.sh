@@ -66,7 +66,8 @@ say "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 say "cargo test"
-cargo test --workspace --locked
+# --no-fail-fast: one run reports every failing test binary, not just the first.
+cargo test --workspace --locked --no-fail-fast
 
 say "schemathesis against a live server (scripts/schemathesis.sh)"
 bash scripts/schemathesis.sh

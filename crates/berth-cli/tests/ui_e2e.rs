@@ -133,10 +133,36 @@ async fn wait_js(client: &Client, what: &str, script: &str) -> Value {
 }
 
 async fn sign_in(client: &Client, server: &Server, token: &str) {
-    client
-        .goto(&format!("{}/login", server.url))
-        .await
-        .expect("login page");
+    // WebDriver's find does not wait, and on a loaded machine a first navigation can end on
+    // the browser's own error page: look for the form for a while, then load the page again.
+    let mut ready = false;
+    for _ in 0..3 {
+        client
+            .goto(&format!("{}/login", server.url))
+            .await
+            .expect("login page");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !ready && std::time::Instant::now() < deadline {
+            let found = client
+                .execute("return !!document.querySelector('#token');", vec![])
+                .await
+                .expect("execute");
+            ready = found == Value::Bool(true);
+            if !ready {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        if ready {
+            break;
+        }
+    }
+    if !ready {
+        let text = client
+            .execute("return document.body.innerText;", vec![])
+            .await
+            .unwrap_or_default();
+        panic!("no sign-in form after three loads; the page says: {text}");
+    }
     client
         .find(Locator::Css("#token"))
         .await
