@@ -26,7 +26,16 @@ const PHONE: (u32, u32) = (390, 844);
 struct Driver {
     proc: Proc,
     url: String,
+    /// One browser test at a time: a container another test starts adds a network interface,
+    /// and Chromium aborts a navigation in flight when the host's interfaces change
+    /// (`ERR_NETWORK_CHANGED`, seen in CI). Held for the test's whole life.
+    _serial: std::sync::MutexGuard<'static, ()>,
+    /// Chromium's profile and scratch directories (its TMPDIR): removed after the browser is
+    /// killed, which leaves it no chance to remove them itself.
+    _tmp: tempfile::TempDir,
 }
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Drop for Driver {
     fn drop(&mut self) {
@@ -36,6 +45,8 @@ impl Drop for Driver {
 }
 
 fn chromedriver(test: &str) -> Option<Driver> {
+    // A test that failed while holding it poisons it; the next one still runs.
+    let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let found = ["/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists());
@@ -46,8 +57,10 @@ fn chromedriver(test: &str) -> Option<Driver> {
         )
     })?;
     let port = free_port();
+    let tmp = tempdir();
     let mut cmd = Command::new(program);
-    cmd.arg(format!("--port={port}"))
+    cmd.env("TMPDIR", tmp.path())
+        .arg(format!("--port={port}"))
         .arg("--allowed-ips=127.0.0.1")
         .process_group(0);
     let mut proc = Proc::spawn("chromedriver", cmd);
@@ -60,6 +73,8 @@ fn chromedriver(test: &str) -> Option<Driver> {
     Some(Driver {
         proc,
         url: format!("http://127.0.0.1:{port}"),
+        _serial: serial,
+        _tmp: tmp,
     })
 }
 
