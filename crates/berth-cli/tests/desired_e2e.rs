@@ -29,35 +29,6 @@ fn http_body(port: u16) -> Option<String> {
         .block_on(fixtures::http_body(port))
 }
 
-/// `berth <args>` to its end: (exit code, stdout, stderr).
-fn run(server: &Server, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
-    use std::io::Write;
-    let mut cmd = std::process::Command::new(BERTH);
-    cmd.args(args)
-        .env("BERTH_SERVER", &server.url)
-        .env("BERTH_TOKEN", &server.admin_token)
-        .env("BERTH_CA_FILE", server.data_dir.join("ca.crt"))
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let mut child = cmd.spawn().expect("berth");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    }
-    drop(child.stdin.take());
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        strip_ansi(&String::from_utf8_lossy(&out.stderr)),
-    )
-}
-
 /// A registered agent's state dir (registered by a first `--register … --env E --once` tick).
 struct Host {
     state_dir: PathBuf,
@@ -180,8 +151,7 @@ services:
 /// `berth bundle build` then `berth bundle push`; the sha.
 fn push(server: &Server, dir: &Path, env: &str) -> String {
     let file = dir.with_extension("tar");
-    let (code, out, err) = run(
-        server,
+    let (code, out, err) = server.run_with_input(
         &[
             "bundle",
             "build",
@@ -200,11 +170,8 @@ fn push(server: &Server, dir: &Path, env: &str) -> String {
 }
 
 fn put_secret(server: &Server, path: &str, value: &str) {
-    let (code, out, err) = run(
-        server,
-        &["secret", "put", path, "--from-file", "-"],
-        Some(value),
-    );
+    let (code, out, err) =
+        server.run_with_input(&["secret", "put", path, "--from-file", "-"], Some(value));
     assert_eq!(code, 0, "secret put {path}: {err}");
     assert!(!out.contains(value) && !err.contains(value));
 }
@@ -394,7 +361,7 @@ fn converges_with_secrets_keeps_the_old_stack_on_failure_and_goes_down() {
 
     // --- Redaction: the planted values appear nowhere but in `.env`. ---
     let export = {
-        let (code, out, err) = run(&server, &["audit", "export"], None);
+        let (code, out, err) = server.run_with_input(&["audit", "export"], None);
         assert_eq!(code, 0, "{err}");
         out
     };

@@ -23,38 +23,9 @@ use serde_json::{json, Value};
 
 const VERIFY: Duration = Duration::from_secs(300);
 
-/// `berth <args>` to its end, with `stdin`: (exit code, stdout, stderr).
-fn run(server: &Server, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
-    use std::io::Write;
-    let mut cmd = std::process::Command::new(BERTH);
-    cmd.args(args)
-        .env("BERTH_SERVER", &server.url)
-        .env("BERTH_TOKEN", &server.admin_token)
-        .env("BERTH_CA_FILE", server.data_dir.join("ca.crt"))
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let mut child = cmd.spawn().expect("berth");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    }
-    drop(child.stdin.take());
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        strip_ansi(&String::from_utf8_lossy(&out.stderr)),
-    )
-}
-
 /// `berth env verify ENV`: its exit code and the conditions table.
 fn verify(server: &Server, env: &str) -> (i32, String) {
-    let (code, out, err) = run(server, &["env", "verify", env, "--timeout", "5m"], None);
+    let (code, out, err) = server.run_with_input(&["env", "verify", env, "--timeout", "5m"], None);
     assert!(
         code == 0 || code == 3,
         "verify failed ({code}): {err}\n{out}"
@@ -265,7 +236,7 @@ fn verify_names_each_cause_of_unreadiness() {
         ],
         "{out}"
     );
-    let (code, _, err) = run(&server, &["deploy", "r1", "--env", "rdy", "--wait"], None);
+    let (code, _, err) = server.run_with_input(&["deploy", "r1", "--env", "rdy", "--wait"], None);
     assert_eq!(code, 0, "deploy r1: {err}");
 
     // A desired bundle whose manifest names a builtin secret that exists.
@@ -293,8 +264,7 @@ fn verify_names_each_cause_of_unreadiness() {
     )
     .unwrap();
     let file = tmp.path().join("bundle.tar");
-    let (code, sha, err) = run(
-        &server,
+    let (code, sha, err) = server.run_with_input(
         &[
             "bundle",
             "build",
@@ -307,8 +277,7 @@ fn verify_names_each_cause_of_unreadiness() {
     assert_eq!(code, 0, "bundle build: {err}");
     let sha = sha.trim().to_string();
     server.cli(&["bundle", "push", file.to_str().unwrap(), "--env", "rdy"]);
-    let (code, _, err) = run(
-        &server,
+    let (code, _, err) = server.run_with_input(
         &["secret", "put", "rdy/see/greeting", "--from-file", "-"],
         Some("hello"),
     );
@@ -333,7 +302,7 @@ fn verify_names_each_cause_of_unreadiness() {
     assert_eq!(r["conditions"].as_array().unwrap().len(), 7, "{r}");
 
     // 1. A secret removed.
-    let (code, _, err) = run(&server, &["secret", "rm", "rdy/see/greeting"], None);
+    let (code, _, err) = server.run_with_input(&["secret", "rm", "rdy/see/greeting"], None);
     assert_eq!(code, 0, "secret rm: {err}");
     verify_names(
         &server,
@@ -342,8 +311,7 @@ fn verify_names_each_cause_of_unreadiness() {
         "SECRET_NOT_FOUND",
         "berth/rdy/see/greeting",
     );
-    let (code, _, err) = run(
-        &server,
+    let (code, _, err) = server.run_with_input(
         &["secret", "put", "rdy/see/greeting", "--from-file", "-"],
         Some("hello again"),
     );
@@ -415,7 +383,7 @@ fn verify_names_each_cause_of_unreadiness() {
         "TARGET_OFFLINE",
         "ready-1",
     );
-    let (code, _, err) = run(&server, &["deploy", "r1", "--env", "rdy"], None);
+    let (code, _, err) = server.run_with_input(&["deploy", "r1", "--env", "rdy"], None);
     assert_ne!(code, 0);
     assert!(
         err.contains("ENV_NOT_READY") && err.contains("TargetsReachable"),

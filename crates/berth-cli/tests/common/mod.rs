@@ -495,6 +495,36 @@ impl Server {
         self.try_cli(args).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// `berth ARGS` as the admin, as a person runs it, with `stdin` fed to it: its exit code,
+    /// stdout and stderr (colours stripped).
+    pub fn run_with_input(&self, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+        use std::io::Write;
+        let mut cmd = Command::new(BERTH);
+        cmd.args(args)
+            .env("BERTH_SERVER", &self.url)
+            .env("BERTH_TOKEN", &self.admin_token)
+            .env("BERTH_CA_FILE", self.data_dir.join("ca.crt"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("berth");
+        if let Some(input) = stdin {
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(input.as_bytes())
+                .unwrap();
+        }
+        drop(child.stdin.take());
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            strip_ansi(&String::from_utf8_lossy(&out.stderr)),
+        )
+    }
+
     /// `berth ARGS` as `token`, as a person runs it (no `--output json`): its exit code, stdout
     /// and stderr (colours stripped).
     pub fn run_as(&self, token: &str, args: &[&str], timeout: Duration) -> (i32, String, String) {
