@@ -58,7 +58,9 @@ run() {
     local data="$WORK/data-$name-$run" tag="$name-$run"
     echo
     echo "=== $tag: berth-bench $* ==="
-    start_server "$data" "$OUT/$tag.server.log" --heartbeat-interval-secs "$INTERVAL"
+    # Every simulated agent connects from 127.0.0.1: lift the per-source cap (1000 by default).
+    start_server "$data" "$OUT/$tag.server.log" --heartbeat-interval-secs "$INTERVAL" \
+        --max-connections-per-source 0
     local port=${SERVER_URL##*:}
     sample "$SERVER_PID" "$port" "$OUT/$tag.samples" &
     SAMPLER_PID=$!
@@ -140,4 +142,7 @@ for scenario, window in (("open", duration), ("closed", tp_duration)):
     print(f"  server commits: {b('batches'):.0f} for {b('heartbeats'):.0f} heartbeats, mean batch {b('mean_batch'):.2f}")
     print(f"  server: CPU {g(lambda s, u: u and u['cpu_pct']):.1f} % of a core (last {window} s), "
           f"peak RSS {g(lambda s, u: u and u['rss_mib']):.0f} MiB, peak connections {g(lambda s, u: u and u['conns']):.0f}")
+    rate = (lambda s: s["achieved_per_sec"]) if scenario == "open" else (lambda s: s["throughput_per_sec"])
+    print(f"  server CPU per heartbeat: {g(lambda s, u: u and u['cpu_pct'] / 100 * 1e6 / rate(s)):.0f} µs "
+          f"(per run: {', '.join('%.0f' % (u['cpu_pct'] / 100 * 1e6 / rate(s)) for s, u in runs if u)})")
 EOF

@@ -108,3 +108,18 @@ cpu_ticks() {
 rss_kib() {
     awk '/^VmRSS:/ {print $2}' "/proc/$1/status"
 }
+
+# seed_large_db DATA TASKS [grow-tasks.py options…]: a release server on DATA runs simulated
+# agents for a few seconds (real finished tasks, each with its attempt; log in $OUT/seed.log),
+# then, stopped, its database is grown to TASKS tasks by scripts/grow-tasks.py.
+seed_large_db() {
+    local data=$1 tasks=$2
+    shift 2
+    start_server "$data" "$OUT/server-seed.log"
+    BERTH_TOKEN=$(cat "$data/admin.token") "$BIN/berth-bench" tasks --server "$SERVER_URL" \
+        --ca-file "$data/ca.crt" --agents 8 --rate 200 --duration-secs 5 --warmup-secs 1 \
+        --name-prefix seed >"$OUT/seed.log"
+    stop_server
+    echo "growing the database to $tasks tasks $*…"
+    python3 "$BENCH_ROOT/scripts/grow-tasks.py" "$data/berth.db" "$tasks" "$@"
+}

@@ -19,37 +19,46 @@ command -v cargo-deb >/dev/null || cargo install cargo-deb --locked >&2
 target="$(cargo metadata --no-deps --format-version 1 | grep -o '"target_directory":"[^"]*"' | cut -d'"' -f4)"
 release="$target/release"
 
-say "cargo build --release (berth, berth-agent)"
-cargo build --release --locked -p berth-cli --bins
+# The agent is built with its own profile (`[profile.agent]`: opt-level "s", fat LTO, one codegen
+# unit) and without the `server` feature: a smaller binary is fewer resident pages on every host
+# (BENCHMARKS.md, "Agent size"). `cargo deb --profile agent` reads its target/release/ assets from
+# target/agent/.
+agent="$target/agent"
+say "cargo build --release (berth); cargo build --profile agent (berth-agent)"
+cargo build --release --locked -p berth-cli --bin berth
+cargo build --profile agent --locked -p berth-cli --no-default-features --bin berth-agent
 
 # Man pages and completions come from the binaries themselves (clap_mangen, clap_complete), so
 # they always match the flags; the package metadata (crates/berth-cli/Cargo.toml) picks them up
-# from target/release/pkg/.
+# from target/release/pkg/ (target/agent/pkg/ for the agent).
 for bin in berth berth-agent; do
-    out="$release/pkg/$bin"
+    dir="$release"
+    [ "$bin" = berth ] || dir="$agent"
+    out="$dir/pkg/$bin"
     rm -rf "$out"
     mkdir -p "$out/completions"
-    "$release/$bin" man --out "$out/man"
+    "$dir/$bin" man --out "$out/man"
     # Debian policy compresses man pages; cargo-deb does not for files under target/release.
     gzip -9n "$out"/man/*.1
-    "$release/$bin" completions bash >"$out/completions/$bin.bash"
-    "$release/$bin" completions zsh >"$out/completions/_$bin"
-    "$release/$bin" completions fish >"$out/completions/$bin.fish"
+    "$dir/$bin" completions bash >"$out/completions/$bin.bash"
+    "$dir/$bin" completions zsh >"$out/completions/_$bin"
+    "$dir/$bin" completions fish >"$out/completions/$bin.fish"
 done
 
 debs="$target/debian"
 rm -f "$debs"/berth_*.deb "$debs"/berth-agent_*.deb
 say "cargo deb (berth, and the agent variant: berth-agent)"
 cargo deb -p berth-cli --no-build --output "$debs/" >&2
-cargo deb -p berth-cli --no-build --variant agent --output "$debs/" >&2
+cargo deb -p berth-cli --no-build --variant agent --profile agent --output "$debs/" >&2
 
-check() { # check DEB NAME OTHER: the contents and control data of package NAME
-    local deb="$1" name="$2" other="$3" contents control
+check() { # check DEB NAME OTHER CONF: the contents and control data of package NAME
+    local deb="$1" name="$2" other="$3" conf="$4" contents control
     contents="$(dpkg-deb --contents "$deb" | awk '{print $NF}')"
     for path in \
         "./usr/bin/$name" \
         "./usr/lib/systemd/system/$name.service" \
         "./etc/default/$name" \
+        "./$conf" \
         "./usr/share/man/man1/$name.1.gz" \
         "./usr/share/bash-completion/completions/$name" \
         "./usr/share/zsh/vendor-completions/_$name" \
@@ -67,13 +76,14 @@ check() { # check DEB NAME OTHER: the contents and control data of package NAME
     dpkg-deb --ctrl-tarfile "$deb" | tar -x -C "$tmp"
     grep -q "adduser --system --group --home /var/lib/$name" "$tmp/postinst" || fail "$deb's postinst creates no user $name"
     grep -qx "/etc/default/$name" "$tmp/conffiles" || fail "/etc/default/$name is not a conffile"
+    grep -qx "/$conf" "$tmp/conffiles" || fail "/$conf is not a conffile"
     rm -rf "$tmp"
     say "$(basename "$deb"): $(wc -l <<<"$contents") entries, $(du -k "$deb" | cut -f1) KiB"
 }
 berth_deb="$(ls "$debs"/berth_*.deb)"
 agent_deb="$(ls "$debs"/berth-agent_*.deb)"
-check "$berth_deb" berth berth-agent
-check "$agent_deb" berth-agent berth
+check "$berth_deb" berth berth-agent etc/berth/server.toml
+check "$agent_deb" berth-agent berth etc/berth-agent/agent.toml
 grep -q 'man1/berth-server.1.gz$' <<<"$(dpkg-deb --contents "$berth_deb")" || fail "no man page per subcommand"
 
 # A throwaway root, never this machine's /: the extracted programs run and show their man page.
@@ -116,6 +126,9 @@ install_check() {
         [ "$(in_root stat -c "%U %a" /var/lib/berth-agent)" = "berth-agent 700" ]
         in_root berth --version >/dev/null
         in_root berth-agent --version >/dev/null
+        # The shipped config files parse (a bad key would exit 78).
+        in_root berth server --print-config >/dev/null
+        in_root berth-agent --print-config >/dev/null
         in_root test -f /etc/default/berth -a -f /usr/lib/systemd/system/berth-agent.service
         in_root dpkg -r berth berth-agent >/dev/null
         in_root test ! -e /usr/bin/berth

@@ -68,6 +68,10 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 say "cargo test"
 # --no-fail-fast: one run reports every failing test binary, not just the first.
 cargo test --workspace --locked --no-fail-fast
+# The agents above took their work over the task stream (berth-agent's default, auto); the
+# transport suite runs once more over the long-poll, so both paths keep the same rules.
+say "cargo test: the transport suite over the long-poll"
+BERTH_E2E_TASK_TRANSPORT=poll cargo test -p berth-cli --test transport_e2e --locked
 
 say "schemathesis against a live server (scripts/schemathesis.sh)"
 bash scripts/schemathesis.sh

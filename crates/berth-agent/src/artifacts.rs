@@ -58,10 +58,12 @@ fn classify(sha256: &str, e: ClientError) -> FetchError {
                 || *status == 429
                 || body.code == codes::CERTIFICATE_SUPERSEDED,
         },
-        ClientError::Transport { .. } | ClientError::Decode(_) => FetchError::Unavailable {
-            detail,
-            retriable: true,
-        },
+        ClientError::Transport { .. } | ClientError::Connect { .. } | ClientError::Decode(_) => {
+            FetchError::Unavailable {
+                detail,
+                retriable: true,
+            }
+        }
         ClientError::Config(_) => FetchError::Unavailable {
             detail,
             retriable: false,
@@ -131,6 +133,8 @@ mod tests {
             link: SharedLink::new(Link {
                 client,
                 key: Arc::new(berth_crypto::AgentKey::generate().unwrap()),
+                opener: Arc::new(berth_crypto::hpke::RecipientKey::generate().unwrap()),
+                at: 0,
             }),
         };
         let sha = berth_exec::artifact::sha256_hex(&blob);

@@ -58,6 +58,11 @@ pub struct DesiredConfig {
     pub health_timeout: Duration,
 }
 
+impl DesiredConfig {
+    /// How long every service has after `up` to be running and healthy, unless configured.
+    pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(120);
+}
+
 /// The environment's state on this host: `<state>/desired/<env>/state.json`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct LocalState {
@@ -833,7 +838,9 @@ fn classify(e: ClientError, retry_after: &mut Option<Duration>) -> AgentError {
             (s, _) if s >= 500 => AgentError::Temporary(e.to_string()),
             _ => AgentError::Fatal(e.to_string()),
         },
-        ClientError::Transport { .. } => AgentError::Temporary(e.to_string()),
+        ClientError::Transport { .. } | ClientError::Connect { .. } => {
+            AgentError::Temporary(e.to_string())
+        }
         ClientError::Decode(_) => AgentError::Temporary(e.to_string()),
         ClientError::Config(_) => AgentError::Config(e.to_string()),
     }

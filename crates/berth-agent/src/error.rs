@@ -24,6 +24,10 @@ pub enum AgentError {
     /// The server stayed unreachable, or kept rate-limiting, past the retry budget.
     #[error("temporary: {0}")]
     Temporary(String),
+    /// The server in use is unreachable (or answered 5xx) and others were named (`--server
+    /// A,B`): `run` moves to the next and acquires a new session there. Never ends the agent.
+    #[error("server lost: {0}")]
+    ServerLost(String),
 }
 
 impl AgentError {
@@ -34,7 +38,7 @@ impl AgentError {
             | AgentError::Superseded(_)
             | AgentError::Fenced(_)
             | AgentError::Fatal(_) => 1,
-            AgentError::Temporary(_) => 75,
+            AgentError::Temporary(_) | AgentError::ServerLost(_) => 75,
         }
     }
 }

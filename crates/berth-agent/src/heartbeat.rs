@@ -17,7 +17,7 @@ use crate::link::{Link, SharedLink};
 use crate::probe::Readiness;
 use crate::renew::{renew, renewal_due};
 use crate::resources::Sampler;
-use crate::retry::with_retries;
+use crate::retry::with_retries_or_fail_over;
 use crate::state::{Identity, StateDir};
 use crate::AgentError;
 
@@ -27,7 +27,6 @@ const COMPOSE_PROBE_EVERY: Duration = Duration::from_secs(600);
 pub(crate) struct Heartbeats<'a> {
     pub config: &'a AgentConfig,
     pub state: &'a StateDir,
-    pub server: &'a str,
     pub link: SharedLink,
     pub generation: i64,
     /// Updated with every detection, for the poll and `inspect`.
@@ -39,7 +38,8 @@ pub(crate) struct Heartbeats<'a> {
 }
 
 impl Heartbeats<'_> {
-    /// Runs until a failure ends the agent (fenced, revoked, retry budget spent).
+    /// Runs until a failure ends the agent (fenced, revoked, retry budget spent), or, with
+    /// several servers, until the one in use is lost ([`AgentError::ServerLost`]).
     pub async fn run(self, mut identity: Identity) -> Result<(), AgentError> {
         let agent_id = identity.file.agent_id;
         let generation_header = self.generation.to_string();
@@ -60,9 +60,10 @@ impl Heartbeats<'_> {
                     &identity,
                     self.config.retry_budget,
                     &generation_header,
+                    self.link.fails_over(),
                 )
                 .await?;
-                self.link.replace(Link::new(self.server, &identity)?);
+                self.link.renewed(&identity)?;
             }
             if compose_probed.elapsed() >= COMPOSE_PROBE_EVERY {
                 compose = capabilities::compose().await;
@@ -90,20 +91,22 @@ impl Heartbeats<'_> {
                 signature_algorithm: ALG_ECDSA_SHA256.into(),
                 signature: None,
             };
-            let Link { client, key } = self.link.current();
+            let Link { client, key, .. } = self.link.current();
             let headers = [(GENERATION_HEADER, generation_header.as_str())];
             let mut attempted = Instant::now();
-            let sent = with_retries("heartbeat", self.config.retry_budget, || {
-                // Every attempt is a new heartbeat: one whose answer was lost may have been
-                // applied, and sending its sequence again would be refused as a replay.
-                sequence += 1;
-                attempted = Instant::now();
-                let signed = signed(&heartbeat, sequence, &key);
-                let client = &client;
-                let headers = &headers;
-                async move { client.send_with(&signed?, headers, None).await }
-            })
-            .await?;
+            let fail_over = self.link.fails_over();
+            let sent =
+                with_retries_or_fail_over("heartbeat", self.config.retry_budget, fail_over, || {
+                    // Every attempt is a new heartbeat: one whose answer was lost may have been
+                    // applied, and sending its sequence again would be refused as a replay.
+                    sequence += 1;
+                    attempted = Instant::now();
+                    let signed = signed(&heartbeat, sequence, &key);
+                    let client = &client;
+                    let headers = &headers;
+                    async move { client.send_with(&signed?, headers, None).await }
+                })
+                .await?;
             let interval = Duration::from_secs(sent.heartbeat_interval_seconds.max(1));
             self.readiness
                 .renewed(attempted, crate::probe::lease_after(interval));

@@ -32,7 +32,7 @@ mod start;
 mod state;
 mod tasks;
 
-pub use config::AgentConfig;
+pub use config::{AgentConfig, TaskTransport};
 pub use enroll::{register, RegisterOptions, Registered};
 pub use error::AgentError;
 pub use run::run;

@@ -20,6 +20,62 @@ pub const RENEW_BELOW_S: u64 = 12 * 3600;
 /// Re-lease when the token is older than this: 30 d (the role's `token_max_ttl`) − 2 d, so a
 /// new token is in hand well before the old one cannot be renewed any more.
 pub const RELEASE_AFTER_S: u64 = (30 - 2) * 24 * 3600;
+/// A readiness probe's [`berth_exec::readiness::SecretsResolver`]: logs in with the probe's
+/// grant as a desired-state apply does, reads each manifest entry as the apply reads it (so a
+/// policy that would refuse the apply refuses the probe), keeps only whether it resolved, and
+/// revokes the token. The values are dropped where they are read.
+pub struct ProbeSecrets {
+    /// `--openbao-addr`: wins over the address the server names.
+    pub addr: Option<String>,
+    /// `--openbao-ca-file`'s PEM.
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+#[async_trait::async_trait]
+impl berth_exec::readiness::SecretsResolver for ProbeSecrets {
+    async fn unresolved(
+        &self,
+        probe: &berth_proto::payload::SecretsProbe,
+        login_jwt: &str,
+    ) -> Result<Vec<String>, String> {
+        let addr = self.addr.as_deref().unwrap_or(&probe.addr);
+        let bao = OpenBao::new(addr, self.ca_pem.as_deref()).map_err(|e| e.to_string())?;
+        let token = bao
+            .login_jwt(&probe.auth_mount, &probe.role, login_jwt)
+            .await
+            .map_err(|e| format!("login at {addr}: {e}"))?;
+        let mut unresolved = Vec::new();
+        let mut failure = None;
+        for entry in &probe.entries {
+            let Some(path) = SecretPath::parse(&entry.path) else {
+                unresolved.push(format!("{} (not a secret path)", entry.path));
+                continue;
+            };
+            match bao
+                .kv_read(&token.token, &probe.kv_mount, &path, entry.version)
+                .await
+            {
+                Ok(Some(_value)) => {}
+                Ok(None) => unresolved.push(format!("{} (not found)", entry.path)),
+                Err(BaoError::Denied(e)) => {
+                    unresolved.push(format!("{} (refused: {e})", entry.path))
+                }
+                Err(e) => {
+                    failure = Some(format!("reading {}: {e}", entry.path));
+                    break;
+                }
+            }
+        }
+        if let Err(e) = bao.revoke_self(&token.token).await {
+            tracing::warn!(error = %e, "revoking the readiness probe's OpenBao token failed");
+        }
+        match failure {
+            Some(f) => Err(f),
+            None => Ok(unresolved),
+        }
+    }
+}
+
 /// The token file in the agent's state directory (0600).
 pub const TOKEN_FILE: &str = "bao.token";
 

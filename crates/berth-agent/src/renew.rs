@@ -9,7 +9,7 @@ use berth_proto::agent::RenewCertificate;
 use berth_proto::headers::GENERATION_HEADER;
 use time::OffsetDateTime;
 
-use crate::retry::with_retries;
+use crate::retry::with_retries_or_fail_over;
 use crate::state::{Identity, IdentityFile, StateDir};
 use crate::AgentError;
 
@@ -25,6 +25,7 @@ pub(crate) async fn renew(
     identity: &Identity,
     budget: Duration,
     generation: &str,
+    fail_over: bool,
 ) -> Result<Identity, AgentError> {
     let key =
         AgentKey::generate().map_err(|e| AgentError::Fatal(format!("generating the key: {e}")))?;
@@ -35,7 +36,7 @@ pub(crate) async fn renew(
             .map_err(|e| AgentError::Fatal(format!("building the CSR: {e}")))?,
     };
     let headers = [(GENERATION_HEADER, generation)];
-    let response = with_retries("certificate renewal", budget, || {
+    let response = with_retries_or_fail_over("certificate renewal", budget, fail_over, || {
         client.send_with(&request, &headers, None)
     })
     .await?;

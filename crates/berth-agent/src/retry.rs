@@ -21,6 +21,9 @@ pub(crate) enum Failure {
     Stop(AgentError),
     /// Try again after this long (from `Retry-After`), or after the back-off delay.
     Retry(Option<Duration>, String),
+    /// The server is unreachable or failing (no connection, a broken one, a 5xx): try again
+    /// like [`Failure::Retry`], or on the next server when several are named.
+    Outage(Option<Duration>, String),
 }
 
 pub(crate) fn classify(e: ClientError) -> Failure {
@@ -50,10 +53,10 @@ pub(crate) fn classify(e: ClientError) -> Failure {
                 Failure::Stop(AgentError::Config(e.to_string()))
             }
             (429, _) => Failure::Retry(*retry_after, e.to_string()),
-            (s, _) if s >= 500 => Failure::Retry(*retry_after, e.to_string()),
+            (s, _) if s >= 500 => Failure::Outage(*retry_after, e.to_string()),
             _ => Failure::Stop(AgentError::Fatal(e.to_string())),
         },
-        ClientError::Transport { .. } => {
+        ClientError::Transport { .. } | ClientError::Connect { .. } => {
             let why = format!("{e}: {}", error_chain(&e));
             // Certificate failures do not heal by retrying: the server is not the one we pinned
             // (configuration), or it refuses our certificate (re-register).
@@ -62,7 +65,7 @@ pub(crate) fn classify(e: ClientError) -> Failure {
                 Some(TlsFailure::ClientCertificateRefused) => {
                     Failure::Stop(AgentError::Revoked(why))
                 }
-                None => Failure::Retry(None, why),
+                None => Failure::Outage(None, why),
             }
         }
         ClientError::Decode(_) => Failure::Retry(None, e.to_string()),
@@ -86,6 +89,23 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 pub(crate) async fn with_retries<T, F, Fut>(
     what: &str,
     budget: Duration,
+    call: F,
+) -> Result<T, AgentError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, ClientError>>,
+{
+    with_retries_or_fail_over(what, budget, false, call).await
+}
+
+/// [`with_retries`] for the calls that decide which server the agent uses (the session's
+/// heartbeats, polls and task stream): with `fail_over` (several servers named), an outage of
+/// the server in use is not waited out but returned at once as [`AgentError::ServerLost`], so
+/// `run` moves to the next server and acquires a new session there.
+pub(crate) async fn with_retries_or_fail_over<T, F, Fut>(
+    what: &str,
+    budget: Duration,
+    fail_over: bool,
     mut call: F,
 ) -> Result<T, AgentError>
 where
@@ -99,7 +119,10 @@ where
             Ok(v) => return Ok(v),
             Err(e) => match classify(e) {
                 Failure::Stop(e) => return Err(e),
-                Failure::Retry(after, why) => {
+                Failure::Outage(_, why) if fail_over => {
+                    return Err(AgentError::ServerLost(format!("{what}: {why}")))
+                }
+                Failure::Retry(after, why) | Failure::Outage(after, why) => {
                     let delay = after.unwrap_or_else(|| backoff.next_delay());
                     if started.elapsed() + delay > budget {
                         return Err(AgentError::Temporary(format!(
@@ -125,6 +148,36 @@ pub(crate) async fn with_link_retries<T, F, Fut>(
     what: &str,
     budget: Duration,
     link: &SharedLink,
+    call: F,
+) -> Result<T, AgentError>
+where
+    F: FnMut(Link) -> Fut,
+    Fut: Future<Output = Result<T, ClientError>>,
+{
+    link_retries(what, budget, link, false, call).await
+}
+
+/// [`with_link_retries`] for the session's own loop (polls, the task stream): an outage is
+/// [`AgentError::ServerLost`] when the link names several servers (see
+/// [`with_retries_or_fail_over`]).
+pub(crate) async fn with_link_retries_or_fail_over<T, F, Fut>(
+    what: &str,
+    budget: Duration,
+    link: &SharedLink,
+    call: F,
+) -> Result<T, AgentError>
+where
+    F: FnMut(Link) -> Fut,
+    Fut: Future<Output = Result<T, ClientError>>,
+{
+    link_retries(what, budget, link, link.fails_over(), call).await
+}
+
+async fn link_retries<T, F, Fut>(
+    what: &str,
+    budget: Duration,
+    link: &SharedLink,
+    fail_over: bool,
     mut call: F,
 ) -> Result<T, AgentError>
 where
@@ -133,7 +186,7 @@ where
 {
     loop {
         let mut used = link.current();
-        let result = with_retries(what, budget, || {
+        let result = with_retries_or_fail_over(what, budget, fail_over, || {
             used = link.current();
             call(used.clone())
         })
@@ -172,7 +225,7 @@ mod tests {
     fn exit(f: Failure) -> Option<i32> {
         match f {
             Failure::Stop(e) => Some(e.exit_code()),
-            Failure::Retry(..) => None,
+            Failure::Retry(..) | Failure::Outage(..) => None,
         }
     }
 
@@ -219,6 +272,8 @@ mod tests {
             )
             .unwrap(),
             key: std::sync::Arc::new(berth_crypto::AgentKey::generate().unwrap()),
+            opener: std::sync::Arc::new(berth_crypto::hpke::RecipientKey::generate().unwrap()),
+            at: 0,
         }
     }
 
@@ -295,5 +350,26 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, AgentError::Temporary(_)), "{err}");
         assert_eq!(err.exit_code(), 75);
+
+        // With several servers the session's loops do not wait the outage out: they report it
+        // at once, and `run` moves to the next server. A 5xx is an outage too; a refusal is not.
+        let err = with_retries_or_fail_over("probe", Duration::from_secs(600), true, || {
+            client.send(&request)
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, AgentError::ServerLost(_)), "{err}");
+        let err = with_retries_or_fail_over("probe", Duration::from_secs(600), true, || async {
+            Err::<(), _>(api(503, codes::UNAVAILABLE))
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, AgentError::ServerLost(_)), "{err}");
+        let err = with_retries_or_fail_over("probe", Duration::from_secs(600), true, || async {
+            Err::<(), _>(api(409, codes::FENCED))
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, AgentError::Fenced(_)), "{err}");
     }
 }

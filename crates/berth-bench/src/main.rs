@@ -8,6 +8,8 @@
 mod checkins;
 mod events;
 mod fleet;
+mod retention;
+mod seal;
 mod stats;
 mod tasks;
 mod ui;
@@ -55,6 +57,12 @@ enum Command {
     Tasks(tasks::TasksArgs),
     /// Result-signature verification per second on one thread (JCS + ECDSA P-256).
     Verify(tasks::VerifyArgs),
+    /// HPKE sealing per task on one thread: an assignment's payload and credentials sealed and
+    /// opened, its result log sealed and opened (medians, against a task's end-to-end time).
+    Seal(seal::SealArgs),
+    /// Retention on the store's clock: simulated days of a fleet's tasks, each followed by the
+    /// retention prune, and the SQLite file's size after each day.
+    RetentionSim(retention::RetentionArgs),
     /// Event delivery over SSE: N clients follow `/api/v1/events` while tasks are created at
     /// a steady rate; latency from commit to each client, against a baseline of fewer clients.
     Events(events::EventsArgs),
@@ -135,6 +143,8 @@ fn main() -> anyhow::Result<()> {
             Command::Throughput(args) => throughput(args).await,
             Command::Tasks(args) => tasks::tasks(args).await,
             Command::Verify(args) => tasks::verify(&args),
+            Command::Seal(args) => seal::seal(&args),
+            Command::RetentionSim(args) => retention::retention(args).await,
             Command::Events(args) => events::events(args).await,
             Command::Checkins(args) => checkins::checkins(args).await,
             Command::Ui(args) => ui::ui(args).await,

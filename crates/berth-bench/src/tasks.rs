@@ -1,7 +1,8 @@
 //! `berth-bench tasks`: task transport end to end. Simulated agents (registered like
 //! `berth-agent --register`, each with its own P-256 key and mTLS connection) acquire a session
-//! and long-poll; on an assignment they at once sign a success envelope (JCS without
-//! `signature`, ECDSA P-256, base64) and submit it with `X-Berth-Generation`. A creator loop
+//! and long-poll; on an assignment they open its sealed payload with their key, then at once
+//! sign a success envelope (its empty logs sealed to the server's key, JCS without `signature`,
+//! ECDSA P-256, base64) and submit it with `X-Berth-Generation`. A creator loop
 //! makes `inspect` tasks through the admin API, round-robin over the agents.
 //!
 //! `berth-bench verify`: result-signature verification per second on one thread: the server's
@@ -18,13 +19,14 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use base64::Engine;
 use berth_client::Client;
+use berth_crypto::hpke::{RecipientKey, RecipientPublicKey};
 use berth_crypto::{AgentKey, ResultVerifier};
 use berth_proto::kind::capability;
 use berth_proto::result::TaskResult;
 use berth_proto::task::{CreateTask, TaskState};
 use berth_proto::transport::{
     self, AcquireSession, AgentTaskAssignment, AgentTaskPollRequest, AgentTaskResultEnvelope,
-    SubmitResult, CONTRACT_VERSION, GENERATION_HEADER,
+    SealedAssignment, SealedBox, SubmitResult, CONTRACT_VERSION, GENERATION_HEADER, LOGS_SEAL_INFO,
 };
 use berth_proto::{AgentId, TaskId};
 use clap::Args;
@@ -78,6 +80,10 @@ pub(crate) struct Worker {
     pub id: AgentId,
     pub client: Client,
     pub key: Arc<AgentKey>,
+    /// `key` as an HPKE recipient: opens the sealed assignments.
+    pub opener: Arc<RecipientKey>,
+    /// The server's sealing key from the session answer: results' logs are sealed to it.
+    pub server_key: RecipientPublicKey,
     pub generation: i64,
 }
 
@@ -222,12 +228,18 @@ pub(crate) async fn sessions(
                 })
                 .await
                 .with_context(|| format!("acquiring the session of agent {id}"))?;
+            let opener = Arc::new(RecipientKey::from_pkcs8_pem(&key.to_pem())?);
+            let server_key = RecipientPublicKey::from_sec1(
+                &base64::engine::general_purpose::STANDARD.decode(&session.sealing_key)?,
+            )?;
             anyhow::Ok((
                 i,
                 Worker {
                     id,
                     client,
                     key,
+                    opener,
+                    server_key,
                     generation: session.generation,
                 },
             ))
@@ -282,6 +294,11 @@ async fn task_agent(
         };
         let assigned = Instant::now();
         log.assigned.push((assignment.task_id, assigned));
+        // As berth-agent does before it runs anything: the payload opens with this key.
+        if let Err(e) = open_assignment(&w.opener, &assignment) {
+            log.errors.push(format!("open: {}", short(e)));
+            continue;
+        }
         let envelope = match signed_envelope(&w, &assignment, assigned.elapsed()) {
             Ok(e) => e,
             Err(e) => {
@@ -327,8 +344,27 @@ fn inspected(task_id: TaskId, at: OffsetDateTime) -> TaskResult {
         error_type: None,
         retriable: false,
         logs: String::new(),
+        sealed_logs: None,
         metrics: Default::default(),
     }
+}
+
+/// The payload and credentials of `a`, opened as berth-agent opens them.
+pub(crate) fn open_assignment(
+    key: &RecipientKey,
+    a: &AgentTaskAssignment,
+) -> anyhow::Result<SealedAssignment> {
+    berth_client::sealing::open_assignment(a, key).map_err(anyhow::Error::msg)
+}
+
+/// `text` sealed to `to` under `info` for the assignment `aad`, in its wire form.
+pub(crate) fn seal_box(
+    to: &RecipientPublicKey,
+    info: &[u8],
+    aad: berth_proto::AssignmentId,
+    text: &[u8],
+) -> anyhow::Result<SealedBox> {
+    berth_client::sealing::seal_box(to, info, aad, text).map_err(anyhow::Error::msg)
 }
 
 /// A success envelope for `assignment`, signed with the agent's key like berth-agent does.
@@ -345,7 +381,15 @@ fn signed_envelope(
         assignment_id: Some(assignment.assignment_id),
         success: true,
         message: Some("inspected".into()),
-        result_data: Some(serde_json::to_string(&inspected(assignment.task_id, now))?),
+        result_data: Some(serde_json::to_string(&TaskResult {
+            sealed_logs: Some(seal_box(
+                &w.server_key,
+                LOGS_SEAL_INFO,
+                assignment.assignment_id,
+                b"",
+            )?),
+            ..inspected(assignment.task_id, now)
+        })?),
         duration: transport::format_timespan(took),
         completed_at: now,
         signature_algorithm: transport::ALG_ECDSA_SHA256.into(),

@@ -71,7 +71,9 @@ pub async fn run(
     }
     let agent_task = tokio::spawn(berth_agent::run(
         AgentConfig {
-            server: Some(url.clone()),
+            servers: vec![url.clone()],
+            // Ctrl-C on a laptop should not wait minutes for a task.
+            shutdown_grace: Duration::from_secs(10),
             ..AgentConfig::new(agent_dir)
         },
         stopped(stop_rx),

@@ -2,17 +2,43 @@
 
 use std::collections::BTreeMap;
 
+/// How the binaries write their log (`--log-format`, `log_format` in the config file).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One line per event, for people; coloured only at a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line (`timestamp`, `level`, `target`, `fields`, `spans`), for log
+    /// shippers.
+    Json,
+}
+
 /// Logs to stderr; `RUST_LOG` overrides the default `info`.
-pub fn init_logging() {
+pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colours only for a person at a terminal: a log file or journald gets plain text, and the
-    // escape codes cost every line on a busy server.
-    let _ = tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        // Colours only for a person at a terminal: a log file or journald gets plain text,
+        // and the escape codes cost every line on a busy server.
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init(),
+        LogFormat::Json => logs.json().with_span_list(true).try_init(),
+    };
 }
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
@@ -70,17 +96,24 @@ pub fn default_agent_name() -> String {
     }
 }
 
+pub mod agent_config;
 pub mod agents;
 pub mod audit;
+#[cfg(feature = "server")]
+pub mod backup;
 pub mod bundle;
+pub mod config;
 pub mod deploy;
 pub mod desired;
+#[cfg(feature = "server")]
 pub mod dev;
 pub mod docs;
 pub mod notify;
 pub mod output;
 pub mod readiness;
 pub mod secret;
+#[cfg(feature = "server")]
+pub mod server_config;
 pub mod ssh_target;
 
 /// `90`, `90s`, `30m`, `1h`, `7d`.

@@ -25,14 +25,6 @@ use serde_json::{json, Value};
 
 const TICK: Duration = Duration::from_secs(240);
 
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
-}
-
 /// A bundle of one `web` service whose page is the secret `GREETING`, read from OpenBao.
 fn bundle(root: &Path, env: &str, image: &str, port: u16, secret_path: &str) -> std::path::PathBuf {
     let dir = root.join(format!("bundle-{env}"));
@@ -129,44 +121,8 @@ fn seed_client_and_bearer_agent_against_real_openbao() {
         return;
     };
     let root = tempdir();
-    let data = root.path().join("server");
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-
-    // OpenBao fetches the JWKS when its JWT mount is configured: a first server serves it,
-    // then the server starts again on the same data dir and port knowing the mounts.
-    let first = Server::start_at(&data, &listen, &[], None);
-    let ca_pem = std::fs::read_to_string(data.join("ca.crt")).unwrap();
-    let mounts = block_on(SeedMounts::configure(
-        &bao,
-        &format!("{}/.well-known/agent-jwks.json", first.url),
-        Some(&ca_pem),
-    ));
-    drop(first);
-    let token_file = root.path().join("bao-server.token");
-    berth_fs::write_atomic(
-        &token_file,
-        block_on(mounts.server_token()).as_bytes(),
-        0o600,
-    )
-    .unwrap();
-    let server = Server::start_at(
-        &data,
-        &listen,
-        &[
-            "--openbao-addr",
-            &bao.addr,
-            "--openbao-kv-mount",
-            &mounts.kv_mount,
-            "--openbao-auth-mount",
-            &mounts.auth_mount,
-            "--openbao-role",
-            &mounts.role,
-            "--openbao-token-file",
-            token_file.to_str().unwrap(),
-        ],
-        None,
-    );
+    let (server, mounts) = Server::start_with_openbao(root.path(), &bao, &[]);
+    let data = server.data_dir.clone();
 
     let prefix = fixtures::unique("e2e");
     let (a, b) = (format!("{prefix}-a"), format!("{prefix}-b"));

@@ -265,6 +265,7 @@ fn server_restart_keeps_ca_admin_token_and_agent_identity() {
         "server.key",
         "jwt.key",
         "master.key",
+        "sealing.key",
         "admin.token",
     ] {
         assert_eq!(mode(&data.join(secret)), 0o600, "{secret} mode");

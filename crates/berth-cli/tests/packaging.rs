@@ -222,3 +222,73 @@ fn agent_flags_still_parse_as_before() {
     assert_eq!(version.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&version.stdout).starts_with("berth-agent "));
 }
+
+/// The server's unit does not restart on a configuration error either (exit 78).
+#[test]
+fn the_server_unit_does_not_restart_on_a_configuration_error() {
+    let no_restart = directive("berth.service", "RestartPreventExitStatus");
+    let codes: Vec<&str> = no_restart[0].split_whitespace().collect();
+    let config = berth_cli::config::EXIT_CONFIG.to_string();
+    assert!(codes.contains(&config.as_str()), "{codes:?}");
+}
+
+/// The example config files the packages ship (`packaging/config/`, commented out) name every
+/// setting; uncommented, each parses, and a value that is a default is the default.
+#[test]
+fn the_shipped_config_files_name_every_setting_and_parse() {
+    use berth_cli::agent_config::AgentSettings;
+    use berth_cli::server_config::ServerSettings;
+    use clap::Args;
+
+    fn check<T: Args + serde::Serialize + serde::de::DeserializeOwned>(
+        name: &str,
+        defaults: &T,
+        not_defaults: &[&str],
+        program: &str,
+        program_args: &[&str],
+    ) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../packaging/config")
+            .join(name);
+        let text = std::fs::read_to_string(&path).unwrap();
+        // As shipped (all commented out) the binary reads it.
+        let mut args = program_args.to_vec();
+        let path_text = path.display().to_string();
+        args.extend(["--print-config", "--config", &path_text]);
+        let out = run(program, &args);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let uncommented: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix('#'))
+            .filter(|l| l.split_once(" = ").is_some_and(|(k, _)| !k.contains(' ')))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let table: toml::Table = toml::from_str(&uncommented).unwrap();
+        berth_cli::config::parse::<T>(&uncommented, &path).unwrap();
+        let keys: Vec<String> = T::augment_args(clap::Command::new("x"))
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .collect();
+        for key in &keys {
+            assert!(table.contains_key(key), "{name} does not show {key}");
+        }
+        let defaults: toml::Table = toml::from_str(&toml::to_string(defaults).unwrap()).unwrap();
+        for (key, value) in &defaults {
+            if !not_defaults.contains(&key.as_str()) {
+                assert_eq!(table.get(key), Some(value), "{name}: the default of {key}");
+            }
+        }
+    }
+    check(
+        "server.toml",
+        &ServerSettings::defaults(),
+        &["data_dir", "listen"],
+        BERTH,
+        &["server"],
+    );
+    check("agent.toml", &AgentSettings::defaults(), &[], AGENT, &[]);
+}

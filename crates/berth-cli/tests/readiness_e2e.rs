@@ -8,6 +8,9 @@
 //! registry stopped, the agent stopped (and a deployment is refused `ENV_NOT_READY`), a
 //! digest missing from the registry. A verify while the agent is suspended (SIGSTOP: its
 //! probe cannot run) stays open until the agent runs again.
+//!
+//! A second scenario runs against the real OpenBao: the agent resolves the environment's
+//! OpenBao-backed secrets, and a secret deleted there is named.
 
 #![cfg(unix)]
 
@@ -18,6 +21,7 @@ use std::time::Duration;
 
 use berth_test_utils::docker::{self as fixtures, make_image, Cleanup, Variant};
 use berth_test_utils::free_port;
+use berth_test_utils::openbao::OpenBaoEnv;
 use common::*;
 use serde_json::{json, Value};
 
@@ -142,6 +146,47 @@ fn readiness(server: &Server, env: &str) -> Value {
     server.cli(&["env", "readiness", env])
 }
 
+/// Builds a desired bundle of one service whose `GREETING` is the manifest's one secret
+/// (`vault_mode`, `path`), pushes it to `env` and makes it the desired state.
+fn desire(server: &Server, root: &Path, env: &str, image: &str, vault_mode: &str, path: &str) {
+    let dir = root.join(format!("bundle-{env}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("docker-compose.yml"),
+        format!(
+            "services:\n  web:\n    image: {image}\n    environment:\n      GREETING: \"${{GREETING}}\"\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("secrets.manifest.json"),
+        json!({"vault_mode": vault_mode, "entries": [
+            {"var": "GREETING", "path": path, "kind": "supplied", "version": null}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("bundle.json"),
+        json!({"env_id": env, "tier": "qa", "renderer": "compose"}).to_string(),
+    )
+    .unwrap();
+    let file = root.join(format!("bundle-{env}.tar"));
+    let (code, sha, err) = server.run_with_input(
+        &[
+            "bundle",
+            "build",
+            dir.to_str().unwrap(),
+            "--out",
+            file.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "bundle build: {err}");
+    server.cli(&["bundle", "push", file.to_str().unwrap(), "--env", env]);
+    server.cli(&["env", "set-desired", env, sha.trim()]);
+}
+
 #[test]
 fn verify_names_each_cause_of_unreadiness() {
     let Some(_fixtures) = fixtures::env("verify_names_each_cause_of_unreadiness") else {
@@ -240,49 +285,19 @@ fn verify_names_each_cause_of_unreadiness() {
     assert_eq!(code, 0, "deploy r1: {err}");
 
     // A desired bundle whose manifest names a builtin secret that exists.
-    let dir = tmp.path().join("bundle");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("docker-compose.yml"),
-        format!(
-            "services:\n  web:\n    image: {}\n    environment:\n      GREETING: \"${{GREETING}}\"\n",
-            image.reference()
-        ),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.join("secrets.manifest.json"),
-        json!({"vault_mode": "builtin", "entries": [
-            {"var": "GREETING", "path": "berth/rdy/see/greeting", "kind": "supplied", "version": null}
-        ]})
-        .to_string(),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.join("bundle.json"),
-        json!({"env_id": "rdy", "tier": "qa", "renderer": "compose"}).to_string(),
-    )
-    .unwrap();
-    let file = tmp.path().join("bundle.tar");
-    let (code, sha, err) = server.run_with_input(
-        &[
-            "bundle",
-            "build",
-            dir.to_str().unwrap(),
-            "--out",
-            file.to_str().unwrap(),
-        ],
-        None,
-    );
-    assert_eq!(code, 0, "bundle build: {err}");
-    let sha = sha.trim().to_string();
-    server.cli(&["bundle", "push", file.to_str().unwrap(), "--env", "rdy"]);
     let (code, _, err) = server.run_with_input(
         &["secret", "put", "rdy/see/greeting", "--from-file", "-"],
         Some("hello"),
     );
     assert_eq!(code, 0, "secret put: {err}");
-    server.cli(&["env", "set-desired", "rdy", &sha]);
+    desire(
+        &server,
+        tmp.path(),
+        "rdy",
+        &image.reference(),
+        "builtin",
+        "berth/rdy/see/greeting",
+    );
 
     // Ready: every condition True, each with its own evidence.
     let out = verify_ready(&server, "rdy");
@@ -413,5 +428,85 @@ fn verify_names_each_cause_of_unreadiness() {
     verify_names(&server, "rdy", "Configured", "DIGEST_NOT_FOUND", &digest);
 
     restarted.terminate();
+    drop(cleanup);
+}
+
+/// `SecretsResolvable` for OpenBao-backed secrets: the pass's probe logs in to the real OpenBao
+/// with a grant minted for it and reads each manifest entry on the agent; the server hears only
+/// which did not resolve. A secret deleted in OpenBao is named, and no value reaches the server.
+#[test]
+fn an_agent_resolves_the_openbao_secrets() {
+    let test = "an_agent_resolves_the_openbao_secrets";
+    let Some(bao) = block_on(OpenBaoEnv::from_env(test)) else {
+        return;
+    };
+    let Some(fixtures) = fixtures::env(test) else {
+        return;
+    };
+    let cleanup = Cleanup::new(&fixtures::unique("berth-ready-bao"));
+    let tmp = tempdir();
+    let (server, mounts) =
+        Server::start_with_openbao(tmp.path(), &bao, &["--heartbeat-interval-secs", "3"]);
+    let image = make_image(
+        &fixtures.registry,
+        &cleanup.prefix,
+        "web",
+        Variant::Healthy,
+        "bao",
+        None,
+    );
+    let env = format!("{}-env", fixtures::unique("rdy"));
+    let mut agent = Agent::spawn_registered(&server, tmp.path(), "bao-probe", &[], |dir, args| {
+        let mut cmd = command(BERTH_AGENT);
+        cmd.arg("--state-dir").arg(dir).args(args);
+        cmd
+    });
+    server.cli(&["agents", "label", &agent.id, &format!("env={env}")]);
+    server.wait_agent(&agent.id, "online", |a| a["status"] == "online");
+    server.cli(&[
+        "env",
+        "create",
+        &env,
+        "--tier",
+        "qa",
+        "--selector",
+        &format!("env={env}"),
+    ]);
+    let value = format!("bao-{}", uuid::Uuid::new_v4().simple());
+    block_on(mounts.put_secret(&env, "greeting", &value));
+    let path = mounts.manifest_path(&env, "greeting");
+    desire(
+        &server,
+        tmp.path(),
+        &env,
+        &image.reference(),
+        "openbao",
+        &path,
+    );
+
+    let out = verify_ready(&server, &env);
+    assert!(
+        line(&out, "SecretsResolvable").contains("1 secret(s) resolve at OpenBao from bao-probe"),
+        "{out}"
+    );
+
+    // Deleted in OpenBao (every version): named, never its value.
+    block_on(bao.must(
+        "DELETE",
+        &format!("{}/metadata/{env}/see/greeting", mounts.kv_mount),
+        None,
+    ));
+    verify_names(
+        &server,
+        &env,
+        "SecretsResolvable",
+        "SECRET_NOT_FOUND",
+        &path,
+    );
+    let r = readiness(&server, &env);
+    assert!(!r.to_string().contains(&value), "{r}");
+
+    agent.proc.terminate();
+    block_on(mounts.teardown());
     drop(cleanup);
 }

@@ -20,7 +20,9 @@ use berth_client::{Client, ClientError};
 use berth_proto::event::{EventQuery, EventView, TASK_STATE};
 use berth_proto::task::{CreateTask, GetTask, ListTasks, TaskView};
 use berth_proto::transport::{
-    AcquireSession, AgentTaskPollRequest, CONTRACT_VERSION, GENERATION_HEADER,
+    AcquireSession, AgentTaskAssignment, AgentTaskPollRequest, AgentTaskResultEnvelope,
+    SealedAssignment, SealedBox, SubmitResult, ALG_ECDSA_SHA256, CONTRACT_VERSION,
+    GENERATION_HEADER, LOGS_SEAL_INFO,
 };
 use berth_proto::{AgentId, TaskId};
 use berth_test_utils::postgres::{self, TestDatabase};
@@ -295,7 +297,9 @@ const CREATORS: usize = 16;
 
 fn retriable(e: &ClientError) -> bool {
     match e {
-        ClientError::Transport { .. } | ClientError::Decode(_) => true,
+        ClientError::Transport { .. } | ClientError::Connect { .. } | ClientError::Decode(_) => {
+            true
+        }
         ClientError::Api { status, .. } => *status >= 500,
         ClientError::Config(_) => false,
     }
@@ -1122,7 +1126,151 @@ fn cancelling_a_running_command_stops_it() {
     assert!(took < Duration::from_secs(20), "cancellation took {took:?}");
     wait_sleep_gone(&agent);
     agent.proc.assert_running();
+    assert_transport(&mut agent);
     println!("cancel: task cancelled {took:?} after `berth task cancel`");
+}
+
+/// SIGTERM: the agent takes no new work, keeps its session (heartbeats) while the running task
+/// finishes, then releases the session; a successor takes the queued task at once.
+#[test]
+fn sigterm_lets_a_running_task_finish_then_releases_the_session() {
+    let tmp = tempdir();
+    let sleep = program(&["/bin/sleep", "/usr/bin/sleep"]);
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let grace = [
+        "--allow-command",
+        sleep.as_str(),
+        "--shutdown-grace-secs",
+        "60",
+    ];
+    let mut agent = Agent::register(&server, tmp.path(), "graceful-1", &grace);
+    let running = server.create_task(
+        &agent.id,
+        "execute-command",
+        &json!({"command": [sleep, "6"]}),
+        Some(120),
+    );
+    let running = id_of(&running);
+    server.wait_task_state(&running, TASK, "leased");
+    wait_sleep_running(&agent);
+
+    agent.proc.signal(libc::SIGTERM);
+    let stopping = Instant::now();
+    let queued = server.create_task(
+        &agent.id,
+        "execute-command",
+        &json!({"command": [sleep, "0"]}),
+        Some(120),
+    );
+    let queued = id_of(&queued);
+    // Past three heartbeat intervals the session would have lapsed without heartbeats.
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(stopping.elapsed()));
+    assert!(
+        !live_children(agent.proc.pid(), "sleep").is_empty(),
+        "the running task was not given its grace"
+    );
+    let seen = server.wait_agent(&agent.id, "online", |a| a["status"].is_string());
+    assert_eq!(seen["status"], "online", "heartbeats stopped: {seen}");
+
+    assert_eq!(agent.proc.wait_code(Duration::from_secs(60)), 0);
+    let done = server.task(&running);
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(
+        server.task(&queued)["state"],
+        "pending",
+        "a stopping agent took new work"
+    );
+    let log = agent.proc.stderr();
+    assert!(log.contains("waiting for running tasks"), "{log}");
+    assert!(log.contains("session released"), "{log}");
+
+    // The released session is taken at once, not after its lease runs out.
+    let mut successor = Agent::restart(
+        &server.url,
+        &agent.state_dir,
+        &agent.sticker_dir,
+        "graceful-1",
+        &grace,
+    );
+    let took = Instant::now();
+    server.wait_task(&queued, TASK, "succeeded", |t| t["state"] == "succeeded");
+    println!(
+        "graceful stop: successor ran the queued task {:?} after it started",
+        took.elapsed()
+    );
+    assert!(
+        !successor.stderr().contains("SESSION_HELD"),
+        "{}",
+        successor.stderr()
+    );
+    assert_eq!(successor.terminate(), 0);
+}
+
+/// SIGTERM with a task that outlives the grace: it is interrupted, reports `AGENT_STOPPED`
+/// (not an operator's cancel), and the agent exits 0 soon after the grace.
+#[test]
+fn sigterm_past_the_grace_interrupts_the_task_and_reports_it() {
+    let tmp = tempdir();
+    let sleep = program(&["/bin/sleep", "/usr/bin/sleep"]);
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let mut agent = Agent::register(
+        &server,
+        tmp.path(),
+        "graceful-2",
+        &["--allow-command", &sleep, "--shutdown-grace-secs", "2"],
+    );
+    let task = server.create_task(
+        &agent.id,
+        "execute-command",
+        &json!({"command": [sleep, "60"]}),
+        Some(120),
+    );
+    let id = id_of(&task);
+    server.wait_task_state(&id, TASK, "leased");
+    wait_sleep_running(&agent);
+
+    let stopping = Instant::now();
+    agent.proc.signal(libc::SIGTERM);
+    assert_eq!(agent.proc.wait_code(Duration::from_secs(40)), 0);
+    let took = stopping.elapsed();
+    assert!(
+        took >= Duration::from_secs(2),
+        "the grace was not given: {took:?}"
+    );
+    let done = server.wait_task(&id, TASK, "finished", |t| {
+        !matches!(t["state"].as_str(), Some("pending" | "leased"))
+    });
+    assert_eq!(done["state"], "failed", "{done}");
+    assert_eq!(done["errorCode"], "AGENT_STOPPED", "{done}");
+    let log = agent.proc.stderr();
+    assert!(log.contains("interrupted running tasks"), "{log}");
+    assert!(
+        log.contains(&id),
+        "the interrupted task is not named: {log}"
+    );
+    assert!(log.contains("session released"), "{log}");
+    println!("graceful stop: interrupted after the 2 s grace, exited {took:?} after SIGTERM");
+}
+
+/// The agent took its work, and this cancellation, over the transport this run names
+/// (`BERTH_E2E_TASK_TRANSPORT`; unset: auto, which takes the stream berth offers).
+fn assert_transport(agent: &mut Agent) {
+    let log = agent.proc.stderr();
+    let streamed = log.contains("task stream open");
+    let fell_back = log.contains("long-polling");
+    match std::env::var("BERTH_E2E_TASK_TRANSPORT").as_deref() {
+        Ok("poll") => assert!(!streamed, "a polling agent opened the stream:\n{log}"),
+        _ => assert!(
+            streamed && !fell_back,
+            "the agent did not use the stream:\n{log}"
+        ),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1164,16 +1312,17 @@ fn api_wait_succeeded(rt: &tokio::runtime::Runtime, api: &Client, id: TaskId) ->
 
 /// Two `berth server` replicas on one database (`args` name it). Replicas share nothing but
 /// the database — and the key material, which is not in the database: the CA (agents pin it,
-/// and each replica issues its server certificate from it), the JWT key and the master key
-/// (credentials sealed by one replica are opened by another). So replica 2's data dir starts as
-/// a copy of those four files of replica 1's.
+/// and each replica issues its server certificate from it), the JWT key, the master key
+/// (credentials sealed by one replica are opened by another) and the sealing key (logs sealed
+/// to the key one replica's session answer named are opened by another). So replica 2's data
+/// dir starts as a copy of those five files of replica 1's.
 fn two_replicas(root: &Path, args: &[&str]) -> (Server, Server) {
     let dir_1 = root.join("replica-1");
     let dir_2 = root.join("replica-2");
     let replica_1 = Server::start(&dir_1, args);
     std::fs::create_dir(&dir_2).unwrap();
     std::fs::set_permissions(&dir_2, std::fs::Permissions::from_mode(0o700)).unwrap();
-    for file in ["ca.crt", "ca.key", "jwt.key", "master.key"] {
+    for file in ["ca.crt", "ca.key", "jwt.key", "master.key", "sealing.key"] {
         std::fs::copy(dir_1.join(file), dir_2.join(file)).unwrap();
     }
     let replica_2 = Server::start_at(&dir_2, "127.0.0.1:0", args, Some(&replica_1.admin_token));
@@ -1567,4 +1716,262 @@ fn two_replicas_on_postgres_stream_every_event_once_across_reconnects() {
         seen.iter().filter(|e| e.kind == TASK_STATE).count(),
         2 * 4 * 15 + 1
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sealed assignments and logs (issue 17)
+// ---------------------------------------------------------------------------------------------
+
+/// A poll whose answer is kept as the JSON that came over the wire: a typed answer would drop a
+/// field it does not know, and a clear payload could hide there.
+#[derive(Debug, serde::Serialize)]
+#[serde(transparent)]
+struct RawPoll(AgentTaskPollRequest);
+
+impl berth_proto::Request for RawPoll {
+    type Response = Value;
+    const METHOD: berth_proto::Method = berth_proto::Method::Post;
+    fn path(&self) -> String {
+        berth_proto::Request::path(&self.0)
+    }
+}
+
+/// The P-256 key in an agent state dir's `agent.pem`, as an HPKE recipient.
+fn agent_opener(state_dir: &Path) -> berth_crypto::hpke::RecipientKey {
+    let pem = std::fs::read_to_string(state_dir.join("agent.pem")).expect("agent.pem");
+    berth_crypto::hpke::RecipientKey::from_pkcs8_pem(&pem).expect("agent key")
+}
+
+/// Opens `a`'s sealed payload and credentials with `key`, as berth-agent does.
+fn open_sealed(
+    key: &berth_crypto::hpke::RecipientKey,
+    a: &AgentTaskAssignment,
+) -> Result<SealedAssignment, String> {
+    berth_client::sealing::open_assignment(a, key)
+}
+
+/// The payload and credentials cross the wire only sealed to the agent's certificate key: a
+/// raw mTLS poll as the agent sees no clear text, only that agent's key opens the box, and a box
+/// moved into another assignment or changed in one byte opens for nobody. Result logs go the
+/// other way, sealed to the server's key from the session answer; a box that does not open is
+/// refused with its own code and changes nothing. A real berth-agent still runs a task end to
+/// end.
+#[test]
+fn assignments_and_logs_travel_sealed_end_to_end() {
+    use base64::Engine;
+    use berth_crypto::hpke;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let tmp = tempdir();
+    let server = Server::start(
+        &tmp.path().join("data"),
+        &["--heartbeat-interval-secs", "1"],
+    );
+    let echo = program(&["/bin/echo", "/usr/bin/echo"]);
+    let runner = Agent::register(
+        &server,
+        tmp.path(),
+        "sealed-runner",
+        &["--allow-command", &echo],
+    );
+    let mut raw = Agent::register(&server, tmp.path(), "sealed-raw", &[]);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = server.api();
+    let create = |agent: &str, payload: Value, credentials: &[(&str, &str)]| {
+        let request: CreateTask = serde_json::from_value(json!({
+            "agentId": agent,
+            "type": "execute-command",
+            "payload": payload,
+            "credentials": credentials.iter().cloned().collect::<BTreeMap<_, _>>(),
+        }))
+        .expect("create request");
+        rt.block_on(api.send(&request)).expect("create").id
+    };
+
+    // (1) A real agent opens its assignment, runs it, and seals its logs to the server.
+    let ran = create(
+        &runner.id,
+        json!({"command": [echo, "sealed-marker-1"]}),
+        &[("token", "s3cr3t-credential-1")],
+    );
+    let done = server.wait_task_state(&ran.to_string(), TASK, "succeeded");
+    assert_eq!(
+        done["result"]["outputs"]["stdout"], "sealed-marker-1\n",
+        "{done}"
+    );
+    assert!(done["result"]["logs"].is_string(), "{done}");
+    assert!(
+        done["result"].get("sealedLogs").is_none(),
+        "recorded opened: {done}"
+    );
+
+    // (2) The same wire as the raw agent's identity, driven by hand once its process is gone.
+    wait_generation(&mut raw.proc, 1);
+    raw.proc.kill9();
+    let as_raw = agent_client(&server, &raw.state_dir);
+    let raw_id = AgentId(raw.id.parse().unwrap());
+    let session = wait_for(TASK, "the raw agent's session", || {
+        rt.block_on(as_raw.send(&AcquireSession {
+            agent_id: raw_id,
+            instance_id: "sealed-raw-by-hand".into(),
+            boot_id: None,
+            lock: None,
+        }))
+        .map_err(|e| e.to_string())
+    });
+    let server_key = hpke::RecipientKey::from_pkcs8_pem(
+        &std::fs::read_to_string(server.data_dir.join("sealing.key")).expect("sealing.key"),
+    )
+    .expect("the server's sealing key");
+    assert_eq!(
+        session.sealing_key,
+        b64.encode(server_key.public_key().as_bytes()),
+        "the session answer names the data dir's sealing key"
+    );
+    let header = session.generation.to_string();
+    let poll = || -> Value {
+        rt.block_on(as_raw.send_with(
+            &RawPoll(AgentTaskPollRequest {
+                contract_version: CONTRACT_VERSION.into(),
+                agent_id: raw_id,
+                capabilities: vec![],
+                start_handshake: false,
+            }),
+            &[(GENERATION_HEADER, &header)],
+            None,
+        ))
+        .expect("poll")
+    };
+    let first = create(
+        &raw.id,
+        json!({"command": [echo, "sealed-marker-2"]}),
+        &[("token", "s3cr3t-credential-2")],
+    );
+    let wire = poll();
+    let text = wire.to_string();
+    assert!(
+        !text.contains("sealed-marker-2") && !text.contains("s3cr3t-credential-2"),
+        "clear text on the wire: {text}"
+    );
+    let wired = &wire["assignment"];
+    assert_eq!(wired["payload"], "", "{text}");
+    assert_eq!(wired["credentials"], json!({}), "{text}");
+    assert_eq!(wired["sealed"]["alg"], "HPKE-P256-SHA256-A256GCM", "{text}");
+    let a: AgentTaskAssignment = serde_json::from_value(wired.clone()).expect("an assignment");
+    assert_eq!(a.task_id, first);
+
+    let mine = agent_opener(&raw.state_dir);
+    let opened = open_sealed(&mine, &a).expect("the agent's own key opens it");
+    assert!(opened.payload.contains("sealed-marker-2"), "{opened:?}");
+    assert_eq!(opened.credentials["token"], "s3cr3t-credential-2");
+    // Another agent's key does not.
+    assert!(open_sealed(&agent_opener(&runner.state_dir), &a).is_err());
+    // A changed byte does not.
+    let mut tampered = a.clone();
+    let boxed = tampered.sealed.as_mut().unwrap();
+    let mut ct = b64.decode(&boxed.ciphertext).unwrap();
+    ct[0] ^= 1;
+    boxed.ciphertext = b64.encode(ct);
+    assert!(open_sealed(&mine, &tampered).is_err());
+
+    // (3) Logs sealed for another assignment, to another key, or changed are refused with
+    // LOGS_UNSEALABLE, and the task stays leased; sealed right, they are recorded opened.
+    let submit = |logs: SealedBox| {
+        let now = time::OffsetDateTime::now_utc();
+        let result = berth_proto::result::TaskResult {
+            task_id: a.task_id,
+            success: true,
+            started_at: now,
+            completed_at: now,
+            outputs: Default::default(),
+            artifacts: vec![],
+            error: None,
+            error_type: None,
+            retriable: false,
+            logs: String::new(),
+            sealed_logs: Some(logs),
+            metrics: Default::default(),
+        };
+        let mut envelope = AgentTaskResultEnvelope {
+            contract_version: CONTRACT_VERSION.into(),
+            agent_id: raw_id,
+            task_id: a.task_id,
+            assignment_id: Some(a.assignment_id),
+            success: true,
+            message: Some("done".into()),
+            result_data: Some(serde_json::to_string(&result).unwrap()),
+            duration: "00:00:01".into(),
+            completed_at: now,
+            signature_algorithm: ALG_ECDSA_SHA256.into(),
+            signature: None,
+        };
+        let pem = std::fs::read_to_string(raw.state_dir.join("agent.pem")).unwrap();
+        let key = berth_crypto::AgentKey::from_pem(&pem).unwrap();
+        envelope.signature = Some(key.sign_base64(&envelope.signing_input().unwrap()).unwrap());
+        rt.block_on(as_raw.send_with(
+            &SubmitResult::new(envelope),
+            &[(GENERATION_HEADER, &header)],
+            None,
+        ))
+    };
+    let seal_logs = |to: &hpke::RecipientPublicKey, aad: String, text: &str| {
+        let (enc, ciphertext) = hpke::seal(
+            hpke::Aead::Aes256Gcm,
+            to,
+            LOGS_SEAL_INFO,
+            aad.as_bytes(),
+            text.as_bytes(),
+        )
+        .unwrap()
+        .to_base64();
+        SealedBox {
+            alg: "HPKE-P256-SHA256-A256GCM".into(),
+            enc,
+            ciphertext,
+        }
+    };
+    let other_assignment = berth_proto::AssignmentId(uuid::Uuid::new_v4()).to_string();
+    let stranger = hpke::RecipientKey::generate().unwrap();
+    let mut changed = seal_logs(server_key.public_key(), a.assignment_id.to_string(), "log");
+    let mut ct = b64.decode(&changed.ciphertext).unwrap();
+    ct[1] ^= 1;
+    changed.ciphertext = b64.encode(ct);
+    for (what, logs) in [
+        (
+            "another assignment",
+            seal_logs(server_key.public_key(), other_assignment, "log"),
+        ),
+        (
+            "another key",
+            seal_logs(stranger.public_key(), a.assignment_id.to_string(), "log"),
+        ),
+        ("a changed byte", changed),
+    ] {
+        let refused = submit(logs).expect_err(what);
+        assert_eq!(
+            (refused.status(), refused.code()),
+            (Some(422), Some("LOGS_UNSEALABLE")),
+            "{what}: {refused}"
+        );
+    }
+    assert_eq!(server.task(&first.to_string())["state"], "leased");
+    let ack = submit(seal_logs(
+        server_key.public_key(),
+        a.assignment_id.to_string(),
+        "ran by hand",
+    ))
+    .expect("sealed logs for this assignment");
+    assert!(ack.accepted);
+    let recorded = server.task(&first.to_string());
+    assert_eq!(recorded["result"]["logs"], "ran by hand", "{recorded}");
+
+    // (4) A box moved into another assignment opens for nobody, not even the right agent.
+    create(&raw.id, json!({"command": [echo, "sealed-marker-3"]}), &[]);
+    let second: AgentTaskAssignment =
+        serde_json::from_value(poll()["assignment"].clone()).expect("the second assignment");
+    assert!(open_sealed(&mine, &second).is_ok());
+    let replayed = AgentTaskAssignment {
+        sealed: a.sealed.clone(),
+        ..second
+    };
+    assert!(open_sealed(&mine, &replayed).is_err());
 }

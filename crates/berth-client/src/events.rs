@@ -34,16 +34,20 @@ impl Client {
         last_event_id: Option<u64>,
         timeout: Duration,
     ) -> Result<EventStream, ClientError> {
-        let mut builder = self
-            .http
-            .get(format!("{}{}", self.server, query.path()))
-            .header(reqwest::header::ACCEPT, "text/event-stream")
-            .timeout(timeout);
-        if let Some(id) = last_event_id {
-            builder = builder.header(LAST_EVENT_ID_HEADER, id.to_string());
-        }
+        let path = query.path();
+        let build = |server: &str| {
+            let builder = self
+                .http
+                .get(format!("{server}{path}"))
+                .header(reqwest::header::ACCEPT, "text/event-stream")
+                .timeout(timeout);
+            match last_event_id {
+                Some(id) => builder.header(LAST_EVENT_ID_HEADER, id.to_string()),
+                None => builder,
+            }
+        };
         Ok(EventStream {
-            response: self.execute(builder).await?,
+            response: self.execute(build).await?,
             pending: Vec::new(),
             data: None,
         })

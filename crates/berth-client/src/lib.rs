@@ -6,10 +6,14 @@
 
 mod events;
 mod external;
+pub mod sealing;
+mod stream;
 
 pub use events::{EventStream, StreamError};
 pub use external::{external_http_client, webhook_http_client};
+pub use stream::WebSocket;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,6 +76,13 @@ pub enum ClientError {
     },
     #[error("unexpected response from server")]
     Decode(#[source] reqwest::Error),
+    /// A WebSocket could not be opened or broke (retriable, like `Transport`).
+    #[error("cannot reach {server}")]
+    Connect {
+        server: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl ClientError {
@@ -93,10 +104,11 @@ impl ClientError {
     /// Why the TLS handshake failed, when it failed for a certificate reason, read from the typed
     /// `rustls::Error` in the transport error's source chain.
     pub fn tls_failure(&self) -> Option<TlsFailure> {
-        let ClientError::Transport { source, .. } = self else {
-            return None;
+        let mut next: Option<&(dyn std::error::Error + 'static)> = match self {
+            ClientError::Transport { source, .. } => Some(source),
+            ClientError::Connect { source, .. } => Some(source),
+            _ => return None,
         };
-        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source);
         while let Some(e) = next {
             if let Some(tls) = as_rustls(e) {
                 return TlsFailure::of(tls);
@@ -152,13 +164,21 @@ struct PinnedCaMissing(String);
 #[derive(Clone)]
 pub struct Client {
     http: reqwest::Client,
+    /// For a WebSocket's own HTTP/1.1 connection (`stream.rs`).
+    stream_tls: Arc<rustls::ClientConfig>,
     server: String,
+    /// Every server this client may use, `server` first: replicas of one control plane
+    /// ([`Client::with_fallbacks`]).
+    servers: Arc<[String]>,
+    /// Which of `servers` answered last; requests start there.
+    current: Arc<AtomicUsize>,
     bearer: Option<String>,
 }
 
 impl Client {
     pub fn new(config: ClientConfig) -> Result<Client, ClientError> {
         let tls = tls_config(&config.trust, config.identity.as_ref())?;
+        let stream_tls = stream::stream_tls(tls.clone());
         let http = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
             .timeout(config.timeout)
@@ -166,11 +186,32 @@ impl Client {
             .pool_idle_timeout(Duration::from_secs(120))
             .build()
             .map_err(|e| ClientError::Config(format!("http client: {e}")))?;
+        let server = config.server.trim_end_matches('/').to_string();
         Ok(Client {
             http,
-            server: config.server.trim_end_matches('/').to_string(),
+            stream_tls,
+            servers: Arc::from(vec![server.clone()]),
+            server,
+            current: Arc::new(AtomicUsize::new(0)),
             bearer: config.bearer,
         })
+    }
+
+    /// This client with more servers to try, in order, after its own: replicas of one control
+    /// plane (same CA, one database). A request that cannot connect (nothing was sent) or is
+    /// answered 5xx goes to the next server; an answer from any server is final, and later
+    /// requests start at the server that gave it. The task stream's WebSocket uses the first
+    /// server only.
+    pub fn with_fallbacks(mut self, others: impl IntoIterator<Item = String>) -> Client {
+        let mut servers = vec![self.server.clone()];
+        servers.extend(
+            others
+                .into_iter()
+                .map(|s| s.trim_end_matches('/').to_string()),
+        );
+        self.servers = Arc::from(servers);
+        self.current = Arc::new(AtomicUsize::new(0));
+        self
     }
 
     pub fn server(&self) -> &str {
@@ -195,19 +236,22 @@ impl Client {
             Method::Put => reqwest::Method::PUT,
             Method::Delete => reqwest::Method::DELETE,
         };
-        let mut builder = self
-            .http
-            .request(method, format!("{}{}", self.server, request.path()));
-        if request.has_body() {
-            builder = builder.json(request);
-        }
-        for (name, value) in headers {
-            builder = builder.header(*name, *value);
-        }
-        if let Some(timeout) = timeout {
-            builder = builder.timeout(timeout);
-        }
-        let response = self.execute(builder).await?;
+        let path = request.path();
+        let response = self
+            .execute(|server| {
+                let mut builder = self.http.request(method.clone(), format!("{server}{path}"));
+                if request.has_body() {
+                    builder = builder.json(request);
+                }
+                for (name, value) in headers {
+                    builder = builder.header(*name, *value);
+                }
+                if let Some(timeout) = timeout {
+                    builder = builder.timeout(timeout);
+                }
+                builder
+            })
+            .await?;
         response.json().await.map_err(ClientError::Decode)
     }
 
@@ -218,19 +262,21 @@ impl Client {
         content_type: &str,
         body: Vec<u8>,
     ) -> Result<T, ClientError> {
-        let builder = self
-            .http
-            .post(format!("{}{path}", self.server))
-            .header(reqwest::header::CONTENT_TYPE, content_type)
-            .body(body);
-        let response = self.execute(builder).await?;
+        let response = self
+            .execute(|server| {
+                self.http
+                    .post(format!("{server}{path}"))
+                    .header(reqwest::header::CONTENT_TYPE, content_type)
+                    .body(body.clone())
+            })
+            .await?;
         response.json().await.map_err(ClientError::Decode)
     }
 
     /// GET a path and return the body as text (metrics, OpenAPI, JWKS).
     pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
         let response = self
-            .execute(self.http.get(format!("{}{path}", self.server)))
+            .execute(|server| self.http.get(format!("{server}{path}")))
             .await?;
         response.text().await.map_err(ClientError::Decode)
     }
@@ -241,11 +287,15 @@ impl Client {
         path: &str,
         headers: &[(&str, &str)],
     ) -> Result<(reqwest::header::HeaderMap, Vec<u8>), ClientError> {
-        let mut builder = self.http.get(format!("{}{path}", self.server));
-        for (name, value) in headers {
-            builder = builder.header(*name, *value);
-        }
-        let response = self.execute(builder).await?;
+        let response = self
+            .execute(|server| {
+                let mut builder = self.http.get(format!("{server}{path}"));
+                for (name, value) in headers {
+                    builder = builder.header(*name, *value);
+                }
+                builder
+            })
+            .await?;
         let headers = response.headers().clone();
         let body = response.bytes().await.map_err(ClientError::Decode)?;
         Ok((headers, body.to_vec()))
@@ -259,7 +309,7 @@ impl Client {
         limit: u64,
     ) -> Result<Option<Vec<u8>>, ClientError> {
         let mut response = self
-            .execute(self.http.get(format!("{}{path}", self.server)))
+            .execute(|server| self.http.get(format!("{server}{path}")))
             .await?;
         if response.content_length().is_some_and(|n| n > limit) {
             return Ok(None);
@@ -280,11 +330,15 @@ impl Client {
         path: &str,
         headers: &[(&str, &str)],
     ) -> Result<serde_json::Value, ClientError> {
-        let mut builder = self.http.get(format!("{}{path}", self.server));
-        for (name, value) in headers {
-            builder = builder.header(*name, *value);
-        }
-        let response = self.execute(builder).await?;
+        let response = self
+            .execute(|server| {
+                let mut builder = self.http.get(format!("{server}{path}"));
+                for (name, value) in headers {
+                    builder = builder.header(*name, *value);
+                }
+                builder
+            })
+            .await?;
         response.json().await.map_err(ClientError::Decode)
     }
 
@@ -295,25 +349,48 @@ impl Client {
         path: &str,
         body: &B,
     ) -> Result<serde_json::Value, ClientError> {
-        let builder = self.http.post(format!("{}{path}", self.server)).json(body);
-        let response = self.execute(builder).await?;
+        let response = self
+            .execute(|server| self.http.post(format!("{server}{path}")).json(body))
+            .await?;
         response.json().await.map_err(ClientError::Decode)
     }
 
+    /// Sends the request `build` makes for a server, to the server that answered last and, on
+    /// a failed connection or a 5xx, to each next one in turn (see [`Client::with_fallbacks`]).
     async fn execute(
         &self,
-        mut builder: reqwest::RequestBuilder,
+        build: impl Fn(&str) -> reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, ClientError> {
-        if let Some(token) = &self.bearer {
-            builder = builder.bearer_auth(token);
-        }
-        let response = builder
-            .send()
-            .await
-            .map_err(|source| ClientError::Transport {
-                server: self.server.clone(),
-                source,
-            })?;
+        let first = self.current.load(Ordering::Relaxed);
+        let count = self.servers.len();
+        let mut tried = 0;
+        let response = loop {
+            let at = (first + tried) % count;
+            tried += 1;
+            let server = &self.servers[at];
+            let mut builder = build(server);
+            if let Some(token) = &self.bearer {
+                builder = builder.bearer_auth(token);
+            }
+            let more = tried < count;
+            match builder.send().await {
+                // Not connected: the request never left, so the next server may take it.
+                Err(source) if more && source.is_connect() => continue,
+                Err(source) => {
+                    return Err(ClientError::Transport {
+                        server: server.clone(),
+                        source,
+                    })
+                }
+                Ok(response) if more && response.status().is_server_error() => continue,
+                Ok(response) => {
+                    if count > 1 {
+                        self.current.store(at, Ordering::Relaxed);
+                    }
+                    break response;
+                }
+            }
+        };
         let status = response.status();
         if status.is_success() {
             return Ok(response);

@@ -27,6 +27,18 @@ pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(sha256(data))
 }
 
+/// Lowercase hex SHA-256 of everything `reader` yields (a file of any size, read in chunks).
+pub fn sha256_hex_reader(mut reader: impl std::io::Read) -> std::io::Result<String> {
+    let mut context = digest::Context::new(&digest::SHA256);
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        match reader.read(&mut buf)? {
+            0 => return Ok(hex::encode(context.finish().as_ref())),
+            n => context.update(&buf[..n]),
+        }
+    }
+}
+
 /// `sha256:<lowercase hex>` of a DER certificate: the form pinned by agents and stored as the
 /// certificate binding.
 pub fn fingerprint(der: &[u8]) -> String {

@@ -81,6 +81,15 @@ impl JwtSigner {
         })
     }
 
+    pub(crate) fn pkcs8_der(&self) -> &[u8] {
+        &self.pkcs8
+    }
+
+    /// The uncompressed public point, `0x04 || x || y`.
+    pub(crate) fn public_point(&self) -> &[u8] {
+        self.key.public_key().as_ref()
+    }
+
     /// PKCS#8 PEM.
     pub fn to_pem(&self) -> String {
         pem::encode("PRIVATE KEY", &self.pkcs8)
@@ -108,11 +117,22 @@ impl JwtSigner {
     /// Compact JWS with header `{"alg":"ES256","typ":"JWT","kid":…}` over `claims` (a JSON
     /// object). The signature is the fixed 64-byte r||s form JWS requires, not DER.
     pub fn sign(&self, claims: &Value) -> Result<String> {
+        self.sign_with_header(
+            &json!({"alg": "ES256", "typ": "JWT", "kid": self.kid}),
+            claims,
+        )
+    }
+
+    /// The compact JWS of `claims` under `header` (which must say `"alg":"ES256"`), for tokens
+    /// whose verifier names keys its own way (the registry token's libtrust key id).
+    pub(crate) fn sign_with_header(&self, header: &Value, claims: &Value) -> Result<String> {
         if !claims.is_object() {
             return Err(CryptoError::InvalidJwt("claims must be a json object"));
         }
-        let header = json!({"alg": "ES256", "typ": "JWT", "kid": self.kid});
-        let header = serde_json::to_vec(&header).map_err(|source| CryptoError::Json {
+        if header.get("alg").and_then(Value::as_str) != Some("ES256") {
+            return Err(CryptoError::InvalidJwt("alg must be ES256"));
+        }
+        let header = serde_json::to_vec(header).map_err(|source| CryptoError::Json {
             context: "serializing the jwt header",
             source,
         })?;

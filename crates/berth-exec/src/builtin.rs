@@ -102,6 +102,11 @@ impl Executor for Stickers {
             if let (Some(target), Some(dir)) = (&p.ssh_target, &p.deploy_directory) {
                 return ssh::read_sticker(task, &p.name, target, dir).await;
             }
+            match p.volume() {
+                Err(e) => return Outcome::failed(error_types::INVALID_PAYLOAD, e, false),
+                Ok(Some(v)) => return read_volume_sticker(&p.name, &v).await,
+                Ok(None) => {}
+            }
             return match self.0.read(&p.name) {
                 Ok(Some(s)) => Outcome::ok(format!("sticker {} found", p.name))
                     .with_output("sticker", json!(s)),
@@ -121,6 +126,13 @@ impl Executor for Stickers {
             Ok(p) => p,
             Err(o) => return *o,
         };
+        if let Err(e) = p.check() {
+            return Outcome::failed(error_types::INVALID_PAYLOAD, e, false);
+        }
+        let volume = match p.volume() {
+            Ok(v) => v,
+            Err(e) => return Outcome::failed(error_types::INVALID_PAYLOAD, e, false),
+        };
         let sticker = Sticker {
             name: p.name,
             release_id: p.release_id,
@@ -134,11 +146,48 @@ impl Executor for Stickers {
         if let Err(e) = task.lease.confirm(None).await {
             return lease_lost(e);
         }
+        if let Some(v) = volume {
+            let written = async {
+                let engine = crate::engine::Engine::new();
+                crate::sticker::volume::write(engine.docker().await?, &v, &sticker).await
+            };
+            return match written.await {
+                Ok(()) => Outcome::ok(format!(
+                    "sticker written to {} in volume {}",
+                    v.path, v.volume
+                ))
+                .with_output("sticker", json!(sticker)),
+                Err(e) => Outcome::failed(
+                    error_types::STICKER_WRITE_FAILED,
+                    e.to_string(),
+                    e.retriable(),
+                ),
+            };
+        }
         match self.0.write(&sticker) {
             Ok(path) => Outcome::ok(format!("sticker written to {}", path.display()))
                 .with_output("sticker", json!(sticker)),
             Err(e) => Outcome::failed(error_types::STICKER_WRITE_FAILED, e.to_string(), false),
         }
+    }
+}
+
+/// `read-sticker` of a sticker in a named volume.
+async fn read_volume_sticker(name: &str, v: &crate::sticker::volume::VolumeSticker) -> Outcome {
+    let read = async {
+        let engine = crate::engine::Engine::new();
+        crate::sticker::volume::read(engine.docker().await?, v).await
+    };
+    match read.await {
+        Ok(Some(s)) => Outcome::ok(format!("sticker {name} found in volume {}", v.volume))
+            .with_output("sticker", json!(s)),
+        Ok(None) => Outcome::ok(format!("no sticker {} in volume {}", v.path, v.volume))
+            .with_output("sticker", serde_json::Value::Null),
+        Err(e) => Outcome::failed(
+            error_types::STICKER_UNREADABLE,
+            e.to_string(),
+            e.retriable(),
+        ),
     }
 }
 

@@ -382,8 +382,7 @@ impl DockerConfigDir {
     fn create(
         parent: &Path,
         server: &str,
-        user: &str,
-        password: &str,
+        login: &bollard::auth::DockerCredentials,
     ) -> Result<DockerConfigDir, ExecError> {
         use base64::Engine as _;
         use std::os::unix::fs::DirBuilderExt;
@@ -398,8 +397,18 @@ impl DockerConfigDir {
                 source,
             })?;
         let guard = DockerConfigDir(dir);
-        let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-        let config = serde_json::json!({"auths": {server: {"auth": auth}}});
+        // A bearer token is the CLI's `registrytoken`, which it hands to the engine as is.
+        let entry = match &login.registrytoken {
+            Some(token) => serde_json::json!({"registrytoken": token}),
+            None => {
+                let user = login.username.as_deref().unwrap_or_default();
+                let password = login.password.as_deref().unwrap_or_default();
+                let auth =
+                    base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+                serde_json::json!({"auth": auth})
+            }
+        };
+        let config = serde_json::json!({"auths": {server: entry}});
         write_atomic(&guard.0.join("config.json"), config.to_string().as_bytes())?;
         Ok(guard)
     }
@@ -634,13 +643,7 @@ impl ComposeExecutor {
         }
         run.log
             .line(format!("using registry credentials for {server}"));
-        DockerConfigDir::create(
-            &self.credentials_dir,
-            &server,
-            login.username.as_deref().unwrap_or_default(),
-            login.password.as_deref().unwrap_or_default(),
-        )
-        .map(Some)
+        DockerConfigDir::create(&self.credentials_dir, &server, &login).map(Some)
     }
 
     async fn apply(
@@ -1050,9 +1053,13 @@ mod tests {
     #[test]
     fn the_registry_login_lives_only_as_long_as_its_guard() {
         let parent = tempfile::tempdir().unwrap();
+        let login = bollard::auth::DockerCredentials {
+            username: Some("u".into()),
+            password: Some("secret".into()),
+            ..Default::default()
+        };
         let guard =
-            DockerConfigDir::create(&parent.path().join("tmp"), "127.0.0.1:5000", "u", "secret")
-                .unwrap();
+            DockerConfigDir::create(&parent.path().join("tmp"), "127.0.0.1:5000", &login).unwrap();
         let path = guard.0.clone();
         assert_eq!(path.parent(), Some(parent.path().join("tmp").as_path()));
         let config: serde_json::Value =

@@ -37,6 +37,7 @@ use crate::error::ExecError;
 use crate::hooks::{self, AllowedHooks};
 use crate::reference::{self, ImageRef};
 use crate::run::{millis_since, Log, Run, Stop};
+use crate::sticker::volume::VolumeSticker;
 use crate::sticker::{Sticker, StickerStore};
 use crate::{parse_payload, Executor, Outcome, Task};
 
@@ -135,6 +136,8 @@ struct Plan {
     release_id: Option<String>,
     release_name: Option<String>,
     previous_digest: Option<String>,
+    /// Where the sticker goes when it is not the sticker directory.
+    sticker_volume: Option<VolumeSticker>,
 }
 
 fn plan(p: &DeployTaskPayload, allowed_hooks: &AllowedHooks) -> Result<Plan, ExecError> {
@@ -223,6 +226,9 @@ fn plan(p: &DeployTaskPayload, allowed_hooks: &AllowedHooks) -> Result<Plan, Exe
             )));
         }
     }
+    let sticker_volume = p
+        .volume_sticker(Some(&digest))
+        .map_err(ExecError::InvalidPayload)?;
     Ok(Plan {
         name,
         image,
@@ -239,6 +245,7 @@ fn plan(p: &DeployTaskPayload, allowed_hooks: &AllowedHooks) -> Result<Plan, Exe
         release_id: c.release_id.clone(),
         release_name: c.release_name.clone(),
         previous_digest: p.previous_digest.clone(),
+        sticker_volume,
     })
 }
 
@@ -728,13 +735,38 @@ impl DockerExecutor {
                 serde_json::Value::from(container_id),
             )]),
         };
-        let path = self.stickers.write(&sticker).map_err(ExecError::Sticker)?;
-        run.log
-            .line(format!("sticker written to {}", path.display()));
+        self.write_sticker(run, docker, &sticker, plan.sticker_volume.as_ref())
+            .await?;
         Ok(format!(
             "deployed {} as {}@{}",
             plan.name, plan.image.repository, plan.digest
         ))
+    }
+
+    /// Step 9: the sticker, in the sticker directory or, for `stickerLocation: "volume"`, in
+    /// its volume through the Engine API.
+    async fn write_sticker(
+        &self,
+        run: &mut Run<'_>,
+        docker: &Docker,
+        sticker: &Sticker,
+        volume: Option<&VolumeSticker>,
+    ) -> Result<(), ExecError> {
+        match volume {
+            Some(v) => {
+                crate::sticker::volume::write(docker, v, sticker).await?;
+                run.log.line(format!(
+                    "sticker written to {} in volume {}",
+                    v.path, v.volume
+                ));
+            }
+            None => {
+                let path = self.stickers.write(sticker).map_err(ExecError::Sticker)?;
+                run.log
+                    .line(format!("sticker written to {}", path.display()));
+            }
+        }
+        Ok(())
     }
 
     async fn rollback(
@@ -902,9 +934,11 @@ impl DockerExecutor {
                 ("rollback".to_string(), serde_json::Value::Bool(true)),
             ]),
         };
-        let path = self.stickers.write(&sticker).map_err(ExecError::Sticker)?;
-        run.log
-            .line(format!("sticker written to {}", path.display()));
+        let volume = payload
+            .volume_sticker()
+            .map_err(ExecError::InvalidPayload)?;
+        self.write_sticker(run, docker, &sticker, volume.as_ref())
+            .await?;
         Ok(format!(
             "rolled {name} back to {}{}",
             digest.as_deref().unwrap_or(&previous_name),

@@ -25,6 +25,8 @@ use crate::run::{Log, Stop};
 /// Credential keys of a task for registry logins.
 pub const CREDENTIAL_REGISTRY_USERNAME: &str = "registryUsername";
 pub const CREDENTIAL_REGISTRY_PASSWORD: &str = "registryPassword";
+/// A registry bearer token instead of a username and password (berth's per-task pull token).
+pub const CREDENTIAL_REGISTRY_TOKEN: &str = berth_proto::payload::REGISTRY_TOKEN_CREDENTIAL;
 /// Optional: the registry host the login is for; defaults to the image's registry.
 pub const CREDENTIAL_REGISTRY_SERVER: &str = "registryServer";
 
@@ -121,13 +123,35 @@ fn is_not_found(e: &BollardError) -> bool {
     )
 }
 
-/// The task's registry login for `image`, if it carries one. Both keys or neither.
+/// The task's registry login for `image`, if it carries one: a bearer token
+/// (`registryToken`, berth's short-lived pull token, handed to the engine as `X-Registry-Auth`'s
+/// `registrytoken`) or a username and password (both keys or neither), never both.
 pub(crate) fn registry_credentials(
     credentials: &BTreeMap<String, String>,
     registry: &str,
 ) -> Result<Option<DockerCredentials>, ExecError> {
     let user = credentials.get(CREDENTIAL_REGISTRY_USERNAME);
     let password = credentials.get(CREDENTIAL_REGISTRY_PASSWORD);
+    let server = || {
+        Some(
+            credentials
+                .get(CREDENTIAL_REGISTRY_SERVER)
+                .cloned()
+                .unwrap_or_else(|| registry.to_string()),
+        )
+    };
+    if let Some(token) = credentials.get(CREDENTIAL_REGISTRY_TOKEN) {
+        if user.is_some() || password.is_some() {
+            return Err(ExecError::InvalidPayload(format!(
+                "credentials carry {CREDENTIAL_REGISTRY_TOKEN} and a username or password; one login only"
+            )));
+        }
+        return Ok(Some(DockerCredentials {
+            registrytoken: Some(token.clone()),
+            serveraddress: server(),
+            ..Default::default()
+        }));
+    }
     match (user, password) {
         (None, None) => Ok(None),
         (Some(user), Some(password)) => Ok(Some(DockerCredentials {
@@ -602,5 +626,22 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(c.serveraddress.as_deref(), Some("127.0.0.1:55001"));
+    }
+
+    #[test]
+    fn a_token_is_the_engines_registrytoken_and_never_comes_with_a_password() {
+        let token = BTreeMap::from([(CREDENTIAL_REGISTRY_TOKEN.to_string(), "t".to_string())]);
+        let c = registry_credentials(&token, "127.0.0.1:55002")
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.registrytoken.as_deref(), Some("t"));
+        assert_eq!(c.username, None);
+        assert_eq!(c.password, None);
+        assert_eq!(c.serveraddress.as_deref(), Some("127.0.0.1:55002"));
+        let mixed = BTreeMap::from([
+            (CREDENTIAL_REGISTRY_TOKEN.to_string(), "t".to_string()),
+            (CREDENTIAL_REGISTRY_PASSWORD.to_string(), "p".to_string()),
+        ]);
+        assert!(registry_credentials(&mixed, "r").is_err());
     }
 }

@@ -1,15 +1,18 @@
 //! `readiness-probe`: the agent-side checks of an environment's readiness (issue 14). Nothing
-//! on the host changes and no secret is read: the Docker engine is asked over a fresh
-//! connection (a socket that went away since the agent started is found, not hidden by a
-//! pooled connection), each registry's `/v2/` is asked whether it answers at all, and berth's
-//! containers are listed. The server decides what the report means
-//! (`berth-server/src/readiness.rs`); the probe only reports.
+//! on the host changes: the Docker engine is asked over a fresh connection (a socket that went
+//! away since the agent started is found, not hidden by a pooled connection), each registry's
+//! `/v2/` is asked whether it answers at all, berth's containers are listed, and, when asked,
+//! the environment's OpenBao secrets are resolved through a [`SecretsResolver`] the agent
+//! supplies (only which ones did not resolve is reported, never a value). The server decides
+//! what the report means (`berth-server/src/readiness.rs`); the probe only reports.
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use berth_proto::kind::TaskKind;
-use berth_proto::payload::ReadinessProbePayload;
-use berth_proto::readiness::{ProbeCheck, ProbeReport, RegistryCheck};
+use berth_proto::payload::{ReadinessProbePayload, SecretsProbe, OPENBAO_LOGIN_JWT_CREDENTIAL};
+use berth_proto::readiness::{ProbeCheck, ProbeReport, RegistryCheck, SecretsCheck};
 use berth_proto::result::error_types;
 use bollard::Docker;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -19,7 +22,23 @@ use crate::{parse_payload, Executor, Outcome, Task};
 /// Bounds each check, so one silent endpoint cannot hold the probe to its task timeout.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub struct ReadinessProbe;
+/// Resolves an environment's secrets at OpenBao from this host, the way a desired-state apply
+/// would: the agent's OpenBao client (this crate has none). What did not resolve, by manifest
+/// path with why; `Err` when OpenBao could not be asked at all.
+#[async_trait::async_trait]
+pub trait SecretsResolver: Send + Sync {
+    async fn unresolved(
+        &self,
+        probe: &SecretsProbe,
+        login_jwt: &str,
+    ) -> Result<Vec<String>, String>;
+}
+
+#[derive(Default)]
+pub struct ReadinessProbe {
+    /// `None`: this agent cannot resolve secrets, and says so when asked.
+    pub secrets: Option<Arc<dyn SecretsResolver>>,
+}
 
 #[async_trait::async_trait]
 impl Executor for ReadinessProbe {
@@ -44,6 +63,9 @@ impl Executor for ReadinessProbe {
         for host in &p.registries {
             report.registries.push(registry(host).await);
         }
+        if let Some(probe) = &p.secrets {
+            report.secrets = Some(self.secrets(probe, task).await);
+        }
         let outputs = match serde_json::to_value(&report) {
             Ok(serde_json::Value::Object(map)) => map,
             _ => Default::default(),
@@ -51,6 +73,34 @@ impl Executor for ReadinessProbe {
         Outcome {
             outputs,
             ..Outcome::ok("probed")
+        }
+    }
+}
+
+impl ReadinessProbe {
+    async fn secrets(&self, probe: &SecretsProbe, task: &Task) -> SecretsCheck {
+        let failed = |detail: String| SecretsCheck {
+            ok: false,
+            detail,
+            unresolved: Vec::new(),
+            checked: probe.entries.len(),
+        };
+        let Some(resolver) = &self.secrets else {
+            return failed("this agent cannot resolve OpenBao secrets".into());
+        };
+        let Some(jwt) = task.credentials.get(OPENBAO_LOGIN_JWT_CREDENTIAL) else {
+            return failed(format!(
+                "the task carries no {OPENBAO_LOGIN_JWT_CREDENTIAL} credential"
+            ));
+        };
+        match resolver.unresolved(probe, jwt).await {
+            Ok(unresolved) => SecretsCheck {
+                ok: true,
+                detail: String::new(),
+                unresolved,
+                checked: probe.entries.len(),
+            },
+            Err(detail) => failed(detail),
         }
     }
 }

@@ -112,6 +112,9 @@ pub struct CreateAgentTokenResponse {
     pub expires_at: OffsetDateTime,
     /// `sha256:` + lowercase hex of SHA-256 over the CA certificate's DER.
     pub ca_fingerprint: String,
+    /// One line to run as root on the new host: it checks the CA against the fingerprint,
+    /// then downloads, installs, registers and starts the agent (`GET /install.sh`).
+    pub install_command: String,
 }
 
 impl Request for CreateAgentToken {

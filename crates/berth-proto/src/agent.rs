@@ -442,6 +442,48 @@ pub struct HeartbeatResponse {
     pub status: AgentStatus,
     /// The interval the server wants; the agent adopts it.
     pub heartbeat_interval_seconds: u64,
+    /// Seed 000's `{tasks: AgentTask[]}`: the agent's queued work (`pending` or `retry_wait`, in
+    /// claim order, at most [`HEARTBEAT_TASKS_MAX`]), so a seed-style agent that only heartbeats
+    /// sees what waits for it. Listing claims nothing: a task is delivered, with a fresh
+    /// assignment and its credentials, only by a poll or the task stream.
+    #[serde(default)]
+    pub tasks: Vec<AgentTask>,
+}
+
+/// The most tasks a heartbeat answer lists: it stays one small indexed read per heartbeat.
+pub const HEARTBEAT_TASKS_MAX: u32 = 16;
+
+/// Seed 000's `AgentTask`, as a heartbeat lists a queued task. The task is not claimed, so it
+/// has no assignment yet: `assignedAt` and `expiresAt` are null, and `payload` is null and
+/// `credentials` empty (both leave the server only inside an assignment, sealed to the agent's
+/// key for that delivery).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTask {
+    pub id: crate::TaskId,
+    /// The task type (`docker.run`, `health-check`, …).
+    #[serde(rename = "type")]
+    pub task_type: String,
+    /// The agent the task runs on.
+    pub target_id: AgentId,
+    /// Always null here: a payload travels only sealed, in an assignment.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object, nullable))]
+    pub payload: serde_json::Value,
+    /// Always empty here (see the type's documentation).
+    pub credentials: BTreeMap<String, String>,
+    /// Seconds.
+    pub timeout: u32,
+    /// Higher runs first.
+    pub priority: i32,
+    /// The agent's journal key for the task (as in its assignment).
+    pub idempotency_key: String,
+    #[serde(with = "crate::rfc3339::option")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub assigned_at: Option<OffsetDateTime>,
+    #[serde(with = "crate::rfc3339::option")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub expires_at: Option<OffsetDateTime>,
 }
 
 impl Request for Heartbeat {

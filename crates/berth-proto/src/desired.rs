@@ -48,6 +48,10 @@ pub const GRANT_AUDIENCE: &str = "openbao-see-env";
 pub const GRANT_KIND: &str = "deploy-grant";
 /// How long a deploy grant (kit or lease) may be used to log in.
 pub const GRANT_TTL_SECS: u64 = 3600;
+/// The JWT auth mount and role a deploy grant logs in at unless configured otherwise (the
+/// server's `--openbao-auth-mount`/`--openbao-role`, the agent's for a kit's bootstrap login).
+pub const DEFAULT_OPENBAO_AUTH_MOUNT: &str = "jwt-berth";
+pub const DEFAULT_OPENBAO_ROLE: &str = "see-env";
 /// Default seconds between checkins.
 pub const DEFAULT_CHECKIN_INTERVAL_SECS: u64 = 60;
 

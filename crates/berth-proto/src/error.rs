@@ -35,6 +35,9 @@ pub mod codes {
     pub const PAYLOAD_TOO_LARGE: &str = "PAYLOAD_TOO_LARGE";
     pub const INVALID_ID: &str = "INVALID_ID";
     pub const NOT_FOUND: &str = "NOT_FOUND";
+    /// `GET /downloads/berth-agent/{platform}`: the server has no agent binary for it; the
+    /// detail lists those it has.
+    pub const NO_AGENT_DOWNLOAD: &str = "NO_AGENT_DOWNLOAD";
     pub const METHOD_NOT_ALLOWED: &str = "METHOD_NOT_ALLOWED";
     pub const CONFLICT: &str = "CONFLICT";
     /// A uniqueness rule of the store refused the write; the detail names which.
@@ -68,8 +71,16 @@ pub mod codes {
     /// current (its lease ended, or the task was handed out again).
     pub const FENCED: &str = "FENCED";
     pub const TRANSPORT_DISABLED: &str = "TRANSPORT_DISABLED";
+    /// A WebSocket route (the task stream) asked without `Upgrade: websocket`.
+    pub const UPGRADE_REQUIRED: &str = "UPGRADE_REQUIRED";
     pub const SIGNATURE_MISSING: &str = "SIGNATURE_MISSING";
     pub const SIGNATURE_INVALID: &str = "SIGNATURE_INVALID";
+    /// A poll from an agent whose certificate key cannot receive a sealed assignment (only
+    /// P-256 keys can; an RSA key cannot): nothing was claimed, nothing was sent in clear.
+    pub const SEALING_KEY_UNSUPPORTED: &str = "SEALING_KEY_UNSUPPORTED";
+    /// A result whose `sealedLogs` does not open with the server's sealing key (tampered,
+    /// sealed to another key, for another assignment, or an unknown `alg`). Nothing was recorded.
+    pub const LOGS_UNSEALABLE: &str = "LOGS_UNSEALABLE";
     /// A signed heartbeat whose sequence is not above the last one applied in its generation,
     /// or whose signed generation is not the session's: a replay. Nothing was changed.
     pub const HEARTBEAT_REPLAYED: &str = "HEARTBEAT_REPLAYED";
@@ -92,6 +103,9 @@ pub mod codes {
     /// More credentials in one task than [`crate::task::MAX_CREDENTIALS`], or one over
     /// [`crate::task::MAX_VALUE_BYTES`].
     pub const TOO_MANY_CREDENTIALS: &str = "TOO_MANY_CREDENTIALS";
+    /// A task's credentials name a key only the server sets (the registry token scope of a
+    /// deployment task, `registryTokenScope`).
+    pub const CREDENTIAL_RESERVED: &str = "CREDENTIAL_RESERVED";
     /// More variables in one task than [`crate::task::MAX_VARIABLES`].
     pub const TOO_MANY_VARIABLES: &str = "TOO_MANY_VARIABLES";
     /// `priority` outside [`crate::task::PRIORITY_RANGE`] (the range above is the read-backs').

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::payload::{
     CheckPayload, CommandPayload, DeployTaskPayload, HealthCheckPayload, InspectPayload,
     ReadStickerPayload, ReadinessProbePayload, RollbackTaskPayload, SshDeployPayload,
-    UploadFilesPayload, WriteStickerPayload,
+    UploadFilesPayload, VolumeSticker, WriteStickerPayload,
 };
 
 /// Seed 000's capability strings, as agents report them and `requiredCapability` names them.
@@ -215,6 +215,25 @@ impl TaskKind {
             .iter()
             .find_map(|pointer| payload.pointer(pointer).and_then(|v| v.as_str()))
             .map(str::to_string)
+    }
+
+    /// The volume this task writes its sticker into (`stickerLocation: "volume"`), so that its
+    /// read-back reads it there; `None` for a sticker in the agent's sticker directory.
+    pub fn read_back_volume(self, payload: &serde_json::Value) -> Option<VolumeSticker> {
+        fn parse<T: DeserializeOwned>(payload: &serde_json::Value) -> Option<T> {
+            T::deserialize(payload).ok()
+        }
+        match self {
+            TaskKind::WriteSticker => parse::<WriteStickerPayload>(payload)?.volume().ok()?,
+            TaskKind::DockerRun => {
+                let p = parse::<DeployTaskPayload>(payload)?;
+                p.volume_sticker(p.digest.as_deref()).ok()?
+            }
+            TaskKind::Rollback => parse::<RollbackTaskPayload>(payload)?
+                .volume_sticker()
+                .ok()?,
+            _ => None,
+        }
     }
 
     /// Whether the payload parses as this kind's payload type; the error says why not.

@@ -113,6 +113,8 @@ fn check_field(
 
 const STICKER_RULE: &str = "1-128 of A-Z a-z 0-9 . _ -, not starting with a dot";
 const CONTAINER_RULE: &str = "1-100 of A-Z a-z 0-9 _ . -, starting with a letter or digit";
+const VOLUME_PATH_RULE: &str =
+    "a relative path of components of A-Z a-z 0-9 . _ -, no . or .., at most 255 bytes";
 const PROJECT_RULE: &str = "1-64 of a-z 0-9 _ -, starting with a letter or digit";
 const DIRECTORY_RULE: &str = "an absolute path other than /, without . or .. components";
 const FILE_NAME_RULE: &str =
@@ -146,6 +148,9 @@ impl CheckPayload for InspectPayload {
 impl CheckPayload for ReadStickerPayload {
     fn check(&self) -> Result<(), String> {
         check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)?;
+        if self.volume()?.is_some() && self.ssh_target.is_some() {
+            return Err("a volume sticker is read on the agent's host, not with sshTarget".into());
+        }
         check_remote(&self.ssh_target, &self.deploy_directory)
     }
 }
@@ -186,12 +191,20 @@ impl CheckPayload for UploadFilesPayload {
 
 impl CheckPayload for WriteStickerPayload {
     fn check(&self) -> Result<(), String> {
-        check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)
+        check_field("name", Some(&self.name), valid_sticker_name, STICKER_RULE)?;
+        self.volume().map(|_| ())
     }
 }
 
 impl CheckPayload for DeployTaskPayload {
     fn check(&self) -> Result<(), String> {
+        self.check_names()?;
+        self.volume_sticker(self.digest.as_deref()).map(|_| ())
+    }
+}
+
+impl DeployTaskPayload {
+    fn check_names(&self) -> Result<(), String> {
         let c = &self.config;
         check_field(
             "config.containerName",
@@ -222,7 +235,63 @@ impl CheckPayload for RollbackTaskPayload {
             valid_container_name,
             CONTAINER_RULE,
         )?;
-        self.deploy.check()
+        self.deploy.check_names()?;
+        self.volume_sticker().map(|_| ())
+    }
+}
+
+impl DeployTaskPayload {
+    /// The volume the container's sticker goes into, if `config.stickerLocation` is `volume`:
+    /// named `config.containerName`, the helper image by default `image@digest` (`digest` is
+    /// the one deployed). Only `docker.run` and `rollback` write one.
+    pub fn volume_sticker(&self, digest: Option<&str>) -> Result<Option<VolumeSticker>, String> {
+        let c = &self.config;
+        if c.sticker_location.unwrap_or_default() == StickerLocation::Volume
+            && c.container_name.is_none()
+        {
+            return Err(
+                "stickerLocation volume is for docker.run: it needs config.containerName".into(),
+            );
+        }
+        let deployed = match (&self.image, digest) {
+            (Some(image), _) if image.contains('@') => Some(image.clone()),
+            (Some(image), Some(digest)) => Some(format!("{image}@{digest}")),
+            _ => None,
+        };
+        VolumeSticker::from_fields(
+            c.container_name.as_deref().unwrap_or_default(),
+            c.sticker_location,
+            c.sticker_volume.as_deref(),
+            c.sticker_path.as_deref(),
+            c.sticker_image.as_deref(),
+            deployed,
+        )
+    }
+}
+
+impl RollbackTaskPayload {
+    /// The rolled-back container's volume sticker: as [`DeployTaskPayload::volume_sticker`],
+    /// named by the top-level `containerName` when given, the image by `targetDigest`.
+    pub fn volume_sticker(&self) -> Result<Option<VolumeSticker>, String> {
+        let mut deploy = self.deploy.clone();
+        if let Some(name) = &self.container_name {
+            deploy.config.container_name = Some(name.clone());
+        }
+        deploy.volume_sticker(self.target_digest.as_deref())
+    }
+}
+
+impl ReadStickerPayload {
+    /// The read-back of a sticker in a volume: what `read-sticker` needs to find it.
+    pub fn in_volume(name: &str, volume: VolumeSticker) -> ReadStickerPayload {
+        ReadStickerPayload {
+            name: name.to_string(),
+            sticker_location: Some(StickerLocation::Volume),
+            sticker_volume: Some(volume.volume),
+            sticker_path: Some(volume.path),
+            sticker_image: Some(volume.image),
+            ..Default::default()
+        }
     }
 }
 
@@ -274,7 +343,12 @@ impl CheckPayload for SshDeployPayload {
             Some(&self.sticker.name),
             valid_sticker_name,
             STICKER_RULE,
-        )
+        )?;
+        // Its sticker is a file in the deploy directory on the SSH target.
+        if self.sticker.volume()?.is_some() {
+            return Err("an ssh.deploy sticker cannot be in a volume".into());
+        }
+        Ok(())
     }
 }
 
@@ -391,7 +465,7 @@ pub struct InspectPayload {
 /// sticker `ssh.deploy` wrote there (`<deployDirectory>/.berth-sticker.json`), read over SFTP and
 /// reported only if its `name` is `name` (else `outputs.sticker` is null, as for a missing one).
 /// Either way the result's `outputs.sticker` is the sticker as written.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReadStickerPayload {
     pub name: String,
@@ -399,6 +473,17 @@ pub struct ReadStickerPayload {
     pub ssh_target: Option<SshTarget>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deploy_directory: Option<String>,
+    /// `volume`: read the sticker from a named Docker volume (see [`VolumeSticker`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_location: Option<StickerLocation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_volume: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_path: Option<String>,
+    /// The image the read's helper container is created from (never started); read-sticker
+    /// has no default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_image: Option<String>,
 }
 
 /// `upload-files` (seed 000's task list): writes `files` into `directory`, each atomically
@@ -428,11 +513,140 @@ fn check_remote(target: &Option<SshTarget>, directory: &Option<String>) -> Resul
     }
 }
 
+/// Where a sticker lives (seed 000's `stickerLocation`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StickerLocation {
+    /// `<sticker-dir>/<name>.json` on the agent's host.
+    #[default]
+    File,
+    /// A file in a named Docker volume.
+    Volume,
+}
+
+/// A sticker in a named Docker volume (`stickerLocation: "volume"`): the file `path` (relative,
+/// default `<name>.json`) in the volume `volume`. The agent writes and reads it only through
+/// the Engine API's archive upload and download on a helper container that mounts the volume
+/// at [`VolumeSticker::MOUNT`], created from `image` and never started: no shell, no command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeSticker {
+    pub volume: String,
+    pub path: String,
+    pub image: String,
+}
+
+impl VolumeSticker {
+    /// Where the helper container mounts the volume.
+    pub const MOUNT: &'static str = "/berth-sticker";
+
+    /// The volume sticker the fields describe; `Ok(None)` for a file sticker. `default_image`
+    /// stands in for a missing `stickerImage`.
+    pub fn from_fields(
+        name: &str,
+        location: Option<StickerLocation>,
+        volume: Option<&str>,
+        path: Option<&str>,
+        image: Option<&str>,
+        default_image: Option<String>,
+    ) -> Result<Option<VolumeSticker>, String> {
+        if location.unwrap_or_default() == StickerLocation::File {
+            if volume.is_some() || path.is_some() || image.is_some() {
+                return Err(
+                    "stickerVolume, stickerPath and stickerImage need stickerLocation volume"
+                        .into(),
+                );
+            }
+            return Ok(None);
+        }
+        let volume = volume.ok_or("stickerLocation volume needs stickerVolume")?;
+        check_field(
+            "stickerVolume",
+            Some(volume),
+            valid_container_name,
+            CONTAINER_RULE,
+        )?;
+        let path = path.map_or_else(|| format!("{name}.json"), str::to_string);
+        check_field(
+            "stickerPath",
+            Some(&path),
+            valid_volume_path,
+            VOLUME_PATH_RULE,
+        )?;
+        let image = image
+            .map(str::to_string)
+            .or(default_image)
+            .ok_or("stickerLocation volume needs stickerImage (or image and digest)")?;
+        crate::reference::parse_image(&image).map_err(|e| format!("stickerImage: {e}"))?;
+        Ok(Some(VolumeSticker {
+            volume: volume.to_string(),
+            path,
+            image,
+        }))
+    }
+}
+
+/// A file's path inside a sticker volume: relative, 1-255 bytes, components of
+/// `A-Z a-z 0-9 . _ -` that are not `.` or `..`.
+pub fn valid_volume_path(path: &str) -> bool {
+    (1..=255).contains(&path.len())
+        && path.split('/').all(|c| {
+            !c.is_empty()
+                && c != "."
+                && c != ".."
+                && c.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        })
+}
+
+impl WriteStickerPayload {
+    /// Its volume sticker, if `stickerLocation` is `volume`.
+    pub fn volume(&self) -> Result<Option<VolumeSticker>, String> {
+        let deployed = match (&self.image, &self.digest) {
+            (Some(image), Some(digest)) => Some(format!("{image}@{digest}")),
+            _ => None,
+        };
+        VolumeSticker::from_fields(
+            &self.name,
+            self.sticker_location,
+            self.sticker_volume.as_deref(),
+            self.sticker_path.as_deref(),
+            self.sticker_image.as_deref(),
+            deployed,
+        )
+    }
+}
+
+impl ReadStickerPayload {
+    /// Its volume sticker, if `stickerLocation` is `volume`.
+    pub fn volume(&self) -> Result<Option<VolumeSticker>, String> {
+        VolumeSticker::from_fields(
+            &self.name,
+            self.sticker_location,
+            self.sticker_volume.as_deref(),
+            self.sticker_path.as_deref(),
+            self.sticker_image.as_deref(),
+            None,
+        )
+    }
+}
+
 /// `write-sticker`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WriteStickerPayload {
     pub name: String,
+    /// `volume`: write the sticker into a named Docker volume (see [`VolumeSticker`]); absent
+    /// or `file`: into the agent's sticker directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_location: Option<StickerLocation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_volume: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_path: Option<String>,
+    /// The image the write's helper container is created from (never started); default
+    /// `image@digest`, the deployed image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_image: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub release_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -528,6 +742,16 @@ pub struct DeployConfig {
     /// Remove the previous container after a successful deployment (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cleanup_previous: Option<bool>,
+    /// `volume`: the sticker goes into a named Docker volume (see [`VolumeSticker`]; its image
+    /// defaults to the deployed `image@digest`); absent or `file`: the agent's sticker directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_location: Option<StickerLocation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_volume: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticker_image: Option<String>,
 
     // --- compose.up ---
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -607,6 +831,11 @@ pub const ARTIFACT_COMPOSE_LOCK: &str = "compose_lock";
 /// The sealed credential that carries an SSH target's private key (OpenSSH or PKCS#8 PEM; Ed25519,
 /// ECDSA or RSA) to the agent, for every task that reaches an SSH target.
 pub const SSH_PRIVATE_KEY_CREDENTIAL: &str = "sshPrivateKey";
+
+/// The credential that holds a registry bearer token for the image's registry (with
+/// `registryServer`, the registry host): berth's short-lived pull token of a deployment task,
+/// which the Docker engine gets as `X-Registry-Auth`'s `registrytoken`.
+pub const REGISTRY_TOKEN_CREDENTIAL: &str = "registryToken";
 
 /// `ssh.deploy` (seed 000's `SSHRemoteExecutor.deploy`): an agent deploys to a host that runs no
 /// agent, over one SSH connection. The target's private key is not here: it arrives in the task's
@@ -719,7 +948,7 @@ pub enum SshHealthCheckKind {
 }
 
 /// `readiness-probe`: what one host checks for an environment's readiness
-/// (`crate::readiness`). Read-only: nothing on the host changes, and no secret value is read.
+/// (`crate::readiness`). Read-only: nothing on the host changes, and no secret value leaves it.
 /// The result's `outputs` is a [`crate::readiness::ProbeReport`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -736,7 +965,42 @@ pub struct ReadinessProbePayload {
     /// The readiness pass this probe belongs to (makes each pass's probe a new task).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pass: Option<String>,
+    /// The environment's OpenBao-backed secrets to resolve from this host (one host per pass).
+    /// The deploy grant to log in with is the task's credential [`OPENBAO_LOGIN_JWT_CREDENTIAL`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<SecretsProbe>,
 }
+
+/// The task credential holding a deploy grant (a `lease` grant of seed 001, minted for this one
+/// probe and expiring with it) that a `readiness-probe` logs in to OpenBao with.
+pub const OPENBAO_LOGIN_JWT_CREDENTIAL: &str = "openbaoLoginJwt";
+
+/// Where and how a probe resolves an environment's secrets at OpenBao: the login a desired-state
+/// agent's apply makes (`POST /v1/auth/{authMount}/login` with the grant), then each manifest
+/// entry read as its apply reads it (`{kvMount}/data/{env}/…`, the version when pinned). The
+/// agent keeps only whether each one resolved; the values are dropped where they are read.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SecretsProbe {
+    /// OpenBao's address as the server's lease names it (the agent's `--openbao-addr` wins).
+    pub addr: String,
+    pub auth_mount: String,
+    pub role: String,
+    pub kv_mount: String,
+    pub entries: Vec<SecretsProbeEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SecretsProbeEntry {
+    /// The manifest's path (`crate::desired::SecretPath`).
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u32>,
+}
+
+/// At most this many secrets are resolved by one probe (a manifest's own limit is lower).
+pub const MAX_PROBED_SECRETS: usize = 512;
 
 /// A registry host as an image reference names it: letters, digits, `.`, `-`, `_`, `[`, `]`,
 /// `:` (a port or an IPv6 address), 1-255 bytes.
@@ -768,6 +1032,19 @@ impl CheckPayload for ReadinessProbePayload {
                 valid_container_name,
                 CONTAINER_RULE,
             )?;
+        }
+        if let Some(secrets) = &self.secrets {
+            if secrets.entries.len() > MAX_PROBED_SECRETS {
+                return Err(format!("at most {MAX_PROBED_SECRETS} secrets"));
+            }
+            for entry in &secrets.entries {
+                if crate::desired::SecretPath::parse(&entry.path).is_none() {
+                    return Err(format!(
+                        "secrets.entries[].path {:?} is not a secret path",
+                        entry.path
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -833,6 +1110,89 @@ mod tests {
             "/a\0",
         ] {
             assert!(!valid_directory(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_docker_run_sticker_may_go_into_a_volume() {
+        use crate::kind::TaskKind;
+        let digest = format!("sha256:{}", "b".repeat(64));
+        let run = serde_json::json!({"image": "127.0.0.1:5000/web", "digest": digest,
+            "config": {"containerName": "web", "stickerLocation": "volume", "stickerVolume": "stickers"}});
+        assert_eq!(TaskKind::DockerRun.check_payload(&run), Ok(()));
+        let p: DeployTaskPayload = serde_json::from_value(run.clone()).unwrap();
+        let v = p.volume_sticker(p.digest.as_deref()).unwrap().unwrap();
+        assert_eq!(
+            (v.volume.as_str(), v.path.as_str()),
+            ("stickers", "web.json")
+        );
+        assert_eq!(v.image, format!("127.0.0.1:5000/web@{digest}"));
+        assert_eq!(
+            TaskKind::DockerRun.read_back_volume(&run),
+            Some(v.clone()),
+            "the read-back reads where the deploy wrote"
+        );
+        let rollback = serde_json::json!({"containerName": "web", "targetDigest": digest,
+            "image": "127.0.0.1:5000/web",
+            "config": {"stickerLocation": "volume", "stickerVolume": "stickers"}});
+        assert_eq!(TaskKind::Rollback.check_payload(&rollback), Ok(()));
+        assert_eq!(TaskKind::Rollback.read_back_volume(&rollback), Some(v));
+        for bad in [
+            // No image to create the helper from.
+            serde_json::json!({"config": {"containerName": "web", "stickerLocation": "volume", "stickerVolume": "s"}}),
+            // compose.up has no container to name the sticker by.
+            serde_json::json!({"config": {"projectName": "app", "stickerLocation": "volume", "stickerVolume": "s"}}),
+            serde_json::json!({"image": "x/web", "digest": digest,
+                "config": {"containerName": "web", "stickerVolume": "s"}}),
+        ] {
+            assert!(TaskKind::DockerRun.check_payload(&bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            TaskKind::DockerRun
+                .read_back_volume(&serde_json::json!({"config": {"containerName": "web"}})),
+            None
+        );
+    }
+
+    #[test]
+    fn volume_stickers_name_a_volume_a_path_inside_it_and_an_image() {
+        for ok in ["version.json", "berth/web.json", "a.b_c-d"] {
+            assert!(valid_volume_path(ok), "{ok}");
+        }
+        for bad in [
+            "", "/abs", "../x", "a/../b", "a//b", "a/", "./a", "a b", "a\0",
+        ] {
+            assert!(!valid_volume_path(bad), "{bad:?}");
+        }
+        let write = |v: serde_json::Value| -> Result<(), String> {
+            serde_json::from_value::<WriteStickerPayload>(v)
+                .map_err(|e| e.to_string())?
+                .check()
+        };
+        let image = "127.0.0.1:5000/web";
+        let digest = format!("sha256:{}", "a".repeat(64));
+        write(
+            serde_json::json!({"name": "web", "stickerLocation": "volume",
+            "stickerVolume": "data", "image": image, "digest": digest}),
+        )
+        .unwrap();
+        let p: WriteStickerPayload = serde_json::from_value(serde_json::json!({"name": "web",
+            "stickerLocation": "volume", "stickerVolume": "data", "image": image, "digest": digest}))
+        .unwrap();
+        let v = p.volume().unwrap().unwrap();
+        assert_eq!(v.path, "web.json");
+        assert_eq!(v.image, format!("{image}@{digest}"));
+        for bad in [
+            serde_json::json!({"name": "web", "stickerLocation": "volume", "image": image, "digest": digest}),
+            serde_json::json!({"name": "web", "stickerLocation": "volume", "stickerVolume": "data"}),
+            serde_json::json!({"name": "web", "stickerLocation": "volume", "stickerVolume": "/etc",
+                "image": image, "digest": digest}),
+            serde_json::json!({"name": "web", "stickerLocation": "volume", "stickerVolume": "data",
+                "stickerPath": "../../etc/passwd", "image": image, "digest": digest}),
+            serde_json::json!({"name": "web", "stickerPath": "x.json"}),
+            serde_json::json!({"name": "web", "stickerLocation": "disk"}),
+        ] {
+            assert!(write(bad.clone()).is_err(), "{bad}");
         }
     }
 

@@ -107,9 +107,12 @@ pub mod reasons {
     pub const CAPABILITY_MISSING: &str = "CAPABILITY_MISSING";
     pub const DOCKER_UNAVAILABLE: &str = "DOCKER_UNAVAILABLE";
     pub const SECRET_NOT_FOUND: &str = "SECRET_NOT_FOUND";
-    /// The environment's secrets are OpenBao-backed: their existence is checked by an agent,
-    /// which this server version cannot do yet.
+    /// The environment's secrets are OpenBao-backed and this server has no OpenBao configured
+    /// (`--openbao-addr`), so no agent can be sent to resolve them.
     pub const SECRETS_UNCHECKABLE: &str = "SECRETS_UNCHECKABLE";
+    /// The probing agent could not log in to OpenBao or read from it (unreachable, sealed, the
+    /// grant or the policy refused): the secrets' existence is not known.
+    pub const SECRETS_UNAVAILABLE: &str = "SECRETS_UNAVAILABLE";
     pub const BUNDLE_UNREADABLE: &str = "BUNDLE_UNREADABLE";
     /// A target could not run the probe (offline, cordoned, its task failed or was refused).
     pub const PROBE_FAILED: &str = "PROBE_FAILED";
@@ -216,6 +219,25 @@ pub struct ProbeReport {
     /// berth's containers on the host that the payload named (missing ones are absent).
     #[serde(default)]
     pub containers: Vec<InspectedContainer>,
+    /// Present when the payload asked to resolve secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<SecretsCheck>,
+}
+
+/// What resolving the payload's secrets at OpenBao found: whether the host could ask at all
+/// (`ok`, else `detail` says why), and the manifest paths that did not resolve (each with
+/// why: not found, or refused). Never a value.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretsCheck {
+    pub ok: bool,
+    #[serde(default)]
+    pub detail: String,
+    #[serde(default)]
+    pub unresolved: Vec<String>,
+    /// How many entries were asked for.
+    #[serde(default)]
+    pub checked: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

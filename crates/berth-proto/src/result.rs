@@ -14,6 +14,9 @@ pub mod error_types {
     pub const CANCELLED: &str = "CANCELLED";
     /// The task ran past its timeout and was stopped.
     pub const TIMEOUT: &str = "TIMEOUT";
+    /// The agent was stopping (SIGTERM) and the task was still running when its shutdown grace
+    /// ran out, so it was interrupted. Retriable unless the task has side effects.
+    pub const AGENT_STOPPED: &str = "AGENT_STOPPED";
     pub const INVALID_PAYLOAD: &str = "INVALID_PAYLOAD";
     /// The agent has no executor for the task type.
     pub const UNSUPPORTED_TASK_TYPE: &str = "UNSUPPORTED_TASK_TYPE";
@@ -51,6 +54,9 @@ pub mod error_types {
     pub const ARTIFACT_DIGEST_MISMATCH: &str = "ARTIFACT_DIGEST_MISMATCH";
     /// `upload-files` on the agent's own host: the directory is outside its upload root.
     pub const PATH_FORBIDDEN: &str = "PATH_FORBIDDEN";
+    /// The assignment's `sealed` payload and credentials did not open with the agent's key
+    /// (missing, tampered, sealed to another key or for another assignment). Nothing ran.
+    pub const PAYLOAD_UNSEALABLE: &str = "PAYLOAD_UNSEALABLE";
 }
 
 /// Durations of the phases of a deployment, in milliseconds (DESIGN "Executors").
@@ -97,9 +103,14 @@ pub struct TaskResult {
     /// Whether running the task again may succeed.
     #[serde(default)]
     pub retriable: bool,
-    /// Redacted log of what the executor did.
+    /// Redacted log of what the executor did. berth-agent sends it empty and the log in
+    /// `sealedLogs`; the server records the opened log here.
     #[serde(default)]
     pub logs: String,
+    /// `logs` sealed to the server's key ([`crate::transport::SealedBox`], info
+    /// [`crate::transport::LOGS_SEAL_INFO`], the assignment id as associated data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed_logs: Option<crate::transport::SealedBox>,
     #[serde(default)]
     pub metrics: TaskMetrics,
 }

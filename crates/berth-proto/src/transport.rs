@@ -3,6 +3,11 @@
 //! Additions the seed allows ("more fields may be added"): `assignmentId` in the result envelope
 //! (inside the signed bytes, so a result is bound to one delivery), `idempotencyKey`,
 //! `expiresAt` and `sideEffects` in the assignment, and `cancellations` in the poll answer.
+//!
+//! Sealing (issue 17): an assignment's `payload` and `credentials` travel only inside `sealed`,
+//! HPKE-sealed to the agent's certificate key, and the seed's two fields are sent empty. A
+//! result's `logs` travel inside `resultData.sealedLogs`, sealed to the server's key, which the
+//! session answer hands the agent. Both use the assignment id as associated data.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -47,6 +52,9 @@ pub struct Session {
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub lease_expires_at: OffsetDateTime,
     pub heartbeat_interval_seconds: u64,
+    /// The server's sealing public key (standard base64 of the uncompressed P-256 point): the
+    /// agent seals its result logs to it. Replicas share it (it lives in the data dir).
+    pub sealing_key: String,
 }
 
 impl Request for AcquireSession {
@@ -129,6 +137,46 @@ pub struct AgentTaskCancellation {
     pub assignment_id: AssignmentId,
 }
 
+/// `WS /api/v1/agents/{id}/task-stream` (mTLS, `X-Berth-Generation` on the upgrade request):
+/// seed 000's push stream, an alternative to the long-poll with the same rules. The path.
+pub fn task_stream_path(agent: AgentId) -> String {
+    format!("/api/v1/agents/{agent}/task-stream")
+}
+
+/// What the server pushes on the task stream (JSON text messages). Seed 000's two messages;
+/// `task_cancelled` also names the assignment, as a poll's cancellation does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum TaskStreamMessage {
+    /// One claimed delivery, exactly what a poll would have answered.
+    TaskAssigned { task: Box<AgentTaskAssignment> },
+    /// A running assignment the operator cancelled: stop it and report `cancelled`.
+    #[serde(rename_all = "camelCase")]
+    TaskCancelled {
+        task_id: TaskId,
+        assignment_id: AssignmentId,
+    },
+}
+
+/// What the agent sends on the task stream: `{"type": "ready", …the poll's body}` asks for one
+/// delivery, as one poll would (same contract version, capabilities and start handshake). The
+/// server pushes at most one `task_assigned` per `ready`, so the agent's own limit on tasks
+/// at once holds over the stream as over polls.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum TaskStreamRequest {
+    Ready(AgentTaskPollRequest),
+}
+
+/// The close code of a task stream the server ends with a refusal: 4000 + the HTTP status the
+/// same refusal has on a poll (4409 `FENCED`, 4401 `CERTIFICATE_SUPERSEDED`, …), the reason
+/// being the stable code. Codes below 4000 are WebSocket's own (1000 normal, 1001 going away).
+pub const fn stream_close_code(http_status: u16) -> u16 {
+    4000 + http_status
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -142,9 +190,15 @@ pub struct AgentTaskAssignment {
     /// built-in task types.
     pub required_capability: String,
     pub task_type: String,
-    /// JSON text of the task payload.
+    /// Empty: the payload travels in `sealed`.
     pub payload: String,
+    /// Empty: the credentials travel in `sealed`.
     pub credentials: BTreeMap<String, String>,
+    /// The JSON of a [`SealedAssignment`] (the payload and credentials), sealed to the agent's
+    /// certificate key with [`ASSIGNMENT_SEAL_INFO`] and this assignment's id as associated data,
+    /// so it opens for no other key and in no other assignment. Always present from berth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed: Option<SealedBox>,
     pub variables: BTreeMap<String, String>,
     #[serde(with = "crate::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
@@ -159,6 +213,35 @@ pub struct AgentTaskAssignment {
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub expires_at: OffsetDateTime,
     pub side_effects: bool,
+}
+
+/// The one sealing suite: HPKE (RFC 9180) base mode, DHKEM(P-256, HKDF-SHA256), HKDF-SHA256,
+/// AES-256-GCM.
+pub const SEAL_ALG: &str = "HPKE-P256-SHA256-A256GCM";
+/// HPKE `info` of an assignment's sealed payload and credentials.
+pub const ASSIGNMENT_SEAL_INFO: &[u8] = b"berth agent-task-transport/v1 assignment";
+/// HPKE `info` of a result's sealed logs.
+pub const LOGS_SEAL_INFO: &[u8] = b"berth agent-task-transport/v1 result logs";
+
+/// One HPKE-sealed message: `enc` (the encapsulated key) and `ciphertext` (with its tag), both
+/// standard base64, under the suite `alg` names ([`SEAL_ALG`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SealedBox {
+    pub alg: String,
+    pub enc: String,
+    pub ciphertext: String,
+}
+
+/// What an assignment's `sealed` holds once opened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SealedAssignment {
+    /// JSON text of the task payload.
+    pub payload: String,
+    #[serde(default)]
+    pub credentials: BTreeMap<String, String>,
 }
 
 /// `POST …/agents/{agentId}/tasks/{taskId}/start` (mTLS, with the generation): the agent asks,

@@ -8,7 +8,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Context, ServerError};
-use berth_crypto::{Ca, JwtSigner, MasterKey};
+use berth_crypto::hpke::RecipientKey;
+use berth_crypto::{Ca, JwtSigner, MasterKey, RegistryTokenKey};
 use berth_proto::admin::Role;
 use berth_proto::TokenId;
 use berth_store::{DynStore, NewApiToken};
@@ -45,11 +46,41 @@ impl DataDir {
     pub fn jwt_key(&self) -> PathBuf {
         self.0.join("jwt.key")
     }
+    /// The key that signs registry pull tokens (0600), and its certificate: what an operator
+    /// puts in a registry's `auth: token: rootcertbundle`.
+    pub fn registry_token_key(&self) -> PathBuf {
+        self.0.join("registry-token.key")
+    }
+    pub fn registry_token_cert(&self) -> PathBuf {
+        self.0.join("registry-token.crt")
+    }
     pub fn master_key(&self) -> PathBuf {
         self.0.join("master.key")
     }
+    /// The P-256 key agents seal their result logs to (PKCS#8 PEM, 0600).
+    pub fn sealing_key(&self) -> PathBuf {
+        self.0.join("sealing.key")
+    }
     pub fn admin_token(&self) -> PathBuf {
         self.0.join("admin.token")
+    }
+
+    /// Every file of key material (the database aside): what a backup carries and a replica
+    /// copies. Private keys, `master.key` and the admin token's hash are secrets (0600).
+    pub fn key_material(&self) -> Vec<PathBuf> {
+        vec![
+            self.ca_cert(),
+            self.ca_key(),
+            self.server_cert(),
+            self.server_key(),
+            self.server_names(),
+            self.jwt_key(),
+            self.registry_token_key(),
+            self.registry_token_cert(),
+            self.master_key(),
+            self.sealing_key(),
+            self.admin_token(),
+        ]
     }
 }
 
@@ -66,7 +97,9 @@ pub(crate) struct Material {
     pub store: DynStore,
     pub ca: Ca,
     pub jwt: JwtSigner,
+    pub registry_token_key: RegistryTokenKey,
     pub master_key: MasterKey,
+    pub sealing_key: RecipientKey,
     pub server_cert_pem: String,
     pub server_key_pem: String,
 }
@@ -115,6 +148,40 @@ pub(crate) async fn bootstrap(
         }
     };
 
+    // Its own key, not the JWT key: a registry that trusts it trusts nothing else berth signs.
+    let registry_token_key = match (
+        read_opt(&dir.registry_token_key())?,
+        read_opt(&dir.registry_token_cert())?,
+    ) {
+        (Some(key), Some(cert)) => {
+            RegistryTokenKey::from_pem(&key, &cert).context("loading the registry token key")?
+        }
+        (None, None) => {
+            let key = RegistryTokenKey::generate("berth registry tokens", now)
+                .context("generating the registry token key")?;
+            write_secret(&dir.registry_token_key(), key.key_pem().as_bytes())?;
+            write_public(&dir.registry_token_cert(), key.cert_pem().as_bytes())?;
+            key
+        }
+        _ => {
+            return Err(ServerError::new(format!(
+                "{} and {} must both exist or both be absent",
+                dir.registry_token_key().display(),
+                dir.registry_token_cert().display()
+            )))
+        }
+    };
+
+    let sealing_key = match read_opt(&dir.sealing_key())? {
+        Some(pem) => RecipientKey::from_pkcs8_pem(&pem).context("loading the sealing key")?,
+        None => {
+            let key = RecipientKey::generate().context("generating the sealing key")?;
+            let pem = key.to_pkcs8_pem().context("encoding the sealing key")?;
+            write_secret(&dir.sealing_key(), pem.as_bytes())?;
+            key
+        }
+    };
+
     if !dir.master_key().exists() {
         write_secret(&dir.master_key(), MasterKey::generate().as_bytes())?;
     }
@@ -129,7 +196,11 @@ pub(crate) async fn bootstrap(
             write_secret(&db, b"")?;
         }
     }
-    let store = berth_store::open(&config.database_url())
+    // Task payloads are sealed at rest under the master key (`berth_store::PayloadKey`).
+    let payload_key = berth_store::PayloadKey::new(
+        MasterKey::from_bytes(&master).context("the master key file is not 32 bytes")?,
+    );
+    let store = berth_store::open(&config.database_url(), payload_key)
         .await
         .context("opening the database")?;
     let tenant = store
@@ -172,7 +243,9 @@ pub(crate) async fn bootstrap(
             store,
             ca,
             jwt,
+            registry_token_key,
             master_key,
+            sealing_key,
             server_cert_pem,
             server_key_pem,
         },

@@ -1,4 +1,5 @@
-//! Server configuration: one struct, filled by the CLI from flags and environment variables.
+//! Server configuration: one struct, filled by the CLI from flags, environment variables and
+//! `/etc/berth/server.toml` (`berth_cli::server_config`). [`ServerConfig::new`] owns the defaults.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -71,12 +72,40 @@ pub struct ServerConfig {
     pub public_url: Option<String>,
     /// The OpenBao that holds secrets; `None`: secrets are berth's own (`builtin`).
     pub openbao: Option<OpenBaoSettings>,
+    /// The agent binaries `/install.sh` downloads, named `berth-agent-<os>-<arch>`; `None`: the
+    /// `berth-agent` beside the running binary, for this machine's platform.
+    pub agent_downloads: Option<PathBuf>,
     /// Most open (not terminal) tasks one agent may hold before a client's create for it is
     /// refused (`429 QUEUE_FULL`). Read-backs and the server's own deployment and drift tasks
     /// are not refused by it (they count, though).
     pub max_open_tasks_per_agent: u32,
     /// The webhook sender's schedule and timeout.
     pub notify: NotifySettings,
+    /// Finished tasks and events older than this are pruned (`retention.rs`); `None`: kept.
+    pub retention: Option<time::Duration>,
+    /// The registries berth is the token server for (issue 17 item 3).
+    pub registry_tokens: RegistryTokenSettings,
+}
+
+/// berth as the token server of registries configured with `auth: token` and berth's
+/// `registry-token.crt` as their `rootcertbundle`: a deployment's `docker.run` of an image on one
+/// of them carries a pull token for that repository only, never a password.
+#[derive(Debug, Clone)]
+pub struct RegistryTokenSettings {
+    /// Registry host as image references name it (`host[:port]`) → that registry's
+    /// `auth.token.service`, the tokens' `aud`.
+    pub registries: std::collections::BTreeMap<String, String>,
+    /// `iss` of the tokens: the registries' `auth.token.issuer`.
+    pub issuer: String,
+}
+
+impl Default for RegistryTokenSettings {
+    fn default() -> RegistryTokenSettings {
+        RegistryTokenSettings {
+            registries: Default::default(),
+            issuer: "berth".into(),
+        }
+    }
 }
 
 /// How the notification sender delivers (issue 14 item 3).
@@ -134,9 +163,25 @@ pub fn parse_retry_schedule(text: &str) -> Result<Vec<Duration>, String> {
     Ok(steps)
 }
 
+/// The text [`parse_retry_schedule`] reads back: each step in its largest whole unit.
+pub fn format_retry_schedule(steps: &[Duration]) -> String {
+    let step = |d: &Duration| {
+        let ms = d.as_millis();
+        match ms {
+            _ if ms.is_multiple_of(3_600_000) && ms > 0 => format!("{}h", ms / 3_600_000),
+            _ if ms.is_multiple_of(60_000) && ms > 0 => format!("{}m", ms / 60_000),
+            _ if ms.is_multiple_of(1_000) => format!("{}s", ms / 1_000),
+            _ => format!("{ms}ms"),
+        }
+    };
+    steps.iter().map(step).collect::<Vec<_>>().join(",")
+}
+
 impl OpenBaoSettings {
-    pub const DEFAULT_AUTH_MOUNT: &'static str = "jwt-berth";
-    pub const DEFAULT_ROLE: &'static str = "see-env";
+    pub const DEFAULT_AUTH_MOUNT: &'static str = berth_proto::desired::DEFAULT_OPENBAO_AUTH_MOUNT;
+    pub const DEFAULT_ROLE: &'static str = berth_proto::desired::DEFAULT_OPENBAO_ROLE;
+    /// The KV v2 mount `--openbao-kv-mount` defaults to.
+    pub const DEFAULT_KV_MOUNT: &'static str = "berth";
 
     /// The defaults of seed 001 for everything but the address and the KV mount.
     pub fn new(addr: impl Into<String>, kv_mount: impl Into<String>) -> OpenBaoSettings {
@@ -174,8 +219,11 @@ impl ServerConfig {
             clock: std::sync::Arc::new(crate::SystemClock),
             public_url: None,
             openbao: None,
+            agent_downloads: None,
             max_open_tasks_per_agent: 1_000,
+            retention: Some(time::Duration::days(30)),
             notify: NotifySettings::default(),
+            registry_tokens: RegistryTokenSettings::default(),
         }
     }
 
@@ -217,6 +265,12 @@ mod notify_tests {
             parse_retry_schedule("50ms, 2s").unwrap(),
             [Duration::from_millis(50), Duration::from_secs(2)]
         );
+        for text in ["1s,8s,64s,5m", "50ms,2s,1h", "0s"] {
+            assert_eq!(
+                format_retry_schedule(&parse_retry_schedule(text).unwrap()),
+                text
+            );
+        }
         for bad in ["", "5", "1x", "s", "2d", "25h"] {
             assert!(parse_retry_schedule(bad).is_err(), "{bad}");
         }

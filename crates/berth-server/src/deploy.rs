@@ -19,7 +19,7 @@
 //!   if a rollback failed;
 //! - a cancellation ends the deployment after the running wave.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use berth_proto::agent::AgentStatus;
@@ -678,6 +678,14 @@ async fn cancel_open(
     Ok(())
 }
 
+/// What a deployment task's sealed credentials hold.
+enum Credentials<'a> {
+    /// A `docker.run`: the registry token scope, if berth issues for the image's registry.
+    Registry(Option<BTreeMap<String, String>>),
+    /// An `ssh.deploy`: the SSH target's private key.
+    SshKey(&'a berth_store::SshTarget),
+}
+
 /// Creates (or finds again, by key) the target's tasks for `release`: one `docker.run` per
 /// component on an agent, one `ssh.deploy` on an SSH target's via agent. `Err` when the target
 /// can no longer be deployed to (its agent or SSH target deleted, no via agent, its key gone,
@@ -706,11 +714,16 @@ async fn create_tasks(
                 // are the agent's own); a label removed since fails the step loudly.
                 let payload = component_payload(release, component, &found, policy)
                     .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
+                // On a registry berth is the token server of, the task carries the scope its
+                // deliveries mint a pull token for: this component's repository only.
+                let credentials = berth_proto::reference::parse_image(&component.image)
+                    .ok()
+                    .and_then(|image| crate::registry_token::task_credentials(state, &image));
                 tasks.push((
                     TaskKind::DockerRun,
                     target.agent_id,
                     payload,
-                    None,
+                    Credentials::Registry(credentials),
                     component.name.as_str(),
                 ));
             }
@@ -736,19 +749,30 @@ async fn create_tasks(
                 image: None,
                 digest: None,
                 extra: Default::default(),
+                ..Default::default()
             };
             let payload =
                 serde_json::to_value(spec.payload(crate::targets::payload_target(ssh), sticker))
                     .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
-            tasks.push((TaskKind::SshDeploy, via.id, payload, Some(ssh), "ssh"));
+            tasks.push((
+                TaskKind::SshDeploy,
+                via.id,
+                payload,
+                Credentials::SshKey(ssh),
+                "ssh",
+            ));
         }
     }
     let mut ids = Vec::new();
-    for (kind, agent_id, payload, ssh, part) in tasks {
+    for (kind, agent_id, payload, credentials, part) in tasks {
         let id = TaskId::new();
-        let credentials_sealed = match ssh {
-            None => None,
-            Some(ssh) => match crate::targets::sealed_key(state, ssh, id).await {
+        let credentials_sealed = match credentials {
+            Credentials::Registry(None) => None,
+            Credentials::Registry(Some(creds)) => Some(
+                crate::routes::tasks::seal_credentials(&state.master_key, &creds, id)
+                    .map_err(|e| StoreError::Corrupt(format!("sealing credentials: {e}")))?,
+            ),
+            Credentials::SshKey(ssh) => match crate::targets::sealed_key(state, ssh, id).await {
                 Ok(sealed) => Some(sealed),
                 Err(SshTaskError::Store(e)) => return Err(e),
                 Err(e) => {

@@ -190,6 +190,7 @@ async fn schedule_check(
                 name: ssh.name.clone(),
                 ssh_target: Some(crate::targets::payload_target(ssh)),
                 deploy_directory: Some(directory),
+                ..Default::default()
             };
             let payload = serde_json::to_value(payload)
                 .map_err(|e| StoreError::Corrupt(format!("read-sticker payload: {e}")))?;

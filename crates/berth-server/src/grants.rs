@@ -16,6 +16,9 @@ use time::OffsetDateTime;
 use crate::error::ApiError;
 use crate::SharedState;
 
+/// Seed 001's grant lifetime (1 h).
+pub const GRANT_TTL: time::Duration = time::Duration::seconds(GRANT_TTL_SECS as i64);
+
 /// A minted grant: the JWT (for the caller only) and its record (for the store).
 pub struct Minted {
     pub jwt: String,
@@ -23,17 +26,19 @@ pub struct Minted {
 }
 
 /// Signs a grant for `env` with a key of its own. The claims are exactly seed 001's: `iss`,
-/// `aud`, `sub` = `agent:<env>`, `env_id`, `kind`, `jti`, `iat`, `exp` = now + 1 h.
+/// `aud`, `sub` = `agent:<env>`, `env_id`, `kind`, `jti`, `iat`, `exp` = now + `ttl` (a kit or
+/// a lease: [`GRANT_TTL`]).
 pub fn mint(
     state: &SharedState,
     env: &DesiredEnvironment,
     kind: GrantKind,
     now: OffsetDateTime,
+    ttl: time::Duration,
 ) -> Result<Minted, ApiError> {
     // The kid is derived from the fresh key's public point (random, unique), and is the jti.
     let signer = JwtSigner::generate().map_err(|e| ApiError::internal(&e))?;
     let jti = signer.kid().to_string();
-    let expires_at = now + time::Duration::seconds(GRANT_TTL_SECS as i64);
+    let expires_at = now + ttl;
     let claims = json!({
         "iss": state.config.jwt_issuer,
         "aud": GRANT_AUDIENCE,

@@ -15,6 +15,7 @@ mod extract;
 mod fault;
 mod grants;
 mod heartbeat;
+mod install;
 mod metrics;
 mod notify;
 mod openapi;
@@ -24,6 +25,8 @@ mod readback;
 mod readiness;
 mod reconcile;
 mod registry;
+mod registry_token;
+mod retention;
 mod routes;
 mod secrets;
 mod targets;
@@ -34,13 +37,16 @@ mod wake;
 use std::future::Future;
 use std::sync::Arc;
 
-use berth_crypto::{Ca, JwtSigner, MasterKey};
+use berth_crypto::{Ca, JwtSigner, MasterKey, RegistryTokenKey};
 use berth_store::DynStore;
 use tokio::net::TcpListener;
 
 pub use bootstrap::{Bootstrapped, DataDir};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{parse_retry_schedule, NotifySettings, OpenBaoSettings, ServerConfig};
+pub use config::{
+    format_retry_schedule, parse_retry_schedule, NotifySettings, OpenBaoSettings,
+    RegistryTokenSettings, ServerConfig,
+};
 pub use error::ServerError;
 pub use openapi::openapi_json;
 
@@ -50,7 +56,13 @@ pub(crate) struct AppState {
     pub store: DynStore,
     pub ca: Ca,
     pub jwt: JwtSigner,
+    /// Signs the registry pull tokens of deployment tasks (`registry_token.rs`).
+    pub registry_token_key: RegistryTokenKey,
     pub master_key: MasterKey,
+    /// Opens the result logs agents seal to it; its public key is in every session answer.
+    pub sealing_key: berth_crypto::hpke::RecipientKey,
+    /// `sealing_key`'s public key as the session answer carries it.
+    pub sealing_public: String,
     pub wakeups: wake::Wakeups,
     pub heartbeats: heartbeat::HeartbeatWriter,
     pub metrics: metrics::Metrics,
@@ -66,6 +78,8 @@ pub(crate) struct AppState {
     pub bao: Option<Arc<openbao::TokenVerifier>>,
     /// Wakes the notification sender before its next sweep (a resend).
     pub notify_wake: tokio::sync::Notify,
+    /// The agent binaries the install script downloads.
+    pub downloads: install::AgentDownloads,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -94,12 +108,20 @@ impl Server {
             )),
             _ => None,
         };
+        let downloads = install::AgentDownloads::new(config.agent_downloads.clone());
         let state = Arc::new(AppState {
             config,
             store: material.store,
             ca: material.ca,
             jwt: material.jwt,
+            registry_token_key: material.registry_token_key,
             master_key: material.master_key,
+            sealing_public: {
+                use base64::Engine;
+                base64::engine::general_purpose::STANDARD
+                    .encode(material.sealing_key.public_key().as_bytes())
+            },
+            sealing_key: material.sealing_key,
             wakeups,
             heartbeats,
             metrics,
@@ -108,6 +130,7 @@ impl Server {
             rate: rate::RateLimiter::default(),
             bao,
             notify_wake: tokio::sync::Notify::new(),
+            downloads,
         });
         Ok(Server {
             state,
@@ -134,6 +157,7 @@ impl Server {
         let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
         let notify = tokio::spawn(notify::run(self.state.clone(), stop_rx.clone()));
         let readiness = tokio::spawn(readiness::run(self.state.clone(), stop_rx.clone()));
+        let retention = tokio::spawn(retention::run(self.state.clone(), stop_rx.clone()));
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -155,6 +179,7 @@ impl Server {
         let _ = drift.await;
         let _ = notify.await;
         let _ = readiness.await;
+        let _ = retention.await;
         self.state.heartbeats.close().await;
         result
     }

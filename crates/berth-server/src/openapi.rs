@@ -25,11 +25,15 @@ pub const AGENT_CERTIFICATE: &str = "agentCertificate";
 #[openapi(
     info(title = "berth", description = "berth control plane API"),
     // What an event stream message's `data` carries: not referenced by any response, since
-    // SSE messages are described as SSE frames them (`EventMessage`).
+    // SSE messages are described as SSE frames them (`EventMessage`). Likewise the task
+    // stream's messages, which travel as WebSocket frames.
     components(schemas(
         berth_proto::event::EventView,
         berth_proto::event::TaskStateEvent,
-        berth_proto::event::AgentEvent
+        berth_proto::event::AgentEvent,
+        // The task stream's messages, each way (WebSocket frames, not an HTTP body).
+        berth_proto::transport::TaskStreamMessage,
+        berth_proto::transport::TaskStreamRequest
     )),
     modifiers(&SecuritySchemes),
 )]

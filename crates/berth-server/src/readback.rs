@@ -9,6 +9,7 @@
 
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
+use berth_proto::payload::ReadStickerPayload;
 use berth_proto::TaskId;
 use berth_store::{CreateTaskOutcome, NewTask, Task, TaskState};
 use serde_json::{json, Value};
@@ -29,9 +30,15 @@ pub async fn schedule(state: &SharedState, task: &Task) {
     };
     let now = state.config.clock.now();
     let id = TaskId::new();
-    let mut payload = json!({ "name": name });
+    let kind = TaskKind::parse(&task.task_type);
+    let mut payload = match kind.and_then(|k| k.read_back_volume(&task.payload)) {
+        // The sticker is in a Docker volume: read it there.
+        Some(volume) => serde_json::to_value(ReadStickerPayload::in_volume(&name, volume))
+            .unwrap_or_else(|_| json!({ "name": name })),
+        None => json!({ "name": name }),
+    };
     let mut credentials_sealed = None;
-    if TaskKind::parse(&task.task_type) == Some(TaskKind::SshDeploy) {
+    if kind == Some(TaskKind::SshDeploy) {
         // The sticker is on the SSH target: read it there, with the deploy's own key.
         payload["sshTarget"] = task.payload["target"].clone();
         payload["deployDirectory"] = task.payload["deployDirectory"].clone();

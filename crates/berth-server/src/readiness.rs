@@ -13,8 +13,11 @@
 //!    intervals (an SSH target: its via agent).
 //! 3. `CapabilitiesMatch`: each target's agent reports the capability of the release's kind.
 //! 4. `SecretsResolvable`: each secrets-manifest entry of the desired bundle exists; builtin
-//!    ones by the store's row (never opened). OpenBao-backed ones would be the agent's to check
-//!    and are reported `False`/`SECRETS_UNCHECKABLE` for now.
+//!    ones by the store's row (never opened). OpenBao-backed ones are resolved by an agent: the
+//!    pass's first probe carries them, with a `lease` grant minted for that probe alone (it
+//!    supersedes nothing, so the environment's running agents keep theirs, and expires with the
+//!    probe) sealed in the task's credentials; the agent logs in and reads each entry as an
+//!    apply would, and reports only which did not resolve. No value reaches the server.
 //! 5. to 7. One `readiness-probe` task per reachable host, keyed by the pass (so the next
 //!    pass never reuses it). Its verified, signed result is `RoutesExecutable` for that host;
 //!    its report gives `RegistryReachable` (each registry's `/v2/` from the host) and `Healthy`
@@ -33,7 +36,9 @@ use std::time::Duration;
 
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
-use berth_proto::payload::ReadinessProbePayload;
+use berth_proto::payload::{
+    ReadinessProbePayload, SecretsProbe, SecretsProbeEntry, OPENBAO_LOGIN_JWT_CREDENTIAL,
+};
 use berth_proto::readiness::{reasons, Condition, ConditionStatus, ConditionType, ProbeReport};
 use berth_proto::reference::parse_image;
 use berth_proto::{AgentId, TaskId};
@@ -58,6 +63,17 @@ const PROBE_TIMEOUT_SECS: u32 = 60;
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(120);
 /// Probes run before the host's queued work (a read-back still goes first).
 const PROBE_PRIORITY: i32 = 1000;
+/// A probe's OpenBao grant outlives the longest wait for its probe, and no more.
+const PROBE_GRANT_TTL: time::Duration =
+    time::Duration::seconds(PROBE_DEADLINE.as_secs() as i64 + 60);
+
+/// How a pass learns whether the desired bundle's secrets resolve.
+enum SecretsVerdict {
+    /// Known on the server (builtin secrets, nothing to check, a bundle it cannot read).
+    Decided(Condition),
+    /// OpenBao-backed: the pass's first probe resolves them.
+    ByAgent(SecretsProbe),
+}
 
 pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(SWEEP_EVERY);
@@ -365,13 +381,16 @@ async fn evaluate(
         };
         set(r, c);
     }
-    // 4. SecretsResolvable.
+    // 4. SecretsResolvable (OpenBao-backed: decided with the probes below).
+    let mut by_agent = None;
     if !get(r, ConditionType::SecretsResolvable)
         .status
         .is_terminal()
     {
-        let c = secrets(state, env, now, generation).await?;
-        set(r, c);
+        match secrets(state, env, now, generation).await? {
+            SecretsVerdict::Decided(c) => set(r, c),
+            SecretsVerdict::ByAgent(probe) => by_agent = Some(probe),
+        }
     }
 
     // 5-7. The probes, one per reachable host (an SSH target's via agent once).
@@ -426,6 +445,8 @@ async fn evaluate(
                     registries: registries.clone(),
                     containers,
                     pass: Some(pass.id.to_string()),
+                    // One host resolves the environment's secrets: the first one probed.
+                    secrets: by_agent.clone().filter(|_| pass.probes.is_empty()),
                 };
                 let created = create_probe(state, env, &pass, agent.id, payload).await?;
                 if let Some(t) = created {
@@ -661,6 +682,14 @@ async fn evaluate(
         }
     };
     set(r, healthy);
+    if let Some(probe) = &by_agent {
+        let c = if pending.is_empty() {
+            resolved_by_agent(probe, &reports, targets.is_empty(), now, generation)
+        } else {
+            pending_condition(ConditionType::SecretsResolvable)
+        };
+        set(r, c);
+    }
 
     pass.complete = r.conditions.iter().all(|c| c.status.is_terminal());
     if pass.complete {
@@ -703,6 +732,80 @@ fn verdict(
             now,
             generation,
         ),
+    }
+}
+
+/// `SecretsResolvable` from the probe that resolved the environment's OpenBao secrets.
+fn resolved_by_agent(
+    probe: &SecretsProbe,
+    reports: &[(String, ProbeOutcome)],
+    no_targets: bool,
+    now: OffsetDateTime,
+    generation: i64,
+) -> Condition {
+    let make = |status, reason: &str, message: String| {
+        condition(
+            ConditionType::SecretsResolvable,
+            status,
+            reason,
+            message,
+            now,
+            generation,
+        )
+    };
+    let checked = reports.iter().find_map(|(host, r)| {
+        r.as_ref()
+            .ok()
+            .and_then(|r| r.secrets.as_ref())
+            .map(|c| (host, c))
+    });
+    match checked {
+        Some((host, c)) if !c.ok => make(
+            ConditionStatus::False,
+            reasons::SECRETS_UNAVAILABLE,
+            format!(
+                "{host} could not resolve the secrets at OpenBao: {}",
+                c.detail
+            ),
+        ),
+        Some((host, c)) if c.unresolved.is_empty() => make(
+            ConditionStatus::True,
+            reasons::OK,
+            format!(
+                "{} secret(s) resolve at OpenBao from {host}",
+                probe.entries.len()
+            ),
+        ),
+        Some((host, c)) => make(
+            ConditionStatus::False,
+            reasons::SECRET_NOT_FOUND,
+            format!("not resolved from {host}: {}", c.unresolved.join(", ")),
+        ),
+        None if no_targets => make(
+            ConditionStatus::False,
+            reasons::NO_TARGETS,
+            "no target to resolve the OpenBao secrets from".into(),
+        ),
+        None => {
+            let failures: Vec<&(String, String)> = reports
+                .iter()
+                .filter_map(|(_, r)| r.as_ref().err())
+                .collect();
+            make(
+                ConditionStatus::False,
+                failures
+                    .first()
+                    .map_or(reasons::PROBE_FAILED, |(reason, _)| reason.as_str()),
+                format!(
+                    "no probe resolved the OpenBao secrets: {}",
+                    failures
+                        .iter()
+                        .map(|(_, m)| m.as_str())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            )
+        }
     }
 }
 
@@ -785,22 +888,22 @@ async fn configured(
 }
 
 /// The desired bundle's manifest entries: builtin ones must have a live version in the store
-/// (the sealed row is found, never opened).
+/// (the sealed row is found, never opened); OpenBao-backed ones go to an agent.
 async fn secrets(
     state: &SharedState,
     env: &Environment,
     now: OffsetDateTime,
     generation: i64,
-) -> Result<Condition, StoreError> {
+) -> Result<SecretsVerdict, StoreError> {
     let make = |status, reason: &str, message: String| {
-        condition(
+        SecretsVerdict::Decided(condition(
             ConditionType::SecretsResolvable,
             status,
             reason,
             message,
             now,
             generation,
-        )
+        ))
     };
     let desired = state
         .store
@@ -840,15 +943,33 @@ async fn secrets(
         ));
     }
     if manifest.vault_mode != "builtin" {
-        return Ok(make(
-            ConditionStatus::False,
-            reasons::SECRETS_UNCHECKABLE,
-            format!(
-                "{} secret(s) are {}-backed; their existence is not checked yet",
-                manifest.entries.len(),
-                manifest.vault_mode
-            ),
-        ));
+        return Ok(
+            match (&state.config.openbao, manifest.vault_mode.as_str()) {
+                (Some(bao), "openbao") => SecretsVerdict::ByAgent(SecretsProbe {
+                    addr: bao.addr.clone(),
+                    auth_mount: bao.auth_mount.clone(),
+                    role: bao.role.clone(),
+                    kv_mount: bao.kv_mount.clone(),
+                    entries: manifest
+                        .entries
+                        .iter()
+                        .map(|e| SecretsProbeEntry {
+                            path: e.path.clone(),
+                            version: e.version,
+                        })
+                        .collect(),
+                }),
+                _ => make(
+                    ConditionStatus::False,
+                    reasons::SECRETS_UNCHECKABLE,
+                    format!(
+                    "{} secret(s) are {}-backed and this server has no OpenBao (--openbao-addr)",
+                    manifest.entries.len(),
+                    manifest.vault_mode
+                ),
+                ),
+            },
+        );
     }
     let mut missing = Vec::new();
     for entry in &manifest.entries {
@@ -892,15 +1013,20 @@ async fn create_probe(
     agent: AgentId,
     payload: ReadinessProbePayload,
 ) -> Result<Option<TaskId>, StoreError> {
+    let id = TaskId::new();
+    let credentials_sealed = match &payload.secrets {
+        Some(_) => probe_grant(state, env, id).await?,
+        None => None,
+    };
     let payload = serde_json::to_value(payload)
         .map_err(|e| StoreError::Corrupt(format!("readiness-probe payload: {e}")))?;
     let task = NewTask {
-        id: TaskId::new(),
+        id,
         tenant_id: env.tenant_id,
         task_type: TaskKind::ReadinessProbe.name().into(),
         agent_id: agent,
         payload,
-        credentials_sealed: None,
+        credentials_sealed,
         variables: Default::default(),
         timeout_seconds: PROBE_TIMEOUT_SECS,
         priority: PROBE_PRIORITY,
@@ -924,4 +1050,35 @@ async fn create_probe(
         }) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// A `lease` grant for one probe's OpenBao login, sealed into the probe task's credentials.
+/// Recording it supersedes nothing. `None`: the environment has no desired state (nothing to
+/// log in for), and the probe reports that it has no grant.
+async fn probe_grant(
+    state: &SharedState,
+    env: &Environment,
+    task: TaskId,
+) -> Result<Option<Vec<u8>>, StoreError> {
+    let Some(desired) = state
+        .store
+        .desired_environment(env.tenant_id, &env.name)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let now = state.config.clock.now();
+    let minted = crate::grants::mint(
+        state,
+        &desired,
+        berth_store::GrantKind::Lease,
+        now,
+        PROBE_GRANT_TTL,
+    )
+    .map_err(|e| StoreError::Corrupt(format!("minting the probe's grant: {}", e.detail)))?;
+    state.store.record_grant(minted.grant).await?;
+    let credentials = BTreeMap::from([(OPENBAO_LOGIN_JWT_CREDENTIAL.to_string(), minted.jwt)]);
+    crate::routes::tasks::seal_credentials(&state.master_key, &credentials, task)
+        .map(Some)
+        .map_err(|e| StoreError::Corrupt(format!("sealing the probe's grant: {e}")))
 }

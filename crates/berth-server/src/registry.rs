@@ -95,6 +95,26 @@ impl Registries {
         image: &ImageRef,
         credentials: Option<&Credentials>,
     ) -> Result<String, ResolveError> {
+        self.resolve_as(image, credentials, None).await
+    }
+
+    /// [`Registries::resolve`] with a bearer token berth minted itself for a registry it is the
+    /// token server of (`registry_token.rs`): sent at once, no challenge followed.
+    pub async fn resolve_with_token(
+        &self,
+        image: &ImageRef,
+        token: &str,
+    ) -> Result<String, ResolveError> {
+        self.resolve_as(image, None, Some(format!("Bearer {token}")))
+            .await
+    }
+
+    async fn resolve_as(
+        &self,
+        image: &ImageRef,
+        credentials: Option<&Credentials>,
+        authorization: Option<String>,
+    ) -> Result<String, ResolveError> {
         let host = image.registry();
         let (base, path) = endpoint(image);
         let reference = image
@@ -106,7 +126,15 @@ impl Registries {
         let unreachable =
             |e: reqwest::Error| ResolveError::Unresolvable(format!("registry {host}: {e}"));
 
-        let mut response = self.get(&url, None).await.map_err(unreachable)?;
+        let mut response = self
+            .get(&url, authorization.as_deref())
+            .await
+            .map_err(unreachable)?;
+        if response.status() == StatusCode::UNAUTHORIZED && authorization.is_some() {
+            return Err(ResolveError::Unauthorized(format!(
+                "registry {host} refused berth's own token for {path}"
+            )));
+        }
         if response.status() == StatusCode::UNAUTHORIZED {
             let challenge = response
                 .headers()

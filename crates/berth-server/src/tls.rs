@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use crate::error::{Context, ServerError};
 use axum::Router;
+use berth_crypto::hpke::RecipientPublicKey;
 use berth_crypto::ResultVerifier;
 use futures_util::future::Either;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -57,6 +58,8 @@ pub struct PeerCertificate {
     /// `der`'s public key, parsed on the first signed result and kept for the connection's
     /// life; shared by every request of the connection (see [`PeerCertificate::result_verifier`]).
     verifier: Arc<OnceLock<ResultVerifier>>,
+    /// `der`'s key as a sealing recipient, parsed on the first assignment; like `verifier`.
+    recipient: Arc<OnceLock<RecipientPublicKey>>,
 }
 
 impl PeerCertificate {
@@ -70,6 +73,7 @@ impl PeerCertificate {
             not_after: berth_crypto::cert_not_after(der)
                 .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
             verifier: Arc::new(OnceLock::new()),
+            recipient: Arc::new(OnceLock::new()),
         }
     }
 
@@ -95,6 +99,17 @@ impl PeerCertificate {
         let built = ResultVerifier::from_cert(&self.der)?;
         // Two results racing on one HTTP/2 connection may both build one; the first is kept.
         Ok(self.verifier.get_or_init(|| built))
+    }
+
+    /// This certificate's key as the recipient of sealed assignments, built on first use and
+    /// cached for the connection like [`PeerCertificate::result_verifier`]. A key that cannot
+    /// receive (RSA, another curve) is `UnsupportedKey`, again on every call.
+    pub fn sealing_recipient(&self) -> berth_crypto::Result<&RecipientPublicKey> {
+        if let Some(recipient) = self.recipient.get() {
+            return Ok(recipient);
+        }
+        let built = RecipientPublicKey::from_cert(&self.der)?;
+        Ok(self.recipient.get_or_init(|| built))
     }
 }
 
@@ -184,7 +199,8 @@ pub(crate) async fn serve(
         let stopping = stopping.clone();
         let metrics = metrics.clone();
         tokio::spawn(async move {
-            let _slots = (permit, source);
+            // Held by the connection, and by an upgraded WebSocket that outlives it.
+            let slots = ConnectionHold(Arc::new((permit, source)));
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(e)) => {
@@ -209,6 +225,7 @@ pub(crate) async fn serve(
             let service = hyper::service::service_fn(
                 move |mut req: hyper::Request<hyper::body::Incoming>| {
                     req.extensions_mut().insert(peer.clone());
+                    req.extensions_mut().insert(slots.clone());
                     // A body must arrive in time, and one the handler leaves unread (a 413, a
                     // refusal before the body) is read to its end after the answer; see
                     // `RequestBody`.
@@ -284,6 +301,14 @@ pub(crate) async fn serve(
     }
     Ok(())
 }
+
+/// A connection's slots in the connection budget and its source's count. An upgraded
+/// connection (the task stream's WebSocket) leaves hyper's connection task when the upgrade
+/// completes; its handler keeps a clone so the socket still counts until it closes.
+#[derive(Clone)]
+pub(crate) struct ConnectionHold(
+    #[allow(dead_code)] Arc<(tokio::sync::OwnedSemaphorePermit, SourceSlot)>,
+);
 
 /// Descriptors kept out of the connection budget: the store's files and sockets, the listener,
 /// the runtime's own, logs, and a margin.

@@ -342,9 +342,14 @@ async fn the_desired_state_loop() {
         state["agents"][0]["detail"],
         "ENV_INCOMPLETE: unresolved: A"
     );
-    let store = berth_store::open(&server.dir.path().join("data/berth.db").to_string_lossy())
-        .await
-        .expect("open the server's store");
+    // Only the audit log is read here: any key opens the store.
+    let key = berth_store::PayloadKey::new(berth_crypto::MasterKey::generate());
+    let store = berth_store::open(
+        &server.dir.path().join("data/berth.db").to_string_lossy(),
+        key,
+    )
+    .await
+    .expect("open the server's store");
     let tenant = server
         .admin()
         .send(&ListAudit::default())

@@ -9,13 +9,11 @@ use std::time::{Duration, Instant};
 use berth_client::ClientError;
 use berth_crypto::AgentKey;
 use berth_proto::agent::{AgentStatus, GetAgent, Heartbeat, ResourceUsage};
-use berth_proto::task::{
-    CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState, TaskView,
-};
+use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::transport::{AcquireSession, AgentTaskAssignment, GENERATION_HEADER};
 use berth_proto::AgentId;
 use berth_test_utils::wait_until;
-use common::{failure, ok, sign_with, start, start_with, TestAgent, TestServer};
+use common::{create, failure, ok, show, sign_with, start, start_with, TestAgent, TestServer};
 use serde_json::json;
 
 fn code(e: &ClientError) -> (u16, String) {
@@ -32,18 +30,6 @@ fn task(agent: AgentId, task_type: &str, payload: serde_json::Value) -> CreateTa
         payload,
         ..Default::default()
     }
-}
-
-async fn create(server: &TestServer, request: CreateTask) -> TaskView {
-    server.admin().send(&request).await.expect("create task")
-}
-
-async fn show(server: &TestServer, task: &TaskView) -> TaskView {
-    server
-        .admin()
-        .send(&GetTask { id: task.id })
-        .await
-        .expect("show task")
 }
 
 async fn assignment(agent: &TestAgent, generation: i64) -> AgentTaskAssignment {
@@ -611,7 +597,8 @@ async fn a_lost_lease_with_side_effects_is_unknown_until_read_back_proves_it() {
     let read_back = assignment(&agent, generation).await;
     assert_eq!(read_back.task_type, "read-sticker");
     assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&read_back.payload).unwrap()["name"],
+        serde_json::from_str::<serde_json::Value>(&agent.open(&read_back).unwrap().payload)
+            .unwrap()["name"],
         "web"
     );
     // The agent did write the sticker before it lost its lease: read-back finds it.
@@ -767,7 +754,8 @@ async fn a_lost_rollback_that_names_its_container_only_in_its_config_is_read_bac
     let read_back = assignment(&agent, generation).await;
     assert_eq!(read_back.task_type, "read-sticker");
     assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&read_back.payload).unwrap()["name"],
+        serde_json::from_str::<serde_json::Value>(&agent.open(&read_back).unwrap().payload)
+            .unwrap()["name"],
         "shop",
         "the sticker named by config.containerName"
     );

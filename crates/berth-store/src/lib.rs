@@ -13,6 +13,7 @@ mod domain;
 mod lifecycle;
 mod postgres;
 mod rows;
+mod sealed;
 mod sqlite;
 
 pub use domain::agents::*;
@@ -31,6 +32,7 @@ pub use domain::ssh_targets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use postgres::PostgresStore;
+pub use sealed::PayloadKey;
 pub use sqlite::SqliteStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -63,8 +65,33 @@ pub enum StoreError {
     ThreadStopped { operation: &'static str },
     #[error("migration failed")]
     Migrate(#[source] sqlx::migrate::MigrateError),
+    /// The database holds a migration newer than any this build knows: a newer berth wrote it.
+    /// Nothing is changed; running on would misread rows of a schema it has never seen.
+    #[error(
+        "the database is at schema version {found}, newer than this berth knows (up to {known}): \
+         it was upgraded by a newer berth. Run that version, or restore a backup taken before \
+         the upgrade"
+    )]
+    SchemaFromTheFuture { found: i64, known: i64 },
     #[error("stored row is corrupt: {0}")]
     Corrupt(String),
+}
+
+/// Runs `migrator` on `pool`'s database. A database that has applied a migration newer than
+/// every one this build carries is [`StoreError::SchemaFromTheFuture`], found before anything
+/// runs (sqlx checks what was applied against what it knows first).
+pub(crate) async fn migrate<'a, A>(migrator: &sqlx::migrate::Migrator, pool: A) -> Result<()>
+where
+    A: sqlx::Acquire<'a>,
+    <A::Connection as std::ops::Deref>::Target: sqlx::migrate::Migrate,
+{
+    let known = migrator.iter().map(|m| m.version).max().unwrap_or(0);
+    migrator.run(pool).await.map_err(|e| match e {
+        sqlx::migrate::MigrateError::VersionMissing(found) if found > known => {
+            StoreError::SchemaFromTheFuture { found, known }
+        }
+        e => StoreError::Migrate(e),
+    })
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -109,14 +136,17 @@ pub trait Store:
 pub type DynStore = Arc<dyn Store>;
 
 /// Opens a store from `--database`: a `postgres://` / `postgresql://` URL, or a SQLite file path
-/// (`sqlite://` prefix optional). Runs the migrations.
-pub async fn open(database: &str) -> Result<DynStore> {
+/// (`sqlite://` prefix optional). Runs the migrations. Task payloads are sealed at rest with
+/// `payload_key` (the server's master key).
+pub async fn open(database: &str, payload_key: PayloadKey) -> Result<DynStore> {
     if database.starts_with("postgres://") || database.starts_with("postgresql://") {
-        Ok(Arc::new(PostgresStore::connect(database).await?))
+        Ok(Arc::new(
+            PostgresStore::connect(database, payload_key).await?,
+        ))
     } else {
         let path = database.strip_prefix("sqlite://").unwrap_or(database);
         Ok(Arc::new(
-            SqliteStore::open(std::path::Path::new(path)).await?,
+            SqliteStore::open(std::path::Path::new(path), payload_key).await?,
         ))
     }
 }

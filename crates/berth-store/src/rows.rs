@@ -21,8 +21,8 @@ use berth_proto::deploy::{DeploymentKind, DeploymentState, Drift, TargetPhase, T
 
 use crate::{
     Agent, ApiToken, Approval, Artifact, Attempt, AttemptState, Deployment, DeploymentTarget,
-    Environment, Event, Grant, GrantKind, HeartbeatRecord, Page, Release, ReleaseRef, SealedSecret,
-    SecretMeta, SshTarget, StoreError, TargetObservation, Task, TaskState, Tenant,
+    Environment, Event, Grant, GrantKind, HeartbeatRecord, Page, PayloadKey, Release, ReleaseRef,
+    SealedSecret, SecretMeta, SshTarget, StoreError, TargetObservation, Task, TaskState, Tenant,
 };
 
 /// The agent columns every `SELECT`/`RETURNING` reads, in the order [`read_agent`] expects.
@@ -226,14 +226,16 @@ fn narrow<T: TryFrom<i64>>(column: &str, v: i64) -> Result<T, StoreError> {
     T::try_from(v).map_err(|_| StoreError::Corrupt(format!("{column}: {v} is out of range")))
 }
 
-pub(crate) fn read_task(row: &impl ColumnReader) -> Result<Task, StoreError> {
+/// A task row, its payload opened with `key`.
+pub(crate) fn read_task(row: &impl ColumnReader, key: &PayloadKey) -> Result<Task, StoreError> {
     let state = row.text("state")?;
+    let id = TaskId(row.uuid("id")?);
     Ok(Task {
-        id: TaskId(row.uuid("id")?),
+        id,
         tenant_id: TenantId(row.uuid("tenant_id")?),
         task_type: row.text("task_type")?,
         agent_id: AgentId(row.uuid("agent_id")?),
-        payload: row.json("payload")?,
+        payload: key.open(id, row.json("payload")?)?,
         credentials_sealed: row.bytes_opt("credentials_sealed")?,
         variables: labels("tasks.variables", row.json("variables")?)?,
         timeout_seconds: narrow("tasks.timeout_seconds", row.int("timeout_seconds")?)?,

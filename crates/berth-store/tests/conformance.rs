@@ -11,9 +11,16 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
 
-use berth_store::{DynStore, PostgresStore, SqliteStore};
+use berth_store::{DynStore, PayloadKey, PostgresStore, SqliteStore};
 use berth_test_utils::postgres::{admin_url as postgres_admin_url, TestDatabase};
 use sqlx::{Connection, PgConnection};
+
+/// The one payload key of this test process: a database reopened by a case opens its rows.
+fn key() -> PayloadKey {
+    static KEY: std::sync::LazyLock<PayloadKey> =
+        std::sync::LazyLock::new(|| PayloadKey::new(berth_crypto::MasterKey::generate()));
+    KEY.clone()
+}
 
 /// Runs `test` on a fresh SQLite store in a temp dir.
 async fn on_sqlite<F, Fut>(test: F)
@@ -22,7 +29,7 @@ where
     Fut: Future<Output = ()>,
 {
     let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(&dir.path().join("berth.db"))
+    let store = SqliteStore::open(&dir.path().join("berth.db"), key())
         .await
         .expect("open sqlite");
     test(Arc::new(store)).await;
@@ -43,7 +50,7 @@ where
     // Run in a task so a failing case (a panic) still lets us drop the database below.
     let outcome = tokio::spawn(async move {
         let store: DynStore = Arc::new(
-            PostgresStore::connect(&url)
+            PostgresStore::connect(&url, key())
                 .await
                 .expect("connect postgres"),
         );
@@ -123,12 +130,12 @@ async fn sqlite_reopen_keeps_data_and_migrations_are_idempotent() {
     let path = dir.path().join("nested.db");
     let now = time::OffsetDateTime::now_utc();
     let tenant = {
-        let store = SqliteStore::open(&path).await.expect("open sqlite");
+        let store = SqliteStore::open(&path, key()).await.expect("open sqlite");
         berth_store::TenantStore::ensure_tenant(&store, "default", now)
             .await
             .expect("ensure")
     };
-    let store: DynStore = berth_store::open(&format!("sqlite://{}", path.display()))
+    let store: DynStore = berth_store::open(&format!("sqlite://{}", path.display()), key())
         .await
         .expect("reopen");
     assert_eq!(store.backend(), "sqlite");
@@ -138,11 +145,129 @@ async fn sqlite_reopen_keeps_data_and_migrations_are_idempotent() {
     );
 }
 
+/// Issue 17: a task's payload is sealed at rest. A dump of the database (here: every byte of
+/// the SQLite file and its WAL) does not hold it, nor does the audit log; the store opens it;
+/// a server with another master key reads the row as corrupt, never as some other payload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keeps_task_payloads_sealed_at_rest() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("berth.db");
+    let marker = format!("marker-{}", uuid::Uuid::new_v4());
+    let store: DynStore = Arc::new(SqliteStore::open(&path, key()).await.expect("open"));
+    let task = berth_store::conformance::task_with_payload_marker(&store, &marker).await;
+    let mut dump = std::fs::read(&path).expect("the database file");
+    dump.extend(std::fs::read(dir.path().join("berth.db-wal")).unwrap_or_default());
+    assert!(
+        !dump.windows(marker.len()).any(|w| w == marker.as_bytes()),
+        "the payload is in the database in clear"
+    );
+    let conn = rusqlite::Connection::open(&path).expect("raw connection");
+    let stored: String = conn
+        .query_row("SELECT payload FROM tasks", [], |row| row.get(0))
+        .expect("the row");
+    assert!(stored.starts_with("\"sealed:v1:"), "{stored}");
+    let entry: String = conn
+        .query_row(
+            "SELECT entry FROM audit_log WHERE entry LIKE '%task.create%'",
+            [],
+            |row| row.get(0),
+        )
+        .expect("the audit entry");
+    assert!(entry.contains("payloadSha256"), "{entry}");
+    drop(conn);
+    drop(store);
+
+    let other = berth_store::PayloadKey::new(berth_crypto::MasterKey::generate());
+    let store = SqliteStore::open(&path, other).await.expect("reopen");
+    match berth_store::TaskStore::get_task(&store, task.tenant_id, task.id).await {
+        Err(berth_store::StoreError::Corrupt(why)) => assert!(why.contains("master key"), "{why}"),
+        other => panic!("another key must not open the payload: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_keeps_task_payloads_sealed_at_rest() {
+    on_postgres(|store, url| async move {
+        let marker = format!("marker-{}", uuid::Uuid::new_v4());
+        berth_store::conformance::task_with_payload_marker(&store, &marker).await;
+        let mut admin = PgConnection::connect(&url).await.expect("connect");
+        let dump: Vec<(String,)> =
+            sqlx::query_as("SELECT t::text FROM tasks t UNION ALL SELECT a::text FROM audit_log a")
+                .fetch_all(&mut admin)
+                .await
+                .expect("the rows");
+        assert!(dump.len() >= 2, "{dump:?}");
+        for (row,) in &dump {
+            assert!(!row.contains(&marker), "in clear: {row}");
+        }
+        assert!(dump[0].0.contains("sealed:v1:"), "{}", dump[0].0);
+        assert!(
+            dump.iter().any(|(row,)| row.contains("payloadSha256")),
+            "{dump:?}"
+        );
+        admin.close().await.ok();
+    })
+    .await;
+}
+
+/// A migration row newer than any this build knows, as a newer berth would leave it.
+const FUTURE_MIGRATION: &str = "INSERT INTO _sqlx_migrations \
+     (version, description, success, checksum, execution_time) \
+     VALUES (999999, 'from a newer berth', TRUE, '\\x00', 0)";
+
+/// The refusal a store must give on a database from the future: the versions, and no change.
+fn assert_from_the_future(opened: berth_store::Result<DynStore>) {
+    match opened {
+        Err(
+            e @ berth_store::StoreError::SchemaFromTheFuture {
+                found: 999999,
+                known,
+            },
+        ) => {
+            assert!(known > 0 && known < 999999);
+            let message = e.to_string();
+            assert!(
+                message.contains("999999") && message.contains("newer berth"),
+                "{message}"
+            );
+        }
+        Err(e) => panic!("expected SchemaFromTheFuture, got {e:?}"),
+        Ok(_) => panic!("a database from a newer berth was opened"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_refuses_a_database_from_a_newer_berth() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("berth.db");
+    drop(SqliteStore::open(&path, key()).await.expect("open sqlite"));
+    let conn = rusqlite::Connection::open(&path).expect("raw connection");
+    conn.execute(&FUTURE_MIGRATION.replace("'\\x00'", "x'00'"), [])
+        .expect("a future migration row");
+    drop(conn);
+    assert_from_the_future(berth_store::open(&format!("sqlite://{}", path.display()), key()).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_refuses_a_database_from_a_newer_berth() {
+    on_postgres(|_, url| async move {
+        let mut admin = PgConnection::connect(&url).await.expect("connect");
+        sqlx::query(FUTURE_MIGRATION)
+            .execute(&mut admin)
+            .await
+            .expect("a future migration row");
+        assert_from_the_future(berth_store::open(&url, key()).await);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_reopen_runs_migrations_again() {
     on_postgres(|_, url| async move {
         // `open` dispatches on the URL scheme and re-running migrations is a no-op.
-        let reopened = berth_store::open(&url).await.expect("reopen postgres");
+        let reopened = berth_store::open(&url, key())
+            .await
+            .expect("reopen postgres");
         assert_eq!(reopened.backend(), "postgres");
         reopened.ping().await.expect("ping");
     })
@@ -286,7 +411,7 @@ const UPDATE_RELEASE: &str = "UPDATE releases SET name = 'rewritten'";
 async fn sqlite_release_rows_refuse_updates() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("berth.db");
-    let store: DynStore = Arc::new(SqliteStore::open(&path).await.expect("open sqlite"));
+    let store: DynStore = Arc::new(SqliteStore::open(&path, key()).await.expect("open sqlite"));
     let update = async {
         let conn = rusqlite::Connection::open(&path).expect("open");
         conn.execute(UPDATE_RELEASE, []).is_ok()
@@ -311,7 +436,8 @@ async fn postgres_release_rows_refuse_updates() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_two_replicas_append_one_audit_chain() {
     on_postgres(|first, url| async move {
-        let second: DynStore = Arc::new(PostgresStore::connect(&url).await.expect("connect"));
+        let second: DynStore =
+            Arc::new(PostgresStore::connect(&url, key()).await.expect("connect"));
         let tenant = first
             .create_tenant(
                 berth_proto::TenantId::new(),

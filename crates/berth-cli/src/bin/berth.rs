@@ -1,5 +1,7 @@
 //! `berth`: the control plane (`berth server`), a one-command local setup (`berth dev`), and the
-//! admin CLI. Admin commands read `BERTH_SERVER`, `BERTH_TOKEN` and `BERTH_CA_FILE`.
+//! admin CLI. Admin commands read `BERTH_SERVER`, `BERTH_TOKEN` and `BERTH_CA_FILE`. `berth
+//! server` reads flags > environment > `/etc/berth/server.toml` (`--config`) > defaults
+//! (`berth_cli::server_config`); a configuration error exits 78.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,9 +9,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use berth_cli::config::ConfigError;
 use berth_cli::deploy;
 use berth_cli::output::{print_agent, print_agents, Output};
 use berth_cli::output::{print_release, print_releases, print_task, print_tasks};
+use berth_cli::server_config::ServerSettings;
 use berth_client::{Client, ClientConfig, Trust};
 use berth_proto::admin::{CreateAgentToken, CreateApiToken, CreateTenant, Role};
 use berth_proto::agent::{
@@ -27,7 +31,7 @@ use berth_proto::release::{ComponentSpec, CreateRelease, GetRelease, ListRelease
 use berth_proto::task::{CancelTask, CreateTask, GetTask, ListTasks, RetryTask, TaskState};
 use berth_proto::{AgentId, DeploymentId, TaskId};
 use berth_server::{Server, ServerConfig};
-use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -47,14 +51,16 @@ struct Cli {
 
 #[derive(Args, Debug, Clone)]
 struct Connection {
-    /// The server URL.
+    /// The server URL. Repeatable (or a comma list): replicas of one control plane, tried in
+    /// order when one cannot be connected to or answers 5xx.
     #[arg(
         long,
         global = true,
         env = "BERTH_SERVER",
+        value_delimiter = ',',
         default_value = "https://127.0.0.1:8443"
     )]
-    server: String,
+    server: Vec<String>,
     /// An API token (bat_…).
     #[arg(long, global = true, env = "BERTH_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -63,12 +69,20 @@ struct Connection {
     ca_file: Option<PathBuf>,
 }
 
+// Parsed once per process: boxing `ServerArgs` to shrink the enum would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the control plane.
-    Server(ServerArgs),
+    Server(Box<ServerArgs>),
     /// Run a server and one local agent on this machine, ready to deploy to the local Docker engine.
     Dev(DevArgs),
+    /// Back up a running server: a consistent copy of its SQLite database and its key
+    /// material, encrypted with age (a passphrase or X25519 recipients). On PostgreSQL the key
+    /// material only: back the database up with pg_dump.
+    Backup(Box<BackupArgs>),
+    /// Restore a backup into a new data dir; agents reconnect without registering again.
+    Restore(RestoreArgs),
     /// Agent registration tokens.
     #[command(subcommand)]
     Token(TokenCommand),
@@ -363,141 +377,118 @@ enum TaskCommand {
 
 #[derive(Args, Debug)]
 struct ServerArgs {
-    #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
-    data_dir: PathBuf,
-    #[arg(long, env = "BERTH_LISTEN", default_value = "127.0.0.1:8443")]
-    listen: SocketAddr,
-    /// A SQLite file or a postgres:// URL; default <data-dir>/berth.db.
-    #[arg(long, env = "BERTH_DATABASE")]
-    database: Option<String>,
-    /// Extra names for the server certificate (repeatable).
-    #[arg(long = "hostname", env = "BERTH_HOSTNAMES", value_delimiter = ',')]
-    hostnames: Vec<String>,
-    /// The URL agents reach this server at (install kits, builtin leases); default
-    /// https://<first hostname or localhost>:<listen port>.
-    #[arg(long, env = "BERTH_PUBLIC_URL")]
-    public_url: Option<String>,
-    /// Agent heartbeat interval; agents are offline after 3 missed intervals.
-    #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL_SECS", default_value_t = 30)]
-    heartbeat_interval_secs: u64,
-    /// Agent certificate lifetime; agents renew after two thirds of it.
-    #[arg(long, env = "BERTH_AGENT_CERT_VALIDITY_SECS", default_value_t = 30 * 24 * 3600)]
-    agent_cert_validity_secs: u64,
-    /// `disabled` makes every task poll and result fail closed, and /readyz report it.
-    #[arg(long, env = "BERTH_AGENT_TRANSPORT", value_parser = ["enabled", "disabled"], default_value = "enabled")]
-    agent_transport: String,
-    /// Added to a task's timeout to form its delivery lease.
-    #[arg(long, env = "BERTH_LEASE_GRACE_SECS", default_value_t = 30)]
-    lease_grace_secs: u64,
-    /// Most connections from one source address (IPv6: per /64); 0 for no cap. Agents behind
-    /// one NAT share an address (about one connection each): set it above that fleet's size.
-    #[arg(long, env = "BERTH_MAX_CONNECTIONS_PER_SOURCE", default_value_t = 1000)]
-    max_connections_per_source: usize,
-    /// A connection that sends no complete request head for this long is closed (slow or idle).
-    #[arg(long, env = "BERTH_HEADER_READ_TIMEOUT_SECS", default_value_t = 30)]
-    header_read_timeout_secs: u64,
-    /// A request whose body does not arrive within this long is refused and its connection closed.
-    #[arg(long, env = "BERTH_BODY_READ_TIMEOUT_SECS", default_value_t = 30)]
-    body_read_timeout_secs: u64,
-    /// Most open tasks one agent may hold before a create for it is refused (429 QUEUE_FULL);
-    /// read-backs and the server's own deployment and drift tasks are never refused by it.
-    #[arg(long, env = "BERTH_MAX_OPEN_TASKS_PER_AGENT", default_value_t = 1000)]
-    max_open_tasks_per_agent: u32,
-    /// The delays before each retry of a webhook send that was refused or answered 5xx, then
-    /// the notification is dead (units ms, s, m, h).
-    #[arg(
-        long,
-        env = "BERTH_NOTIFY_RETRY_SCHEDULE",
-        default_value = "1s,8s,64s,5m"
-    )]
-    notify_retry_schedule: String,
-    /// The longest one webhook send may take; one that times out after the request left is
-    /// `unknown` and is never resent by itself.
-    #[arg(long, env = "BERTH_NOTIFY_TIMEOUT_SECS", default_value_t = 10)]
-    notify_timeout_secs: u64,
-    /// OpenBao holds desired-state secrets (seed 001's `openbao` provider): its address, given
-    /// to agents in leases. Without it the `builtin` store serves them.
-    #[arg(long, env = "BERTH_OPENBAO_ADDR")]
-    openbao_addr: Option<String>,
-    /// The KV v2 mount agents read secrets from (checkin's `vault.mount`).
-    #[arg(
-        long,
-        env = "BERTH_OPENBAO_KV_MOUNT",
-        default_value = "berth",
-        requires = "openbao_addr"
-    )]
-    openbao_kv_mount: String,
-    /// The JWT auth mount agents log in at with a deploy grant (its `jwks_url` is this server's
-    /// /.well-known/agent-jwks.json), and its role.
-    #[arg(
-        long,
-        env = "BERTH_OPENBAO_AUTH_MOUNT",
-        default_value = "jwt-berth",
-        requires = "openbao_addr"
-    )]
-    openbao_auth_mount: String,
-    #[arg(
-        long,
-        env = "BERTH_OPENBAO_ROLE",
-        default_value = "see-env",
-        requires = "openbao_addr"
-    )]
-    openbao_role: String,
-    /// The CA (PEM) OpenBao's certificate is checked against; default the system's.
-    #[arg(long, env = "BERTH_OPENBAO_CA_FILE", requires = "openbao_addr")]
-    openbao_ca_file: Option<PathBuf>,
-    /// A file (0600) with the server's own OpenBao token (`auth/token/lookup`, the JWT mount's
-    /// config): needed to accept agents that authenticate with their OpenBao token.
-    #[arg(long, env = "BERTH_OPENBAO_TOKEN_FILE", requires = "openbao_addr")]
-    openbao_token_file: Option<PathBuf>,
+    /// The config file (TOML): every server setting is also a key, its long name with - as _
+    /// (not --server, --token, --ca-file, --output: the admin commands'). Default
+    /// /etc/berth/server.toml, read when it exists; a file named here must exist.
+    #[arg(long, env = "BERTH_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Print the effective configuration (flags > environment > file > defaults) as TOML,
+    /// secrets masked, and exit 0 without starting; 78 when it is not valid.
+    #[arg(long)]
+    print_config: bool,
+    #[command(flatten)]
+    settings: ServerSettings,
 }
 
-impl ServerArgs {
-    fn config(&self) -> anyhow::Result<ServerConfig> {
-        if self.heartbeat_interval_secs == 0 || self.agent_cert_validity_secs < 60 {
-            bail!("--heartbeat-interval-secs must be at least 1 and --agent-cert-validity-secs at least 60");
-        }
-        if self.header_read_timeout_secs == 0 || self.body_read_timeout_secs == 0 {
-            bail!("--header-read-timeout-secs and --body-read-timeout-secs must be at least 1");
-        }
-        let mut config = ServerConfig::new(self.data_dir.clone(), self.listen);
-        config.database = self.database.clone();
-        config.hostnames = self.hostnames.clone();
-        config.public_url = self.public_url.clone();
-        config.heartbeat_interval = Duration::from_secs(self.heartbeat_interval_secs);
-        config.agent_cert_validity = Duration::from_secs(self.agent_cert_validity_secs);
-        config.agent_transport_enabled = self.agent_transport == "enabled";
-        config.lease_grace = Duration::from_secs(self.lease_grace_secs);
-        config.max_connections_per_source = self.max_connections_per_source;
-        config.header_read_timeout = Duration::from_secs(self.header_read_timeout_secs);
-        config.body_read_timeout = Duration::from_secs(self.body_read_timeout_secs);
-        config.max_open_tasks_per_agent = self.max_open_tasks_per_agent;
-        if self.notify_timeout_secs == 0 {
-            bail!("--notify-timeout-secs must be at least 1");
-        }
-        config.notify.retry_schedule =
-            berth_server::parse_retry_schedule(&self.notify_retry_schedule)
-                .map_err(|e| anyhow::anyhow!("--notify-retry-schedule: {e}"))?;
-        config.notify.timeout = Duration::from_secs(self.notify_timeout_secs);
-        if let Some(addr) = &self.openbao_addr {
-            let ca_pem = match &self.openbao_ca_file {
-                Some(f) => Some(
-                    std::fs::read_to_string(f)
-                        .with_context(|| format!("reading {}", f.display()))?,
-                ),
-                None => None,
-            };
-            config.openbao = Some(berth_server::OpenBaoSettings {
-                addr: addr.clone(),
-                kv_mount: self.openbao_kv_mount.clone(),
-                auth_mount: self.openbao_auth_mount.clone(),
-                role: self.openbao_role.clone(),
-                ca_pem,
-                token_file: self.openbao_token_file.clone(),
-            });
-        }
-        Ok(config)
+#[derive(Args, Debug)]
+struct BackupArgs {
+    /// The backup file to write.
+    file: PathBuf,
+    /// The server's config file, read for its data_dir and database as `berth server` reads
+    /// it (default /etc/berth/server.toml, when it exists).
+    #[arg(long, env = "BERTH_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// The server's data dir.
+    #[arg(long, env = "BERTH_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// The server's database: a SQLite file (copied) or a postgres:// URL (not copied).
+    #[arg(long, env = "BERTH_DATABASE", hide_env_values = true)]
+    database: Option<String>,
+    /// Encrypt to this age X25519 recipient (age1…, repeatable) instead of a passphrase.
+    #[arg(long, value_name = "AGE1")]
+    recipient: Vec<String>,
+    /// A file whose first line is the passphrase; else BERTH_BACKUP_PASSPHRASE.
+    #[arg(long, value_name = "FILE")]
+    passphrase_file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct RestoreArgs {
+    /// The backup file.
+    file: PathBuf,
+    /// The data dir to create; it must not exist, or be empty.
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// An age identity file (AGE-SECRET-KEY-1…) for a backup made with --recipient.
+    #[arg(long, value_name = "FILE")]
+    identity: Option<PathBuf>,
+    /// A file whose first line is the passphrase; else BERTH_BACKUP_PASSPHRASE.
+    #[arg(long, value_name = "FILE")]
+    passphrase_file: Option<PathBuf>,
+}
+
+/// `berth backup`: the data dir and database found as `berth server` finds them.
+async fn backup(args: BackupArgs, out: Output) -> anyhow::Result<()> {
+    let given = ServerSettings {
+        data_dir: args.data_dir,
+        database: args.database,
+        ..ServerSettings::default()
+    };
+    let config = ServerSettings::resolve(&given, args.config.as_deref())?.server_config()?;
+    let seal =
+        berth_cli::backup::Seal::from_args(&args.recipient, args.passphrase_file.as_deref())?;
+    let (data_dir, database) = (config.data_dir.clone(), config.database_url());
+    let report = tokio::task::spawn_blocking(move || {
+        berth_cli::backup::backup(&data_dir, &database, seal, &args.file)
+    })
+    .await??;
+    out.print(&report, || {
+        format!(
+            "wrote {} ({} bytes, {} files, database: {}) in {:.1} s",
+            report.file.display(),
+            report.bytes,
+            report.files,
+            report.database,
+            report.seconds
+        )
+    })
+}
+
+async fn restore(args: RestoreArgs, out: Output) -> anyhow::Result<()> {
+    let unseal = berth_cli::backup::Unseal::from_args(
+        args.identity.as_deref(),
+        args.passphrase_file.as_deref(),
+    )?;
+    let report = tokio::task::spawn_blocking(move || {
+        berth_cli::backup::restore(&args.file, unseal, &args.data_dir)
+    })
+    .await??;
+    out.print(&report, || {
+        let next = if report.database == "sqlite" {
+            format!("start it with: berth server --data-dir {}", report.data_dir.display())
+        } else {
+            "restore the PostgreSQL dump (pg_restore), then start berth server with --data-dir and --database".to_string()
+        };
+        format!(
+            "restored {} files backed up at {} into {}\n{next}",
+            report.files,
+            berth_cli::output::rfc3339(report.backed_up_at),
+            report.data_dir.display()
+        )
+    })
+}
+
+/// `berth server`: its settings resolved (a configuration error exits 78), then printed or run.
+async fn server(args: ServerArgs) -> anyhow::Result<()> {
+    let settings = ServerSettings::resolve(&args.settings, args.config.as_deref())?;
+    let config = settings.server_config()?;
+    if args.print_config {
+        print!("{}", settings.to_toml(args.config.as_deref())?);
+        return Ok(());
     }
+    let log_format = settings.log_format.unwrap_or_default();
+    berth_cli::init_logging(log_format);
+    serve(config, log_format).await
 }
 
 #[derive(Args, Debug)]
@@ -597,9 +588,22 @@ fn parse_role(s: &str) -> Result<Role, String> {
     Role::parse(s).ok_or_else(|| "one of admin, deployer, viewer".into())
 }
 
+/// The command, each server setting's default shown in its help.
+fn command() -> clap::Command {
+    Cli::command().mut_subcommand("server", |server| {
+        berth_cli::config::document_defaults(server, &ServerSettings::defaults())
+    })
+}
+
 fn main() -> ExitCode {
-    berth_cli::init_logging();
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&command().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    // `berth server` starts its log once its settings (`log_format`) are read.
+    if !matches!(cli.command, Command::Server(_)) {
+        berth_cli::init_logging(berth_cli::LogFormat::Text);
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -609,6 +613,10 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(dispatch(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<ConfigError>() => {
+            eprintln!("berth: {e:#}");
+            ExitCode::from(berth_cli::config::EXIT_CONFIG)
+        }
         Err(e) if e.is::<berth_cli::readiness::NotReady>() => {
             eprintln!("berth: {e:#}");
             ExitCode::from(berth_cli::readiness::EXIT_NOT_READY)
@@ -623,14 +631,16 @@ fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     let out = cli.output;
     match cli.command {
-        Command::Docs(docs) => Ok(berth_cli::docs::run(Cli::command(), docs)?),
+        Command::Docs(docs) => Ok(berth_cli::docs::run(command(), docs)?),
         Command::Bundle(berth_cli::bundle::BundleCommand::Build(args)) => {
             let built = berth_cli::bundle::build(&args)?;
             eprintln!("wrote {}", built.file.display());
             println!("{}", built.sha);
             Ok(())
         }
-        Command::Server(args) => serve(args.config()?).await,
+        Command::Server(args) => server(*args).await,
+        Command::Backup(args) => backup(*args, out).await,
+        Command::Restore(args) => restore(args, out).await,
         Command::Dev(args) => {
             berth_cli::dev::run(args.data_dir, args.listen, args.heartbeat_interval_secs).await
         }
@@ -649,9 +659,13 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 .await?;
             out.print(&response, || {
                 format!(
-                    "token:          {}\nexpires at:     {}\nCA fingerprint: {}\n\nberth-agent --register --token={} --server {} --ca-fingerprint {} --state-dir /var/lib/berth-agent",
+                    "token:          {}\nexpires at:     {}\nCA fingerprint: {}\n\n\
+                     Install, register and start the agent on a new host (as root):\n{}\n\n\
+                     Or, with berth-agent already installed:\n\
+                     berth-agent --register --token={} --server {} --ca-fingerprint {} --state-dir /var/lib/berth-agent",
                     response.token, berth_cli::output::rfc3339(response.expires_at), response.ca_fingerprint,
-                    response.token, cli.conn.server, response.ca_fingerprint
+                    response.install_command,
+                    response.token, cli.conn.server.join(","), response.ca_fingerprint
                 )
             })
         }
@@ -1224,16 +1238,23 @@ fn admin_client(conn: &Connection) -> anyhow::Result<Client> {
     )?;
     let ca_pem = std::fs::read_to_string(&ca_file)
         .with_context(|| format!("reading {}", ca_file.display()))?;
+    let (first, others) = conn
+        .server
+        .split_first()
+        .context("no server: set BERTH_SERVER or pass --server")?;
     Ok(Client::new(ClientConfig {
-        server: conn.server.clone(),
+        server: first.clone(),
         trust: Trust::CaPem(ca_pem),
         identity: None,
         bearer: Some(token),
         timeout: Duration::from_secs(30),
-    })?)
+    })?
+    .with_fallbacks(others.iter().cloned()))
 }
 
-async fn serve(config: ServerConfig) -> anyhow::Result<()> {
+async fn serve(config: ServerConfig, log_format: berth_cli::LogFormat) -> anyhow::Result<()> {
+    // Handlers first: a SIGTERM right after the banner below must stop the server cleanly.
+    let shutdown = berth_cli::shutdown_signal();
     let listen = config.listen;
     let server = Server::bootstrap(config).await?;
     let boot = server.bootstrapped().clone();
@@ -1241,6 +1262,19 @@ async fn serve(config: ServerConfig) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {listen}"))?;
     let local = listener.local_addr()?;
+    if log_format == berth_cli::LogFormat::Json {
+        // Every line a JSON object; the admin token (shown once in text) stays in its file.
+        tracing::info!(
+            url = %format!("https://{local}"),
+            ca_fingerprint = %boot.ca_fingerprint,
+            ca_certificate = %boot.data_dir.ca_cert().display(),
+            admin_token_file = %boot.data_dir.admin_token().display(),
+            "berth server listening"
+        );
+        server.run(listener, shutdown).await?;
+        tracing::info!("berth server stopped");
+        return Ok(());
+    }
     eprintln!("berth server listening on https://{local}");
     eprintln!("CA fingerprint: {}", boot.ca_fingerprint);
     eprintln!("CA certificate: {}", boot.data_dir.ca_cert().display());
@@ -1251,7 +1285,7 @@ async fn serve(config: ServerConfig) -> anyhow::Result<()> {
         ),
         None => eprintln!("admin token: in {}", boot.data_dir.admin_token().display()),
     }
-    server.run(listener, berth_cli::shutdown_signal()).await?;
+    server.run(listener, shutdown).await?;
     eprintln!("berth server stopped");
     Ok(())
 }

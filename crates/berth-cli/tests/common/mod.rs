@@ -26,6 +26,15 @@ use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
 pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
+
+/// Runs an async test utility (OpenBao's, the API client's) to completion on this thread.
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
 pub const BERTH_AGENT: &str = env!("CARGO_BIN_EXE_berth-agent");
 
 /// How long a server may take to start, or an agent to show up or change state.
@@ -35,6 +44,7 @@ pub const EXIT: Duration = Duration::from_secs(60);
 
 /// Variables of the test's own environment that would change what the binaries do.
 const SCRUBBED_ENV: &[&str] = &[
+    "BERTH_AGENT_TASK_TRANSPORT",
     "BERTH_SERVER",
     "BERTH_TOKEN",
     "BERTH_CA_FILE",
@@ -53,6 +63,8 @@ const SCRUBBED_ENV: &[&str] = &[
     "BERTH_CA_FINGERPRINT",
     "BERTH_AGENT_STATE_DIR",
     "BERTH_FAULT_CRASH_AFTER",
+    "BERTH_CONFIG",
+    "BERTH_AGENT_CONFIG",
     "RUST_LOG",
 ];
 
@@ -168,6 +180,11 @@ impl Proc {
     /// Everything the process wrote to stdout so far, without terminal escapes.
     pub fn stdout(&self) -> String {
         strip_ansi(&String::from_utf8_lossy(&self.stdout.lock().unwrap()))
+    }
+
+    /// Everything the process wrote to stderr so far, as written (escapes included).
+    pub fn raw_stderr(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.lock().unwrap()).into_owned()
     }
 
     /// Everything the process wrote to stderr so far, without terminal escapes.
@@ -376,6 +393,50 @@ impl Server {
         Server::start_with_env(data_dir, listen, args, admin_token, &[])
     }
 
+    /// `berth server` on `<root>/server` using the test's OpenBao as the seed's Terraform sets it
+    /// up (its JWT mount's `jwks_url` is this server's JWKS, role `see-env`, KV v2, the templated
+    /// policy), with `args`. OpenBao fetches the JWKS when the mount is configured, so a first
+    /// server serves it; then the server starts again on the same data dir and port knowing the
+    /// mounts and holding a token of its own (`auth/token/lookup`, …).
+    pub fn start_with_openbao(
+        root: &Path,
+        bao: &berth_test_utils::openbao::OpenBaoEnv,
+        args: &[&str],
+    ) -> (Server, berth_test_utils::openbao::SeedMounts) {
+        let data = root.join("server");
+        let listen = format!("127.0.0.1:{}", free_port());
+        let first = Server::start_at(&data, &listen, &[], None);
+        let ca_pem = std::fs::read_to_string(data.join("ca.crt")).unwrap();
+        let mounts = block_on(berth_test_utils::openbao::SeedMounts::configure(
+            bao,
+            &format!("{}/.well-known/agent-jwks.json", first.url),
+            Some(&ca_pem),
+        ));
+        drop(first);
+        let token_file = root.join("bao-server.token");
+        berth_fs::write_atomic(
+            &token_file,
+            block_on(mounts.server_token()).as_bytes(),
+            0o600,
+        )
+        .unwrap();
+        let mut all = vec![
+            "--openbao-addr",
+            &bao.addr,
+            "--openbao-kv-mount",
+            &mounts.kv_mount,
+            "--openbao-auth-mount",
+            &mounts.auth_mount,
+            "--openbao-role",
+            &mounts.role,
+            "--openbao-token-file",
+            token_file.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        let server = Server::start_at(&data, &listen, &all, None);
+        (server, mounts)
+    }
+
     /// [`Server::start_at`] with extra environment variables (e.g. `BERTH_FAULT_CRASH_AFTER`).
     pub fn start_with_env(
         data_dir: &Path,
@@ -403,6 +464,19 @@ impl Server {
             .arg(data_dir)
             .args(["--listen", listen])
             .args(args);
+        let server = Server::spawn_ready(cmd, data_dir, admin_token);
+        let host = listen.rsplit_once(':').map_or(listen, |(host, _)| host);
+        assert!(
+            server.url.starts_with(&format!("https://{host}:")),
+            "listening on {}",
+            server.url
+        );
+        server
+    }
+
+    /// Spawns `cmd`, a complete `berth server …` command line (data dir and listen address
+    /// from wherever it sets them, e.g. a config file), and waits for it to report its address.
+    pub fn spawn_ready(cmd: Command, data_dir: &Path, admin_token: Option<&str>) -> Server {
         let mut proc = Proc::spawn("berth server", cmd);
         let lines = proc.take_stderr_lines();
         let deadline = Instant::now() + SETTLE;
@@ -423,11 +497,6 @@ impl Server {
             }
         }
         let url = url.unwrap();
-        let host = listen.rsplit_once(':').map_or(listen, |(host, _)| host);
-        assert!(
-            url.starts_with(&format!("https://{host}:")),
-            "listening on {url}"
-        );
         let admin_token = match admin_token {
             Some(t) => t.to_string(),
             None => std::fs::read_to_string(data_dir.join("admin.token"))
@@ -673,6 +742,14 @@ pub fn agent_command(state_dir: &Path, args: &[&str]) -> Command {
     // Not about Docker: without an engine socket the agent reports no docker capability, so a
     // slow engine on a loaded host cannot make it `degraded`.
     cmd.env("DOCKER_HOST", "unix:///nonexistent/berth-e2e/docker.sock");
+    // A stopped agent gives running tasks 240 s by default; the suites stop agents mid-task
+    // and need no more than a few seconds. The graceful-stop tests pass --shutdown-grace-secs.
+    cmd.env("BERTH_AGENT_SHUTDOWN_GRACE_SECS", "10");
+    // The suites run over either task transport: `BERTH_E2E_TASK_TRANSPORT=poll|stream|auto`
+    // (unset: the agent's default, auto, which takes the stream berth offers).
+    if let Ok(mode) = std::env::var("BERTH_E2E_TASK_TRANSPORT") {
+        cmd.env("BERTH_AGENT_TASK_TRANSPORT", mode);
+    }
     cmd
 }
 

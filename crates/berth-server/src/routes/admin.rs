@@ -172,6 +172,11 @@ pub async fn create_agent_token(
     Ok((
         StatusCode::CREATED,
         Json(CreateAgentTokenResponse {
+            install_command: crate::install::install_line(
+                &state.config.public_url(),
+                &state.ca.fingerprint(),
+                &token,
+            ),
             token,
             expires_at,
             ca_fingerprint: state.ca.fingerprint(),

@@ -9,7 +9,7 @@ use axum::Json;
 use berth_proto::agent::{
     Agent, AgentHold, AgentJwt, AgentList, AgentStatus, Capability, Deleted, Heartbeat,
     HeartbeatResponse, IssueAgentJwt, ListAgents, RegisterAgent, RegisterAgentResponse,
-    RenewCertificate, RenewCertificateResponse, UpdateAgent,
+    RenewCertificate, RenewCertificateResponse, UpdateAgent, HEARTBEAT_TASKS_MAX,
 };
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody, TaskId};
@@ -462,10 +462,19 @@ pub async fn heartbeat(
         }
         HeartbeatOutcome::Revoked => return Err(binding_refused(&state, id, &peer).await),
     }
+    // After the commit, outside the group's transaction: one capped read on the claim index.
+    let tasks = state
+        .store
+        .queued_tasks(id, HEARTBEAT_TASKS_MAX)
+        .await?
+        .iter()
+        .map(crate::routes::transport::listed_task)
+        .collect();
     Ok(Json(HeartbeatResponse {
         acknowledged: true,
         status: req.status,
         heartbeat_interval_seconds: state.config.heartbeat_interval.as_secs().max(1),
+        tasks,
     }))
 }
 

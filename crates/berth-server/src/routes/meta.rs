@@ -69,6 +69,19 @@ pub async fn openapi() -> impl IntoResponse {
     )
 }
 
+/// The certificate of the key that signs berth's registry pull tokens (PEM): what a registry
+/// berth is the token server of takes as its `auth.token.rootcertbundle`. The tokens name the
+/// key by its libtrust key id, which the registry derives from this certificate.
+#[utoipa::path(get, path = "/api/v1/registry-token/certificate", tag = "meta", responses(
+    (status = 200, description = "the PEM certificate", content_type = "application/x-pem-file", body = String),
+))]
+pub async fn registry_token_certificate(State(state): State<SharedState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/x-pem-file")],
+        state.registry_token_key.cert_pem().to_string(),
+    )
+}
+
 /// The public keys that verify agent JWTs and deploy grants: the server's own agent-JWT key,
 /// and the key of every deploy grant that is neither superseded, used nor expired (each grant
 /// has a key of its own, `kid` = its `jti`). OpenBao's JWT mount fetches this, so a grant

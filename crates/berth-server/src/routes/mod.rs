@@ -17,12 +17,14 @@ pub mod audit;
 pub mod deployments;
 pub mod desired;
 pub mod events;
+pub mod install;
 pub mod meta;
 pub mod notify;
 pub mod readiness;
 pub mod releases;
 pub mod secrets;
 pub mod ssh_targets;
+pub mod stream;
 pub mod tasks;
 pub mod transport;
 
@@ -36,6 +38,10 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
         .routes(routes!(meta::openapi))
         .routes(routes!(meta::jwks))
         .routes(routes!(meta::api_jwks))
+        .routes(routes!(meta::registry_token_certificate))
+        .routes(routes!(install::ca_certificate))
+        .routes(routes!(install::script))
+        .routes(routes!(install::agent_binary))
         .routes(routes!(admin::create_tenant))
         .routes(routes!(admin::create_api_token))
         .routes(routes!(admin::create_agent_token))
@@ -55,6 +61,7 @@ pub(crate) fn declared() -> OpenApiRouter<SharedState> {
             transport::release_session
         ))
         .routes(routes!(transport::poll))
+        .routes(routes!(stream::task_stream))
         .routes(routes!(transport::start_task))
         .routes(routes!(transport::submit_result))
         .routes(routes!(tasks::create, tasks::list))

@@ -44,22 +44,26 @@ async fn resolve(
     credentials: Option<&Credentials>,
 ) -> ApiResult<Component> {
     let parsed = parse_image(image).map_err(|e| invalid(format!("component {component}: {e}")))?;
-    let digest = state
-        .registries
-        .resolve(&parsed, credentials)
-        .await
-        .map_err(|e| match e {
-            ResolveError::Unauthorized(why) => ApiError::unprocessable(
-                codes::REGISTRY_UNAUTHORIZED,
-                format!("component {component} ({image}): {why}"),
-            ),
-            ResolveError::NotFound(why) | ResolveError::Unresolvable(why) => {
-                ApiError::unprocessable(
-                    codes::DIGEST_UNRESOLVABLE,
-                    format!("component {component} ({image}) has no resolvable digest: {why}"),
-                )
-            }
-        })?;
+    // A registry berth is the token server of is read with berth's own short pull token,
+    // unless the request brings credentials of its own.
+    let token = match credentials {
+        None => crate::registry_token::resolve_token(state, &parsed),
+        Some(_) => None,
+    };
+    let resolved = match &token {
+        Some(token) => state.registries.resolve_with_token(&parsed, token).await,
+        None => state.registries.resolve(&parsed, credentials).await,
+    };
+    let digest = resolved.map_err(|e| match e {
+        ResolveError::Unauthorized(why) => ApiError::unprocessable(
+            codes::REGISTRY_UNAUTHORIZED,
+            format!("component {component} ({image}): {why}"),
+        ),
+        ResolveError::NotFound(why) | ResolveError::Unresolvable(why) => ApiError::unprocessable(
+            codes::DIGEST_UNRESOLVABLE,
+            format!("component {component} ({image}) has no resolvable digest: {why}"),
+        ),
+    })?;
     Ok(Component {
         name: component.to_string(),
         image: parsed.repository,

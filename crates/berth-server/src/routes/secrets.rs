@@ -4,6 +4,7 @@
 //! A value is decrypted only for the KV read of an agent that proves its certificate, belongs
 //! to the path's environment and presents a live lease of it; it is never logged.
 
+use crate::install::sh_word;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -209,11 +210,6 @@ pub async fn delete_secret(
     Ok(Json(Deleted { deleted: true }))
 }
 
-/// Quotes a word for a POSIX shell: single quotes, each `'` written as `'\''`.
-fn sh_word(word: &str) -> String {
-    format!("'{}'", word.replace('\'', r"'\''"))
-}
-
 /// The one-line install command. The grant reaches the file through a bash here-string, never
 /// through a command's arguments (so it shows in no process list); `umask 077` and `install -m
 /// 0600` keep it private from creation.
@@ -278,7 +274,7 @@ pub async fn kit(
             )
         })?;
     let now = state.config.clock.now();
-    let minted = grants::mint(&state, &env, GrantKind::Kit, now)?;
+    let minted = grants::mint(&state, &env, GrantKind::Kit, now, grants::GRANT_TTL)?;
     let (jti, expires_at) = (minted.grant.jti.clone(), minted.grant.expires_at);
     let superseded = state
         .store
@@ -338,7 +334,7 @@ pub(crate) async fn lease_for(
     env: &DesiredEnvironment,
 ) -> ApiResult<LeaseResponse> {
     let now = state.config.clock.now();
-    let minted = grants::mint(state, env, GrantKind::Lease, now)?;
+    let minted = grants::mint(state, env, GrantKind::Lease, now, grants::GRANT_TTL)?;
     state.store.record_grant(minted.grant).await?;
     let (mount, role, addr) = match &state.config.openbao {
         Some(bao) => (bao.auth_mount.clone(), bao.role.clone(), bao.addr.clone()),

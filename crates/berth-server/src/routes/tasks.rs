@@ -133,6 +133,15 @@ fn check_limits(req: &CreateTask) -> ApiResult<()> {
                 ),
             );
         }
+        if creds.contains_key(crate::registry_token::SCOPE_CREDENTIAL) {
+            return refuse(
+                codes::CREDENTIAL_RESERVED,
+                format!(
+                    "credential {:?} is set only by the server",
+                    crate::registry_token::SCOPE_CREDENTIAL
+                ),
+            );
+        }
         if let Some((k, _)) = creds.iter().find(|(_, v)| v.len() > MAX_VALUE_BYTES) {
             return refuse(
                 codes::TOO_MANY_CREDENTIALS,

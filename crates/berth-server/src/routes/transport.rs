@@ -17,8 +17,8 @@ use berth_proto::kind::TaskKind;
 use berth_proto::result::{error_types, TaskResult};
 use berth_proto::transport::{
     self, AcquireSession, AgentTaskAssignment, AgentTaskCancellation, AgentTaskPollRequest,
-    AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, Session, StartTask,
-    TaskStarted, CONTRACT_VERSION,
+    AgentTaskPollResponse, AgentTaskResultEnvelope, Released, ResultAck, SealedAssignment,
+    SealedBox, Session, StartTask, TaskStarted, CONTRACT_VERSION,
 };
 use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{
@@ -27,16 +27,19 @@ use berth_store::{
 };
 use serde::Deserialize;
 
+use berth_crypto::hpke::{self, RecipientKey, RecipientPublicKey};
+
 use crate::auth::{binding_refused, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
+use crate::tls::PeerCertificate;
 use crate::SharedState;
 
-fn fenced(detail: &str) -> ApiError {
+pub(crate) fn fenced(detail: &str) -> ApiError {
     ApiError::conflict(codes::FENCED, detail)
 }
 
-fn transport_enabled(state: &SharedState) -> ApiResult<()> {
+pub(crate) fn transport_enabled(state: &SharedState) -> ApiResult<()> {
     if state.config.agent_transport_enabled {
         Ok(())
     } else {
@@ -92,6 +95,7 @@ pub async fn acquire_session(
                 generation,
                 lease_expires_at,
                 heartbeat_interval_seconds: state.config.heartbeat_interval.as_secs().max(1),
+                sealing_key: state.sealing_public.clone(),
             }))
         }
         SessionOutcome::Held {
@@ -169,7 +173,7 @@ pub async fn release_session(
     params(("agentId" = String, Path, format = Uuid), ("X-Berth-Generation" = i64, Header)),
     responses(
         (status = 200, body = AgentTaskPollResponse),
-        (status = 422, body = ErrorBody, description = "UNSUPPORTED_CONTRACT_VERSION, AGENT_ID_MISMATCH"),
+        (status = 422, body = ErrorBody, description = "UNSUPPORTED_CONTRACT_VERSION, AGENT_ID_MISMATCH, SEALING_KEY_UNSUPPORTED"),
         (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
     ))]
 pub async fn poll(
@@ -183,13 +187,7 @@ pub async fn poll(
     ApiJson(req): ApiJson<AgentTaskPollRequest>,
 ) -> ApiResult<Json<AgentTaskPollResponse>> {
     transport_enabled(&state)?;
-    check_contract(&req.contract_version).map_err(|refusal| refusal.answer(&state))?;
-    if req.agent_id != id {
-        return Err(ApiError::unprocessable(
-            codes::AGENT_ID_MISMATCH,
-            "agentId differs from the path",
-        ));
-    }
+    check_poll(&state, id, &req, &peer)?;
     let known = known_cancellations(&headers);
     let deadline = tokio::time::Instant::now() + poll_hold(state.config.long_poll);
     let notify = state.wakeups.notifier(id);
@@ -236,7 +234,7 @@ pub async fn poll(
                     assignment_id = %attempt.assignment_id, task_type = %task.task_type,
                     expires_at = %attempt.lease_expires_at, "task assigned"
                 );
-                let assignment = assignment(&state, &task, attempt)?;
+                let assignment = assignment(&state, &task, attempt, &peer)?;
                 return Ok(Json(AgentTaskPollResponse {
                     contract_version: CONTRACT_VERSION.into(),
                     assignment: Some(assignment),
@@ -264,6 +262,26 @@ pub async fn poll(
             }
         }
     }
+}
+
+/// What a poll's body must say, whether it comes as a poll or as a task stream's `ready`.
+pub(crate) fn check_poll(
+    state: &SharedState,
+    id: AgentId,
+    req: &AgentTaskPollRequest,
+    peer: &PeerCertificate,
+) -> ApiResult<()> {
+    check_contract(&req.contract_version).map_err(|refusal| refusal.answer(state))?;
+    if req.agent_id != id {
+        return Err(ApiError::unprocessable(
+            codes::AGENT_ID_MISMATCH,
+            "agentId differs from the path",
+        ));
+    }
+    // Before anything is claimed: a task handed to a key that cannot receive it would sit leased
+    // with nothing sent, and clear text is never the fallback.
+    sealing_recipient(peer)?;
+    Ok(())
 }
 
 /// How long an empty long-poll is held: a random 75–100 % of the configured wait (25 s at
@@ -297,12 +315,31 @@ fn required_capability(task_type: &str) -> &'static str {
     TaskKind::parse(task_type).map_or("unknown", TaskKind::required_capability)
 }
 
-fn assignment(
+/// The key an assignment for the agent behind `peer` is sealed to: its certificate's. The claim
+/// checked, in its transaction, that this certificate is the agent's binding, so this is the
+/// key of the certificate the store holds for the agent. Only P-256 keys can receive.
+fn sealing_recipient(peer: &PeerCertificate) -> ApiResult<&RecipientPublicKey> {
+    peer.sealing_recipient().map_err(|e| {
+        ApiError::unprocessable(
+            codes::SEALING_KEY_UNSUPPORTED,
+            format!("this agent's certificate key cannot receive sealed assignments: {e}"),
+        )
+    })
+}
+
+/// The assignment of `attempt` as the agent behind `peer` receives it: the payload and the
+/// credentials only inside `sealed`, HPKE-sealed to that agent's certificate key with the
+/// assignment id as associated data, so a proxy, a request log or a dump of the answer holds
+/// ciphertext, and a box cannot be replayed into another assignment. Every way of delivering an
+/// assignment (the poll, the task stream) builds it here.
+pub(crate) fn assignment(
     state: &SharedState,
     task: &Task,
     attempt: berth_store::Attempt,
+    peer: &PeerCertificate,
 ) -> ApiResult<AgentTaskAssignment> {
-    let credentials = match &task.credentials_sealed {
+    let recipient = sealing_recipient(peer)?;
+    let mut credentials = match &task.credentials_sealed {
         None => Default::default(),
         Some(sealed) => {
             let clear = state
@@ -312,6 +349,23 @@ fn assignment(
             serde_json::from_slice(&clear).map_err(|e| ApiError::internal(&e))?
         }
     };
+    // A deployment task's registry scope becomes this delivery's pull token.
+    crate::registry_token::mint_for_delivery(state, task, &attempt, &mut credentials)
+        .map_err(|e| ApiError::internal(&e))?;
+    let clear = serde_json::to_vec(&SealedAssignment {
+        payload: task.payload.to_string(),
+        credentials,
+    })
+    .map_err(|e| ApiError::internal(&e))?;
+    let sealed = hpke::seal(
+        hpke::Aead::Aes256Gcm,
+        recipient,
+        transport::ASSIGNMENT_SEAL_INFO,
+        attempt.assignment_id.to_string().as_bytes(),
+        &clear,
+    )
+    .map_err(|e| ApiError::internal(&e))?;
+    let (enc, ciphertext) = sealed.to_base64();
     Ok(AgentTaskAssignment {
         contract_version: CONTRACT_VERSION.into(),
         assignment_id: attempt.assignment_id,
@@ -319,8 +373,13 @@ fn assignment(
         agent_id: task.agent_id,
         required_capability: required_capability(&task.task_type).into(),
         task_type: task.task_type.clone(),
-        payload: task.payload.to_string(),
-        credentials,
+        payload: String::new(),
+        credentials: Default::default(),
+        sealed: Some(SealedBox {
+            alg: transport::SEAL_ALG.into(),
+            enc,
+            ciphertext,
+        }),
         variables: task.variables.clone(),
         assigned_at: attempt.assigned_at,
         timeout: transport::format_timespan(Duration::from_secs(task.timeout_seconds.into())),
@@ -328,6 +387,23 @@ fn assignment(
         expires_at: attempt.lease_expires_at,
         side_effects: task.side_effects,
     })
+}
+
+/// Seed 000's `AgentTask` for a queued task a heartbeat lists: not claimed, so no assignment
+/// times, and never its credentials (they leave only inside an assignment).
+pub(crate) fn listed_task(task: &Task) -> berth_proto::agent::AgentTask {
+    berth_proto::agent::AgentTask {
+        id: task.id,
+        task_type: task.task_type.clone(),
+        target_id: task.agent_id,
+        payload: serde_json::Value::Null,
+        credentials: Default::default(),
+        timeout: task.timeout_seconds,
+        priority: task.priority,
+        idempotency_key: journal_key(task),
+        assigned_at: None,
+        expires_at: None,
+    }
 }
 
 /// The agent's journal key for a task: derived by the server from the tenant and the task, so it
@@ -434,6 +510,7 @@ pub(crate) fn verify_result(
     agent_id: AgentId,
     task_id: TaskId,
     verifies: impl FnOnce(&str, &[u8], &[u8]) -> bool,
+    logs_key: &RecipientKey,
 ) -> Result<VerifiedResult, Refusal> {
     let text = |name: &str| raw.get(name).and_then(|v| v.as_str()).unwrap_or_default();
     check_contract(text("contractVersion"))?;
@@ -474,6 +551,7 @@ pub(crate) fn verify_result(
                     "resultData.success disagrees with the envelope's success".into(),
                 ));
             }
+            let data = open_logs(data, &result, envelope.assignment_id, logs_key)?;
             (Some(result), Some(data))
         }
     };
@@ -565,6 +643,55 @@ pub async fn start_task(
     }
 }
 
+/// `resultData` as the store records it: its `sealedLogs`, opened with the server's sealing key
+/// (the envelope's assignment id as associated data), becomes `logs`. The signature covered the
+/// ciphertext; the envelope kept on the attempt row keeps it. A box that does not open refuses
+/// the whole result, so nothing is recorded. A result with clear `logs` and no `sealedLogs`
+/// (a seed 000 agent, which knows no server key) is recorded as it came.
+fn open_logs(
+    mut data: serde_json::Value,
+    result: &TaskResult,
+    assignment: Option<berth_proto::AssignmentId>,
+    key: &RecipientKey,
+) -> Result<serde_json::Value, Refusal> {
+    let Some(sealed) = &result.sealed_logs else {
+        return Ok(data);
+    };
+    let unsealable = |detail: &str| refuse("logs_unsealable", codes::LOGS_UNSEALABLE, detail);
+    let Some(assignment) = assignment else {
+        return Err(unsealable(
+            "sealedLogs needs the envelope's assignmentId, its associated data",
+        ));
+    };
+    if !result.logs.is_empty() {
+        return Err(unsealable(
+            "a result carries its logs sealed or clear, not both",
+        ));
+    }
+    if sealed.alg != transport::SEAL_ALG {
+        return Err(unsealable("sealedLogs.alg is not the one berth seals with"));
+    }
+    let clear = hpke::Sealed::from_base64(&sealed.enc, &sealed.ciphertext)
+        .and_then(|sealed| {
+            key.open(
+                hpke::Aead::Aes256Gcm,
+                &sealed,
+                transport::LOGS_SEAL_INFO,
+                assignment.to_string().as_bytes(),
+            )
+        })
+        .map_err(|_| {
+            unsealable("sealedLogs does not open with the server's key for this assignment")
+        })?;
+    let clear =
+        String::from_utf8(clear).map_err(|_| unsealable("the opened logs are not UTF-8"))?;
+    if let Some(fields) = data.as_object_mut() {
+        fields.remove("sealedLogs");
+        fields.insert("logs".into(), serde_json::Value::String(clear));
+    }
+    Ok(data)
+}
+
 /// Submit the signed result of an assignment (mTLS, with the generation).
 #[utoipa::path(post, path = "/api/v1/release-orchestrator/agent-runtime/agents/{agentId}/tasks/{taskId}/result", tag = "agent-runtime",
     request_body = AgentTaskResultEnvelope, security(("agentCertificate" = [])),
@@ -572,7 +699,7 @@ pub async fn start_task(
     responses(
         (status = 200, body = ResultAck),
         (status = 409, body = ErrorBody, description = "FENCED: stale generation or an assignment that is no longer current"),
-        (status = 422, body = ErrorBody, description = "SIGNATURE_MISSING, SIGNATURE_INVALID, UNSUPPORTED_SIGNATURE_ALGORITHM, UNSUPPORTED_CONTRACT_VERSION, TASK_ID_MISMATCH, AGENT_ID_MISMATCH, INVALID_REQUEST"),
+        (status = 422, body = ErrorBody, description = "SIGNATURE_MISSING, SIGNATURE_INVALID, UNSUPPORTED_SIGNATURE_ALGORITHM, UNSUPPORTED_CONTRACT_VERSION, TASK_ID_MISMATCH, AGENT_ID_MISMATCH, LOGS_UNSEALABLE, INVALID_REQUEST"),
         (status = 503, body = ErrorBody, description = "TRANSPORT_DISABLED"),
     ))]
 pub async fn submit_result(
@@ -595,11 +722,17 @@ pub async fn submit_result(
     // It decides only whether the signature verifies: the extractor checked that the
     // certificate names this agent, and `complete_attempt` checks `peer.fingerprint` against the
     // agent's current binding in the write's own transaction.
-    let verified = verify_result(&raw, agent_id, task_id, |algorithm, message, signature| {
-        peer.result_verifier()
-            .and_then(|verifier| verifier.verify(algorithm, message, signature))
-            .is_ok()
-    })
+    let verified = verify_result(
+        &raw,
+        agent_id,
+        task_id,
+        |algorithm, message, signature| {
+            peer.result_verifier()
+                .and_then(|verifier| verifier.verify(algorithm, message, signature))
+                .is_ok()
+        },
+        &state.sealing_key,
+    )
     .map_err(|refusal| {
         tracing::warn!(
             %agent_id, generation, %task_id, code = refusal.code, detail = %refusal.detail,
@@ -693,6 +826,9 @@ mod tests {
         verifier: ResultVerifier,
         agent: AgentId,
         task: TaskId,
+        assignment: berth_proto::AssignmentId,
+        /// The server's sealing key.
+        logs_key: RecipientKey,
     }
 
     impl Signer {
@@ -715,7 +851,39 @@ mod tests {
                 verifier: ResultVerifier::from_cert(&der).unwrap(),
                 agent,
                 task: TaskId::new(),
+                assignment: berth_proto::AssignmentId::new(),
+                logs_key: RecipientKey::generate().unwrap(),
             }
+        }
+
+        /// `logs` sealed as berth-agent seals them, to `key` for `assignment`.
+        fn sealed_logs(
+            logs: &str,
+            key: &RecipientKey,
+            assignment: berth_proto::AssignmentId,
+        ) -> SealedBox {
+            let sealed = hpke::seal(
+                hpke::Aead::Aes256Gcm,
+                key.public_key(),
+                transport::LOGS_SEAL_INFO,
+                assignment.to_string().as_bytes(),
+                logs.as_bytes(),
+            )
+            .unwrap();
+            let (enc, ciphertext) = sealed.to_base64();
+            SealedBox {
+                alg: transport::SEAL_ALG.into(),
+                enc,
+                ciphertext,
+            }
+        }
+
+        /// The envelope of a successful result whose logs are `logs`.
+        fn with_logs(&self, logs: Option<SealedBox>, clear: &str) -> Value {
+            let mut r = self.result(true, None);
+            r.sealed_logs = logs;
+            r.logs = clear.into();
+            self.envelope(&r)
         }
 
         fn result(&self, success: bool, error_type: Option<&str>) -> TaskResult {
@@ -731,6 +899,7 @@ mod tests {
                 error_type: error_type.map(str::to_string),
                 retriable: error_type == Some("FLAKY"),
                 logs: String::new(),
+                sealed_logs: None,
                 metrics: Default::default(),
             }
         }
@@ -741,7 +910,7 @@ mod tests {
                 contract_version: CONTRACT_VERSION.into(),
                 agent_id: self.agent,
                 task_id: self.task,
-                assignment_id: None,
+                assignment_id: Some(self.assignment),
                 success: result.success,
                 message: Some("done".into()),
                 result_data: Some(serde_json::to_string(result).unwrap()),
@@ -762,9 +931,13 @@ mod tests {
         }
 
         fn verify(&self, raw: &Value) -> Result<VerifiedResult, Refusal> {
-            verify_result(raw, self.agent, self.task, |alg, message, signature| {
-                self.verifier.verify(alg, message, signature).is_ok()
-            })
+            verify_result(
+                raw,
+                self.agent,
+                self.task,
+                |alg, message, signature| self.verifier.verify(alg, message, signature).is_ok(),
+                &self.logs_key,
+            )
         }
     }
 
@@ -864,6 +1037,72 @@ mod tests {
                 "malformed",
             ),
         ];
+        // Sealed logs that do not open: each refused with its own code, nothing recorded.
+        let rows: Vec<(&str, Tamper, bool, &str, &str)> = rows
+            .into_iter()
+            .chain([
+                (
+                    "logs sealed to another key",
+                    (|s, e| {
+                        let other = RecipientKey::generate().unwrap();
+                        *e = s.with_logs(Some(Signer::sealed_logs("l", &other, s.assignment)), "");
+                    }) as Tamper,
+                    true,
+                    "LOGS_UNSEALABLE",
+                    "logs_unsealable",
+                ),
+                (
+                    "logs sealed for another assignment",
+                    |s, e| {
+                        let other = berth_proto::AssignmentId::new();
+                        *e = s.with_logs(Some(Signer::sealed_logs("l", &s.logs_key, other)), "");
+                    },
+                    true,
+                    "LOGS_UNSEALABLE",
+                    "logs_unsealable",
+                ),
+                (
+                    "tampered sealed logs",
+                    |s, e| {
+                        let mut sealed = Signer::sealed_logs("logs", &s.logs_key, s.assignment);
+                        let mut ct = base64::engine::general_purpose::STANDARD
+                            .decode(&sealed.ciphertext)
+                            .unwrap();
+                        ct[0] ^= 1;
+                        sealed.ciphertext = base64::engine::general_purpose::STANDARD.encode(ct);
+                        *e = s.with_logs(Some(sealed), "");
+                    },
+                    true,
+                    "LOGS_UNSEALABLE",
+                    "logs_unsealable",
+                ),
+                (
+                    "sealed logs without an assignment id",
+                    |s, e| {
+                        *e = s.with_logs(
+                            Some(Signer::sealed_logs("l", &s.logs_key, s.assignment)),
+                            "",
+                        );
+                        e.as_object_mut().unwrap().remove("assignmentId");
+                    },
+                    true,
+                    "LOGS_UNSEALABLE",
+                    "logs_unsealable",
+                ),
+                (
+                    "sealed and clear logs",
+                    |s, e| {
+                        *e = s.with_logs(
+                            Some(Signer::sealed_logs("l", &s.logs_key, s.assignment)),
+                            "clear",
+                        );
+                    },
+                    true,
+                    "LOGS_UNSEALABLE",
+                    "logs_unsealable",
+                ),
+            ])
+            .collect();
         for (name, tamper, resign, code, reason) in rows {
             let mut envelope = if resign {
                 genuine.clone()
@@ -894,6 +1133,23 @@ mod tests {
         };
         let forged = stranger.sign(genuine.clone());
         assert_eq!(s.verify(&forged).unwrap_err().code, "SIGNATURE_INVALID");
+    }
+
+    #[test]
+    fn sealed_logs_are_recorded_opened_and_clear_logs_as_sent() {
+        let s = Signer::new();
+        let sealed = Signer::sealed_logs("pulled web:1\n", &s.logs_key, s.assignment);
+        let raw = s.sign(s.with_logs(Some(sealed.clone()), ""));
+        let verified = s.verify(&raw).unwrap();
+        let data = verified.result_data.unwrap();
+        assert_eq!(data["logs"], "pulled web:1\n");
+        assert!(data.get("sealedLogs").is_none());
+        // What was signed, and is kept on the attempt row, is the ciphertext.
+        assert!(!raw["resultData"].as_str().unwrap().contains("pulled web"));
+
+        let clear = s.sign(s.with_logs(None, "seed agent log"));
+        let data = s.verify(&clear).unwrap().result_data.unwrap();
+        assert_eq!(data["logs"], "seed agent log");
     }
 
     #[test]

@@ -12,8 +12,9 @@ use berth_proto::admin::CreateAgentToken;
 use berth_proto::agent::RegisterAgent;
 use berth_proto::result::TaskResult;
 use berth_proto::transport::{
-    AcquireSession, AgentTaskPollRequest, AgentTaskPollResponse, AgentTaskResultEnvelope,
-    ResultAck, StartTask, TaskStarted, ALG_ECDSA_SHA256, CONTRACT_VERSION, GENERATION_HEADER,
+    AcquireSession, AgentTaskAssignment, AgentTaskPollRequest, AgentTaskPollResponse,
+    AgentTaskResultEnvelope, ResultAck, SealedAssignment, StartTask, TaskStarted, ALG_ECDSA_SHA256,
+    CONTRACT_VERSION, GENERATION_HEADER,
 };
 use berth_proto::AgentId;
 use berth_proto::{AssignmentId, TaskId};
@@ -216,6 +217,13 @@ impl TestAgent {
             .await
     }
 
+    /// The payload and credentials of `assignment`, opened with this agent's key as berth-agent
+    /// opens them (the assignment id as associated data); `None` when they do not open.
+    pub fn open(&self, assignment: &AgentTaskAssignment) -> Option<SealedAssignment> {
+        let key = berth_crypto::hpke::RecipientKey::from_pkcs8_pem(&self.key.to_pem()).ok()?;
+        berth_client::sealing::open_assignment(assignment, &key).ok()
+    }
+
     /// Polls offering every capability, as an agent on a host with Docker and compose would.
     pub async fn poll(
         &self,
@@ -330,6 +338,7 @@ pub fn ok(task: TaskId) -> TaskResult {
         error_type: None,
         retriable: false,
         logs: String::new(),
+        sealed_logs: None,
         metrics: Default::default(),
     }
 }
@@ -390,4 +399,24 @@ pub fn sign_heartbeat(
             .expect("sign"),
     );
     heartbeat
+}
+
+/// Creates a task as the admin.
+pub async fn create(
+    server: &TestServer,
+    request: berth_proto::task::CreateTask,
+) -> berth_proto::task::TaskView {
+    server.admin().send(&request).await.expect("create task")
+}
+
+/// The task as it is now.
+pub async fn show(
+    server: &TestServer,
+    task: &berth_proto::task::TaskView,
+) -> berth_proto::task::TaskView {
+    server
+        .admin()
+        .send(&berth_proto::task::GetTask { id: task.id })
+        .await
+        .expect("show task")
 }

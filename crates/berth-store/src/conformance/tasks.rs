@@ -4,6 +4,26 @@
 use super::*;
 use berth_proto::task::ListOrder;
 
+/// An operator's task (so with its `task.create` audit entry) whose payload holds `marker`, for
+/// each backend's check that a payload is sealed at rest: that check reads the raw rows itself.
+/// The task reads back with its payload clear.
+pub async fn task_with_payload_marker(store: &DynStore, marker: &str) -> Task {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("sealed")).await;
+    let mut spec = deploy_task(tenant.id, agent.id, now());
+    spec.payload = serde_json::json!({"config": {"environment": {"SECRETISH": marker}}});
+    spec.created_by = Some(operator());
+    let created = create(store, spec.clone()).await;
+    assert_eq!(created.payload, spec.payload);
+    let (read, _) = store
+        .get_task(tenant.id, spec.id)
+        .await
+        .expect("get")
+        .expect("the task");
+    assert_eq!(read.payload, spec.payload);
+    created
+}
+
 pub async fn task_create_idempotency(store: &DynStore) {
     let tenant = tenant(store).await;
     let other = self::tenant(store).await;
@@ -1521,6 +1541,44 @@ pub async fn task_events(store: &DynStore) {
     woken(&mut events, agent.id).await;
 }
 
+/// A heartbeat's list: the agent's queued tasks (pending, retry_wait) in claim order, capped;
+/// leased and finished tasks and other agents' tasks are not listed, and listing claims nothing.
+pub async fn queued_tasks(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("queued")).await;
+    let other = register(store, tenant.id, new_agent("other")).await;
+    let t = now();
+    let generation = session(store, &agent, t).await;
+    assert!(store
+        .queued_tasks(agent.id, 16)
+        .await
+        .expect("none")
+        .is_empty());
+    let leased = create(store, new_task(tenant.id, agent.id, t)).await;
+    claimed(store, &agent, generation, t).await;
+    let low = create(store, new_task(tenant.id, agent.id, t)).await;
+    let mut high = new_task(tenant.id, agent.id, t);
+    high.priority = 10;
+    let high = create(store, high).await;
+    let last = create(store, new_task(tenant.id, agent.id, t)).await;
+    create(store, new_task(tenant.id, other.id, t)).await;
+    let ids = |tasks: Vec<Task>| tasks.into_iter().map(|t| t.id).collect::<Vec<_>>();
+    let listed = store.queued_tasks(agent.id, 16).await.expect("queued");
+    assert!(listed.iter().all(|t| t.state == TaskState::Pending));
+    assert_eq!(ids(listed), vec![high.id, low.id, last.id]);
+    assert!(!ids(store.queued_tasks(agent.id, 16).await.unwrap()).contains(&leased.id));
+    assert_eq!(
+        ids(store.queued_tasks(agent.id, 2).await.expect("capped")),
+        vec![high.id, low.id]
+    );
+    // Listing twice claimed nothing: the head is still the one to claim.
+    assert_eq!(claimed(store, &agent, generation, t).await.0.id, high.id);
+    assert_eq!(
+        ids(store.queued_tasks(agent.id, 16).await.unwrap()),
+        vec![low.id, last.id]
+    );
+}
+
 /// Open tasks are the ones an agent still has to run: pending, leased and retry_wait.
 pub async fn open_task_counts(store: &DynStore) {
     let tenant = tenant(store).await;
@@ -1710,4 +1768,188 @@ pub async fn task_queue_cap_concurrent(store: &DynStore) {
         .await
         .expect("list");
     assert_eq!(page.items.len(), CAP as usize);
+}
+
+pub async fn retention_prunes_what_finished_long_ago(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("retention")).await;
+    let recent = now();
+    let old = recent - time::Duration::days(40);
+    let cutoff = recent - time::Duration::days(30);
+    let finished = |at| async move {
+        let task = create(store, new_task(tenant.id, agent.id, at)).await;
+        store
+            .cancel_task(tenant.id, task.id, operator(), at)
+            .await
+            .expect("cancel");
+        task
+    };
+    let gone = finished(old).await;
+    let kept_recent = finished(recent).await;
+    let kept_open = create(store, new_task(tenant.id, agent.id, old)).await;
+    // A parent and the read-back naming it, both finished long ago: the read-back goes first.
+    let parent = finished(old).await;
+    let read_back = create(store, read_back_task(&parent, old)).await;
+    store
+        .cancel_task(tenant.id, read_back.id, operator(), old)
+        .await
+        .expect("cancel the read-back");
+
+    assert_eq!(
+        store
+            .prune_finished_tasks(cutoff, 100)
+            .await
+            .expect("prune"),
+        2
+    );
+    let exists = |id| async move { store.get_task(tenant.id, id).await.expect("get").is_some() };
+    assert!(!exists(gone.id).await && !exists(read_back.id).await);
+    assert!(exists(parent.id).await, "a read-back still named it");
+    assert_eq!(
+        store
+            .prune_finished_tasks(cutoff, 100)
+            .await
+            .expect("prune"),
+        1
+    );
+    assert!(!exists(parent.id).await);
+    assert_eq!(
+        store
+            .prune_finished_tasks(cutoff, 100)
+            .await
+            .expect("prune"),
+        0
+    );
+    assert!(exists(kept_recent.id).await && exists(kept_open.id).await);
+
+    // Events: only those created before the cutoff, in batches.
+    let all = |store: &DynStore| {
+        let store = store.clone();
+        async move {
+            store
+                .read_events(tenant.id, &crate::EventFilter::default(), 0, 1000)
+                .await
+                .expect("events")
+        }
+    };
+    let before = all(store).await;
+    let old_events = before.iter().filter(|e| e.created_at < cutoff).count() as u64;
+    assert!(old_events >= 4, "{before:?}");
+    assert_eq!(store.prune_events(cutoff, 1).await.expect("prune"), 1);
+    assert_eq!(
+        store.prune_events(cutoff, 1000).await.expect("prune"),
+        old_events - 1
+    );
+    let after = all(store).await;
+    assert!(after.iter().all(|e| e.created_at >= cutoff));
+    assert_eq!(after.len() as u64, before.len() as u64 - old_events);
+    // The audit log keeps every cancel.
+    let audit = store.list_audit(tenant.id, 0, 1000).await.expect("audit");
+    assert!(audit.iter().filter(|e| e.action == "task.cancel").count() >= 4);
+}
+
+/// One simulated day of [`retention_simulation`], after its prune.
+#[derive(Debug, Clone, Copy)]
+pub struct RetentionDay {
+    pub day: u32,
+    /// Tasks the store holds once the day's prune ran.
+    pub tasks_kept: u64,
+    /// Tasks and events the day's prune deleted.
+    pub tasks_pruned: u64,
+    pub events_pruned: u64,
+}
+
+/// Issue 16 item 6, on the store's clock: `days` days in which each of `agents` agents runs
+/// `per_day` tasks (created, claimed under that day's session, its result recorded, all at that
+/// day's time), each day followed by the retention sweep's prune of what finished more than
+/// `keep_days` before (batches of 500, as `retention.rs` deletes). `each_day` sees every day.
+/// Nothing waits: the days are timestamps.
+pub async fn retention_simulation(
+    store: &DynStore,
+    agents: usize,
+    per_day: usize,
+    days: u32,
+    keep_days: u32,
+    mut each_day: impl FnMut(RetentionDay),
+) -> Vec<RetentionDay> {
+    let tenant = tenant(store).await;
+    let mut fleet = Vec::with_capacity(agents);
+    for n in 0..agents {
+        fleet.push(register(store, tenant.id, new_agent(&format!("sim-{n}"))).await);
+    }
+    let start = now() - Duration::days(i64::from(days));
+    let mut seen = Vec::new();
+    for day in 0..days {
+        let at = start + Duration::days(i64::from(day));
+        let runs = fleet.iter().map(|agent| async move {
+            let generation = session(store, agent, at).await;
+            for _ in 0..per_day {
+                create(store, new_task(tenant.id, agent.id, at)).await;
+                let (_, attempt) = claimed(store, agent, generation, at).await;
+                recorded(
+                    store,
+                    completion(agent, generation, &attempt, AttemptResult::Succeeded, at),
+                )
+                .await;
+            }
+        });
+        futures_util::future::join_all(runs).await;
+        let cutoff = at - Duration::days(i64::from(keep_days));
+        let (mut tasks_pruned, mut events_pruned) = (0, 0);
+        loop {
+            let t = store
+                .prune_finished_tasks(cutoff, 500)
+                .await
+                .expect("prune");
+            let e = store.prune_events(cutoff, 500).await.expect("prune");
+            tasks_pruned += t;
+            events_pruned += e;
+            if t < 500 && e < 500 {
+                break;
+            }
+        }
+        let tasks_kept = count_tasks(store, tenant.id).await;
+        let seen_day = RetentionDay {
+            day,
+            tasks_kept,
+            tasks_pruned,
+            events_pruned,
+        };
+        each_day(seen_day);
+        seen.push(seen_day);
+    }
+    seen
+}
+
+async fn count_tasks(store: &DynStore, tenant: TenantId) -> u64 {
+    let (mut n, mut after) = (0, None);
+    loop {
+        let page = store
+            .list_tasks(tenant, &TaskFilter::default(), after, 1000)
+            .await
+            .expect("list");
+        n += page.items.len() as u64;
+        match page.next {
+            Some(next) => after = Some(TaskId(next)),
+            None => return n,
+        }
+    }
+}
+
+/// A small [`retention_simulation`]: the store holds at most the last `keep_days` + 1 days of
+/// tasks, and from then on exactly that many: bounded, however long it runs.
+pub async fn retention_keeps_the_store_bounded(store: &DynStore) {
+    const AGENTS: usize = 4;
+    const PER_DAY: usize = 3;
+    const KEEP: u32 = 3;
+    let days = retention_simulation(store, AGENTS, PER_DAY, 10, KEEP, |_| {}).await;
+    let per_day = (AGENTS * PER_DAY) as u64;
+    for d in &days {
+        let expected = per_day * u64::from(d.day.min(KEEP) + 1);
+        assert_eq!(d.tasks_kept, expected, "{d:?}");
+        if d.day > KEEP {
+            assert_eq!(d.tasks_pruned, per_day, "{d:?}");
+            assert!(d.events_pruned > 0, "{d:?}");
+        }
+    }
 }

@@ -97,9 +97,10 @@ pub(crate) fn result_event(completion: &crate::Completion, task: &crate::Task) -
     }
 }
 
-/// The entry of an operator's action on a task: `task.create` (what was asked, never the
-/// credentials, which are sealed and not recorded), `task.cancel` and `task.retry` (the state
-/// the task went to).
+/// The entry of an operator's action on a task: `task.create` (what was asked: the payload by
+/// its `payloadSha256`, the SHA-256 of its JCS, since the payload is sealed at rest and the
+/// audit log is kept for good; never the credentials), `task.cancel` and `task.retry` (the
+/// state the task went to).
 pub(crate) fn task_event(
     action: &'static str,
     task: &crate::Task,
@@ -107,8 +108,11 @@ pub(crate) fn task_event(
     at: OffsetDateTime,
 ) -> NewAuditEvent {
     let details = if action == berth_proto::audit::actions::TASK_CREATE {
+        let payload_sha256 = serde_jcs::to_vec(&task.payload)
+            .map(|jcs| berth_crypto::sha256_hex(&jcs))
+            .unwrap_or_default();
         serde_json::json!({"type": task.task_type, "agentId": task.agent_id,
-            "payload": task.payload, "variables": task.variables})
+            "payloadSha256": payload_sha256, "variables": task.variables})
     } else {
         serde_json::json!({"state": task.state})
     };

@@ -1,6 +1,7 @@
 //! The event stream: what changed, in commit order, per tenant. Events are rows written by
 //! database triggers on the rows they describe (migration 0011), so every state change writes
-//! its event in its own transaction, whichever operation made it; this domain only reads them.
+//! its event in its own transaction, whichever operation made it; this domain only reads them
+//! (and retention deletes old ones).
 
 use berth_proto::{AgentId, DeploymentId, EnvironmentId, TaskId, TenantId};
 use time::OffsetDateTime;
@@ -49,6 +50,9 @@ pub trait EventStore: Send + Sync {
     /// The id of the tenant's newest visible event (0 without any): a cursor taken before a
     /// page reads its data, so a reader resuming from it misses no later change.
     async fn latest_event_id(&self, tenant: TenantId) -> Result<i64>;
+    /// Retention: deletes at most `limit` of the oldest events created before `before`. A
+    /// reader's cursor stays valid (ids are never reused); what it missed is gone. How many.
+    async fn prune_events(&self, before: OffsetDateTime, limit: u32) -> Result<u64>;
 
     /// Changes after a commit that may have written events — in this process and, on
     /// PostgreSQL, in every replica (LISTEN/NOTIFY on `berth_events`). Only a wake-up: readers

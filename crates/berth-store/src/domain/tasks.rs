@@ -387,6 +387,11 @@ pub trait TaskStore: Send + Sync {
     /// new work to the capable agent with the fewest.
     async fn open_task_counts(&self, agents: &[AgentId]) -> Result<Vec<(AgentId, i64)>>;
 
+    /// The agent's queued tasks (`pending`, `retry_wait`) in claim order (priority, then
+    /// creation), at most `limit`: what a heartbeat answer lists. A read on the claim index;
+    /// it claims nothing.
+    async fn queued_tasks(&self, agent: AgentId, limit: u32) -> Result<Vec<Task>>;
+
     /// Leased tasks of the agent with `cancel_requested`, with their current assignment.
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>>;
 
@@ -447,6 +452,13 @@ pub trait TaskStore: Send + Sync {
         evidence: serde_json::Value,
         now: OffsetDateTime,
     ) -> Result<Option<Task>>;
+
+    /// Retention: deletes at most `limit` tasks that finished (`succeeded`, `failed`,
+    /// `dead_letter`, `cancelled`, `expired`) before `before`, with their attempts; never an
+    /// open or `unknown` task, nor one a remaining read-back names (`read_back_of`; the
+    /// read-back goes first, the next batch takes its parent). Their audit entries stay: the
+    /// audit log is never pruned. How many were deleted.
+    async fn prune_finished_tasks(&self, before: OffsetDateTime, limit: u32) -> Result<u64>;
 
     /// The read-back sweep, part one: `unknown` tasks whose lost delivery has no read-back yet,
     /// that is, no task of their tenant holds [`read_back_key`]`(id, attempts)`, and whose agent

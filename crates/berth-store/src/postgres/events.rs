@@ -2,8 +2,9 @@ use sqlx::{Postgres, QueryBuilder};
 use tokio::sync::watch;
 
 use super::PostgresStore;
-use crate::rows::{self, db_error, ColumnReader};
+use crate::rows::{self, db_error, millis, ColumnReader};
 use crate::{Event, EventFilter, EventStore, Result};
+use time::OffsetDateTime;
 
 #[async_trait::async_trait]
 impl EventStore for PostgresStore {
@@ -61,6 +62,20 @@ impl EventStore for PostgresStore {
         .await
         .map_err(db_error("latest event id"))?;
         row.int("latest")
+    }
+
+    async fn prune_events(&self, before: OffsetDateTime, limit: u32) -> Result<u64> {
+        let done = sqlx::query(
+            "DELETE FROM events WHERE id IN (\
+               SELECT id FROM events WHERE id IS NOT NULL AND created_at < $1 \
+               ORDER BY id LIMIT $2)",
+        )
+        .bind(millis(before))
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await
+        .map_err(db_error("prune events"))?;
+        Ok(done.rows_affected())
     }
 
     fn events_written(&self) -> watch::Receiver<u64> {

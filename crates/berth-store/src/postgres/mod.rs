@@ -17,7 +17,7 @@ use tokio::sync::{broadcast, oneshot, watch};
 use uuid::Uuid;
 
 use crate::rows::{self, db_error, get, ColumnReader, PageRequest};
-use crate::{Page, Result, Store, StoreError};
+use crate::{Page, PayloadKey, Result, Store};
 
 mod agents;
 mod audit;
@@ -49,20 +49,22 @@ pub struct PostgresStore {
     events: broadcast::Sender<AgentId>,
     /// Counts `berth_events` notifications (and listener reconnects, which may have lost some).
     written: watch::Sender<u64>,
+    /// Seals and opens task payloads.
+    payload_key: PayloadKey,
     /// Dropping the store drops this, which stops the listener task.
     _stop_listener: oneshot::Sender<()>,
 }
 
 impl PostgresStore {
     /// Connects and runs the migrations (sqlx serialises concurrent migrators across replicas
-    /// with an advisory lock).
-    pub async fn connect(url: &str) -> Result<PostgresStore> {
+    /// with an advisory lock). Task payloads are sealed with `payload_key` (see `sealed.rs`).
+    pub async fn connect(url: &str, payload_key: PayloadKey) -> Result<PostgresStore> {
         let pool = PgPoolOptions::new()
             .max_connections(MAX_CONNECTIONS)
             .connect(url)
             .await
             .map_err(db_error("connect to postgres"))?;
-        MIGRATOR.run(&pool).await.map_err(StoreError::Migrate)?;
+        crate::migrate(&MIGRATOR, &pool).await?;
         // LISTEN before returning, so no write after `connect` can go unnoticed.
         let listener = listen(&pool).await?;
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
@@ -79,6 +81,7 @@ impl PostgresStore {
             pool,
             events,
             written,
+            payload_key,
             _stop_listener: stop,
         })
     }
@@ -170,7 +173,7 @@ async fn fetch_page<T>(
     mut query: QueryBuilder<'_, Postgres>,
     page: PageRequest,
     operation: &'static str,
-    read: fn(&PgRow) -> Result<T>,
+    read: impl Fn(&PgRow) -> Result<T>,
     id: fn(&T) -> Uuid,
 ) -> Result<Page<T>> {
     let PageRequest {

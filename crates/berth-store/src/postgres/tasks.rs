@@ -17,8 +17,8 @@ use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
     Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
-    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
-    StoreError, Task, TaskFilter, TaskState, TaskStore,
+    LeaseSweep, NewTask, Page, PayloadKey, Result, RetryOutcome, RetryPolicy, StartAttempt,
+    StartOutcome, StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
 use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
 use berth_proto::audit::AuditActor;
@@ -87,7 +87,7 @@ impl TaskStore for PostgresStore {
             .bind(task.tenant_id.0)
             .bind(&task.task_type)
             .bind(task.agent_id.0)
-            .bind(Json(&task.payload))
+            .bind(Json(self.payload_key.seal(task.id, &task.payload)?))
             .bind(&task.credentials_sealed)
             .bind(Json(&task.variables))
             .bind(i64::from(task.timeout_seconds))
@@ -101,7 +101,7 @@ impl TaskStore for PostgresStore {
             .await
             .map_err(db_error(OP))?;
             if let Some(row) = inserted {
-                let created = rows::read_task(&row)?;
+                let created = rows::read_task(&row, &self.payload_key)?;
                 if let Some(actor) = task.created_by.clone() {
                     let event = task_event(TASK_CREATE, &created, actor, task.created_at);
                     super::audit::append(&mut tx, event).await?;
@@ -125,7 +125,7 @@ impl TaskStore for PostgresStore {
             .map_err(db_error(OP))?;
             if let Some(row) = existing {
                 let same = row.text_opt("request_hash")? == task.request_hash;
-                let existing = rows::read_task(&row)?;
+                let existing = rows::read_task(&row, &self.payload_key)?;
                 return Ok(if same {
                     CreateTaskOutcome::Existing(existing)
                 } else {
@@ -160,7 +160,7 @@ impl TaskStore for PostgresStore {
         let Some(row) = row else {
             return Ok(None);
         };
-        let task = rows::read_task(&row)?;
+        let task = rows::read_task(&row, &self.payload_key)?;
         let attempts = sqlx::query(concat!(
             "SELECT ",
             attempt_columns!(),
@@ -208,7 +208,7 @@ impl TaskStore for PostgresStore {
                 limit,
             },
             "list tasks",
-            rows::read_task,
+            |row| rows::read_task(row, &self.payload_key),
             |t| t.id.0,
         )
         .await
@@ -267,7 +267,7 @@ impl TaskStore for PostgresStore {
                 .fetch_optional(&mut *tx)
                 .await
                 .map_err(db_error(OP))?
-                .map(|row| rows::read_task(&row))
+                .map(|row| rows::read_task(&row, &self.payload_key))
                 .transpose()?;
                 let Some(head) = head else {
                     break 'claim ClaimOutcome::Empty;
@@ -322,7 +322,7 @@ impl TaskStore for PostgresStore {
             let Some(claimed) = claimed else {
                 break 'claim ClaimOutcome::Empty;
             };
-            let task = rows::read_task(&claimed)?;
+            let task = rows::read_task(&claimed, &self.payload_key)?;
             let attempt = sqlx::query(concat!(
                 "INSERT INTO task_attempts (assignment_id, task_id, agent_id, generation, state, \
              assigned_at, lease_expires_at, start_handshake) \
@@ -362,6 +362,23 @@ impl TaskStore for PostgresStore {
             .iter()
             .map(|a| (*a, counted.get(a).copied().unwrap_or(0)))
             .collect())
+    }
+
+    async fn queued_tasks(&self, agent: AgentId, limit: u32) -> Result<Vec<Task>> {
+        sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
+             ORDER BY priority DESC, seq LIMIT $2"
+        ))
+        .bind(agent.0)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_error("queued tasks"))?
+        .iter()
+        .map(|row| rows::read_task(row, &self.payload_key))
+        .collect()
     }
 
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
@@ -404,6 +421,7 @@ impl TaskStore for PostgresStore {
         // delivery never interleave; whichever waits sees the other's outcome.
         let Some((task, attempt)) = locked_delivery(
             &mut tx,
+            &self.payload_key,
             OP,
             start.agent_id,
             start.task_id,
@@ -457,6 +475,7 @@ impl TaskStore for PostgresStore {
         }
         let Some((task, attempt)) = locked_delivery(
             &mut tx,
+            &self.payload_key,
             OP,
             completion.agent_id,
             completion.task_id,
@@ -508,7 +527,7 @@ impl TaskStore for PostgresStore {
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error(OP))?;
-        let task = rows::read_task(&row)?;
+        let task = rows::read_task(&row, &self.payload_key)?;
         super::audit::append(&mut tx, result_event(&completion, &task)).await?;
         // The agent's queue may have unblocked (a side-effecting task ended, or the head moved).
         notify(&mut tx, task.agent_id).await?;
@@ -526,7 +545,8 @@ impl TaskStore for PostgresStore {
         const OP: &str = "cancel task";
         let now = millis(at);
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
-        let Some(task) = locked_tenant_task(&mut tx, OP, tenant, id).await? else {
+        let Some(task) = locked_tenant_task(&mut tx, &self.payload_key, OP, tenant, id).await?
+        else {
             return Ok(None);
         };
         let outcome = match task.state {
@@ -541,7 +561,7 @@ impl TaskStore for PostgresStore {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(db_error(OP))?;
-                CancelOutcome::Cancelled(rows::read_task(&task)?)
+                CancelOutcome::Cancelled(rows::read_task(&task, &self.payload_key)?)
             }
             TaskState::Leased => {
                 let task = sqlx::query(concat!(
@@ -554,7 +574,7 @@ impl TaskStore for PostgresStore {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(db_error(OP))?;
-                CancelOutcome::Requested(rows::read_task(&task)?)
+                CancelOutcome::Requested(rows::read_task(&task, &self.payload_key)?)
             }
             _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
         };
@@ -576,7 +596,8 @@ impl TaskStore for PostgresStore {
     ) -> Result<Option<RetryOutcome>> {
         const OP: &str = "retry task";
         let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
-        let Some(task) = locked_tenant_task(&mut tx, OP, tenant, id).await? else {
+        let Some(task) = locked_tenant_task(&mut tx, &self.payload_key, OP, tenant, id).await?
+        else {
             return Ok(None);
         };
         if !matches!(task.state, TaskState::Unknown | TaskState::DeadLetter) {
@@ -594,7 +615,7 @@ impl TaskStore for PostgresStore {
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error(OP))?;
-        let task = rows::read_task(&row)?;
+        let task = rows::read_task(&row, &self.payload_key)?;
         // The read-backs of the losses before the retry are history: their keys go, so a
         // delivery lost after it gets a read-back of its own.
         sqlx::query(
@@ -628,7 +649,7 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?
         .iter()
-        .map(rows::read_task)
+        .map(|row| rows::read_task(row, &self.payload_key))
         .collect::<Result<Vec<_>>>()?;
         let mut sweep = LeaseSweep::default();
         let mut agents = BTreeSet::new();
@@ -678,7 +699,7 @@ impl TaskStore for PostgresStore {
             .fetch_one(&mut *tx)
             .await
             .map_err(db_error(OP))?;
-            let task = rows::read_task(&row)?;
+            let task = rows::read_task(&row, &self.payload_key)?;
             agents.insert(task.agent_id);
             match task.state {
                 TaskState::Unknown => sweep.unknown.push(task),
@@ -716,8 +737,25 @@ impl TaskStore for PostgresStore {
         .fetch_optional(&self.pool)
         .await
         .map_err(db_error("resolve read-back"))?
-        .map(|row| rows::read_task(&row))
+        .map(|row| rows::read_task(&row, &self.payload_key))
         .transpose()
+    }
+
+    async fn prune_finished_tasks(&self, before: OffsetDateTime, limit: u32) -> Result<u64> {
+        let done = sqlx::query(
+            "DELETE FROM tasks WHERE id IN (\
+               SELECT t.id FROM tasks t \
+               WHERE t.state IN ('succeeded', 'failed', 'dead_letter', 'cancelled', 'expired') \
+               AND t.finished_at < $1 \
+               AND NOT EXISTS (SELECT 1 FROM tasks rb WHERE rb.read_back_of = t.id) \
+               ORDER BY t.finished_at LIMIT $2)",
+        )
+        .bind(millis(before))
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await
+        .map_err(db_error("prune finished tasks"))?;
+        Ok(done.rows_affected())
     }
 
     async fn unknown_without_read_back(
@@ -744,7 +782,7 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error("unknown tasks without read-back"))?
         .iter()
-        .map(rows::read_task)
+        .map(|row| rows::read_task(row, &self.payload_key))
         .collect()
     }
 
@@ -773,7 +811,7 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error("finished read-backs of unknown tasks"))?
         .iter()
-        .map(rows::read_task)
+        .map(|row| rows::read_task(row, &self.payload_key))
         .collect()
     }
 
@@ -785,6 +823,7 @@ impl TaskStore for PostgresStore {
 /// The tenant's task `id`, its row locked `FOR UPDATE`.
 async fn locked_tenant_task(
     tx: &mut sqlx::Transaction<'_, Postgres>,
+    key: &PayloadKey,
     op: &'static str,
     tenant: TenantId,
     id: TaskId,
@@ -799,7 +838,7 @@ async fn locked_tenant_task(
     .fetch_optional(&mut **tx)
     .await
     .map_err(db_error(op))?
-    .map(|row| rows::read_task(&row))
+    .map(|row| rows::read_task(&row, key))
     .transpose()
 }
 
@@ -808,6 +847,7 @@ async fn locked_tenant_task(
 /// for this agent.
 async fn locked_delivery(
     tx: &mut sqlx::Transaction<'_, Postgres>,
+    key: &PayloadKey,
     op: &'static str,
     agent: AgentId,
     task: TaskId,
@@ -823,7 +863,7 @@ async fn locked_delivery(
     .fetch_optional(&mut **tx)
     .await
     .map_err(db_error(op))?
-    .map(|row| rows::read_task(&row))
+    .map(|row| rows::read_task(&row, key))
     .transpose()?;
     let Some(task) = task else {
         return Ok(None);

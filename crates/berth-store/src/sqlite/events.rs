@@ -2,8 +2,9 @@ use rusqlite::params_from_iter;
 use tokio::sync::watch;
 
 use super::{id_text, Query, SqliteStore};
-use crate::rows::{self, ColumnReader};
+use crate::rows::{self, unix_millis, ColumnReader};
 use crate::{Event, EventFilter, EventStore, Result};
+use time::OffsetDateTime;
 
 #[async_trait::async_trait]
 impl EventStore for SqliteStore {
@@ -56,6 +57,19 @@ impl EventStore for SqliteStore {
                     [id_text(tenant.0)],
                     |row| row.int("latest"),
                 )
+            })
+            .await
+    }
+
+    async fn prune_events(&self, before: OffsetDateTime, limit: u32) -> Result<u64> {
+        self.writer
+            .write("prune events", move |tx| {
+                tx.execute(
+                    "DELETE FROM events WHERE id IN (\
+                       SELECT id FROM events WHERE created_at < ?1 ORDER BY id LIMIT ?2)",
+                    rusqlite::params![unix_millis(before), i64::from(limit)],
+                )
+                .map(|n| n as u64)
             })
             .await
     }

@@ -6,7 +6,7 @@
 //! this one opens the connections and holds what the domains share.
 
 use berth_proto::error::ErrorChain;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -21,7 +21,7 @@ use tokio::sync::{broadcast, watch};
 use uuid::Uuid;
 
 use crate::rows::{self, db_error, ColumnReader, PageRequest};
-use crate::{Page, Result, Store, StoreError};
+use crate::{Page, PayloadKey, Result, Store, StoreError};
 
 mod agents;
 mod audit;
@@ -47,6 +47,11 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const READERS: usize = 4;
 /// How often WAL frames are copied back into the database file, off the writer's path.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// A WAL file larger than this is checkpointed with TRUNCATE: the writer waits for that one
+/// checkpoint (its busy timeout), and the file goes back to empty. PASSIVE checkpoints never
+/// catch up with a writer that never pauses: a retention sweep deleting a million old tasks
+/// under load grew the WAL to 20 GB beside a 2.6 GB database that way (BENCHMARKS.md).
+const WAL_LIMIT: u64 = 64 << 20;
 const EVENT_CAPACITY: usize = 1024;
 /// Every statement a connection runs stays prepared; the writer has about forty.
 const STATEMENT_CACHE: usize = 64;
@@ -61,6 +66,8 @@ pub struct SqliteStore {
     events: broadcast::Sender<AgentId>,
     /// The highest event id, after each commit that wrote events (the writer sends it).
     written: watch::Sender<u64>,
+    /// Seals and opens task payloads.
+    payload_key: PayloadKey,
     /// Dropping it stops the checkpointer.
     _checkpointer: mpsc::Sender<()>,
 }
@@ -108,21 +115,32 @@ fn connect(path: &Path, read_only: bool) -> Result<Connection> {
     Ok(conn)
 }
 
-/// Checkpoints the WAL from its own connection, until `stop`'s sender is dropped. SQLite's
-/// automatic checkpoint would run inside whichever commit crosses the threshold, on the single
-/// writer, stalling every queued heartbeat behind its fsyncs; a PASSIVE checkpoint here runs
-/// beside the writer instead.
-fn checkpoint_loop(conn: Connection, stop: mpsc::Receiver<()>) {
+/// Checkpoints the WAL (`wal`, the `-wal` file) from its own connection, until `stop`'s sender
+/// is dropped. SQLite's automatic checkpoint would run inside whichever commit crosses the
+/// threshold, on the single writer, stalling every queued heartbeat behind its fsyncs; a
+/// PASSIVE checkpoint here runs beside the writer instead, and a TRUNCATE one past
+/// [`WAL_LIMIT`] bounds the file.
+fn checkpoint_loop(conn: Connection, wal: PathBuf, stop: mpsc::Receiver<()>) {
+    let checkpoint = |mode: &str| {
+        let sql = format!("PRAGMA wal_checkpoint({mode})");
+        if let Err(e) = conn.query_row(&sql, [], |_| Ok(())) {
+            tracing::warn!(error = %ErrorChain(&e), mode, "sqlite checkpoint failed; will retry");
+        }
+    };
     while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(CHECKPOINT_EVERY) {
-        if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
-            tracing::warn!(error = %ErrorChain(&e), "sqlite checkpoint failed; will retry");
+        // PASSIVE first, so the TRUNCATE that may follow (and that the writer waits for) has
+        // only the frames written since left to copy.
+        checkpoint("PASSIVE");
+        if std::fs::metadata(&wal).is_ok_and(|m| m.len() > WAL_LIMIT) {
+            checkpoint("TRUNCATE");
         }
     }
 }
 
 impl SqliteStore {
-    /// Opens (creating if missing) the database file and runs the migrations.
-    pub async fn open(path: &Path) -> Result<SqliteStore> {
+    /// Opens (creating if missing) the database file and runs the migrations. Task payloads
+    /// are sealed with `payload_key` (see `sealed.rs`).
+    pub async fn open(path: &Path, payload_key: PayloadKey) -> Result<SqliteStore> {
         // sqlx's migrator owns the bookkeeping table, so migrations run on a connection of
         // their own, closed before the backend's threads open theirs. Closed by hand: a pool
         // may close it in the background, and closed beside the threads' connections SQLite
@@ -139,7 +157,7 @@ impl SqliteStore {
             .connect_with(options)
             .await
             .map_err(db_error("open sqlite database"))?;
-        MIGRATOR.run(&migrate).await.map_err(StoreError::Migrate)?;
+        crate::migrate(&MIGRATOR, &migrate).await?;
         const CLOSE: &str = "close the migration connection";
         let conn = migrate.acquire().await.map_err(db_error(CLOSE))?.detach();
         conn.close().await.map_err(db_error(CLOSE))?;
@@ -155,9 +173,10 @@ impl SqliteStore {
         let readers = Readers::spawn(readers).map_err(stopped)?;
         let (checkpointer, stop) = mpsc::channel();
         let checkpoint = connect(path, false)?;
+        let wal = PathBuf::from(format!("{}-wal", path.display()));
         std::thread::Builder::new()
             .name("berth-sqlite-checkpoint".to_string())
-            .spawn(move || checkpoint_loop(checkpoint, stop))
+            .spawn(move || checkpoint_loop(checkpoint, wal, stop))
             .map_err(stopped)?;
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
         Ok(SqliteStore {
@@ -165,6 +184,7 @@ impl SqliteStore {
             readers,
             events,
             written,
+            payload_key,
             _checkpointer: checkpointer,
         })
     }
@@ -182,7 +202,7 @@ impl SqliteStore {
         operation: &'static str,
         mut query: Query,
         page: PageRequest,
-        read: fn(&Row<'_>) -> Result<T>,
+        read: impl Fn(&Row<'_>) -> Result<T> + Send + 'static,
         id: fn(&T) -> Uuid,
     ) -> Result<Page<T>> {
         let PageRequest {

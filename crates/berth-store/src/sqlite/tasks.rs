@@ -15,8 +15,8 @@ use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
 use crate::{
     Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
-    LeaseSweep, NewTask, Page, Result, RetryOutcome, RetryPolicy, StartAttempt, StartOutcome,
-    StoreError, Task, TaskFilter, TaskState, TaskStore,
+    LeaseSweep, NewTask, Page, PayloadKey, Result, RetryOutcome, RetryPolicy, StartAttempt,
+    StartOutcome, StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
 use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
 use berth_proto::audit::AuditActor;
@@ -26,6 +26,7 @@ use berth_proto::audit::AuditActor;
 /// delivery, or (for a duplicate result) its last. `None`: no such task for this agent.
 fn agent_delivery(
     db: &Db<'_>,
+    key: &PayloadKey,
     agent: AgentId,
     task: TaskId,
     assignment: Option<AssignmentId>,
@@ -37,7 +38,7 @@ fn agent_delivery(
             " FROM tasks WHERE id = ?1 AND agent_id = ?2"
         ),
         params![id_text(task.0), id_text(agent.0)],
-        |row| rows::read_task(row),
+        |row| rows::read_task(row, key),
     )?;
     let Some(task) = task else {
         return Ok(None);
@@ -77,7 +78,12 @@ fn suspended(db: &Db<'_>, agent: AgentId) -> Result<bool> {
         .unwrap_or(false))
 }
 
-fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>> {
+fn tenant_task(
+    db: &Db<'_>,
+    key: &PayloadKey,
+    tenant: TenantId,
+    id: TaskId,
+) -> Result<Option<Task>> {
     db.optional(
         concat!(
             "SELECT ",
@@ -85,14 +91,15 @@ fn tenant_task(db: &Db<'_>, tenant: TenantId, id: TaskId) -> Result<Option<Task>
             " FROM tasks WHERE tenant_id = ?1 AND id = ?2"
         ),
         [id_text(tenant.0), id_text(id.0)],
-        |row| rows::read_task(row),
+        |row| rows::read_task(row, key),
     )
 }
 
 #[async_trait::async_trait]
 impl TaskStore for SqliteStore {
     async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome> {
-        let payload = json_text("tasks.payload", &task.payload)?;
+        let key = self.payload_key.clone();
+        let payload = json_text("tasks.payload", &key.seal(task.id, &task.payload)?)?;
         let variables = json_text("tasks.variables", &task.variables)?;
         let created = self
             .writer
@@ -154,7 +161,7 @@ impl TaskStore for SqliteStore {
                             task.read_back_of.map(|t| id_text(t.0)),
                             unix_millis(task.created_at),
                         ],
-                        |row| rows::read_task(row),
+                        |row| rows::read_task(row, &key),
                     )?;
                     if let Some(created) = inserted {
                         if let Some(actor) = task.created_by.clone() {
@@ -165,15 +172,15 @@ impl TaskStore for SqliteStore {
                     }
                 }
                 // The key is taken.
-                if let Some(key) = &task.idempotency_key {
+                if let Some(idempotency_key) = &task.idempotency_key {
                     let existing = tx.optional(
                         concat!(
                             "SELECT ",
                             task_columns!(),
                             " FROM tasks WHERE tenant_id = ?1 AND idempotency_key = ?2"
                         ),
-                        params![id_text(task.tenant_id.0), key],
-                        |row| Ok((row.text_opt("request_hash")?, rows::read_task(row)?)),
+                        params![id_text(task.tenant_id.0), idempotency_key],
+                        |row| Ok((row.text_opt("request_hash")?, rows::read_task(row, &key)?)),
                     )?;
                     if let Some((request_hash, existing)) = existing {
                         return Ok(if request_hash == task.request_hash {
@@ -202,9 +209,10 @@ impl TaskStore for SqliteStore {
     }
 
     async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>> {
+        let key = self.payload_key.clone();
         self.readers
             .read("get task", move |db| {
-                let Some(task) = tenant_task(db, tenant, id)? else {
+                let Some(task) = tenant_task(db, &key, tenant, id)? else {
                     return Ok(None);
                 };
                 let attempts = db.all(
@@ -228,6 +236,7 @@ impl TaskStore for SqliteStore {
         after: Option<TaskId>,
         limit: u32,
     ) -> Result<Page<Task>> {
+        let key = self.payload_key.clone();
         let limit = limit.max(1);
         let mut query = Query::new(concat!(
             "SELECT ",
@@ -254,7 +263,7 @@ impl TaskStore for SqliteStore {
                 order: filter.order,
                 limit,
             },
-            |row| rows::read_task(row),
+            move |row| rows::read_task(row, &key),
             |t| t.id.0,
         )
         .await
@@ -270,6 +279,7 @@ impl TaskStore for SqliteStore {
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
+        let key = self.payload_key.clone();
         const OP: &str = "claim task";
         let fingerprint = certificate_fingerprint.to_owned();
         let capabilities = capabilities.to_vec();
@@ -326,7 +336,7 @@ impl TaskStore for SqliteStore {
                              ORDER BY priority DESC, seq LIMIT 1"
                         ),
                         [id_text(agent.0)],
-                        |row| rows::read_task(row),
+                        |row| rows::read_task(row, &key),
                     )?;
                     let Some(head) = head else {
                         return Ok(ClaimOutcome::Empty);
@@ -375,7 +385,7 @@ impl TaskStore for SqliteStore {
                         unix_millis(lease_expires_at),
                         unix_millis(now),
                     ],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )?;
                 let Some(task) = task else {
                     return Ok(ClaimOutcome::Empty);
@@ -423,6 +433,25 @@ impl TaskStore for SqliteStore {
             .await
     }
 
+    async fn queued_tasks(&self, agent: AgentId, limit: u32) -> Result<Vec<Task>> {
+        let key = self.payload_key.clone();
+        self.readers
+            .read("queued tasks", move |db| {
+                db.all(
+                    concat!(
+                        "SELECT ",
+                        task_columns!(),
+                        " FROM tasks WHERE agent_id = ?1 \
+                         AND state IN ('pending', 'retry_wait') \
+                         ORDER BY priority DESC, seq LIMIT ?2"
+                    ),
+                    params![id_text(agent.0), i64::from(limit)],
+                    |row| rows::read_task(row, &key),
+                )
+            })
+            .await
+    }
+
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
         self.readers
             .read("pending cancellations", move |db| {
@@ -444,6 +473,7 @@ impl TaskStore for SqliteStore {
     }
 
     async fn start_attempt(&self, start: StartAttempt) -> Result<StartOutcome> {
+        let key = self.payload_key.clone();
         self.writer
             .write("start attempt", move |tx| {
                 // The writer runs one operation at a time: neither the generation nor the lease
@@ -458,8 +488,13 @@ impl TaskStore for SqliteStore {
                     Binding::Fenced => return Ok(StartOutcome::Fenced),
                     Binding::Revoked => return Ok(StartOutcome::Revoked),
                 }
-                let Some((task, attempt)) =
-                    agent_delivery(tx, start.agent_id, start.task_id, Some(start.assignment_id))?
+                let Some((task, attempt)) = agent_delivery(
+                    tx,
+                    &key,
+                    start.agent_id,
+                    start.task_id,
+                    Some(start.assignment_id),
+                )?
                 else {
                     return Ok(StartOutcome::NotFound);
                 };
@@ -491,6 +526,7 @@ impl TaskStore for SqliteStore {
         completion: Completion,
         policy: &RetryPolicy,
     ) -> Result<CompleteOutcome> {
+        let key = self.payload_key.clone();
         let policy = policy.clone();
         let envelope = json_text("task_attempts.envelope", &completion.envelope)?;
         let result_data = completion
@@ -515,6 +551,7 @@ impl TaskStore for SqliteStore {
                 }
                 let Some((task, attempt)) = agent_delivery(
                     tx,
+                    &key,
                     completion.agent_id,
                     completion.task_id,
                     completion.assignment_id,
@@ -563,7 +600,7 @@ impl TaskStore for SqliteStore {
                         unix_millis(now),
                         next.finished_at.map(unix_millis),
                     ],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )?;
                 super::audit::append(tx, result_event(&completion, &task))?;
                 Ok(CompleteOutcome::Recorded(task))
@@ -583,11 +620,12 @@ impl TaskStore for SqliteStore {
         actor: AuditActor,
         at: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>> {
+        let key = self.payload_key.clone();
         let now = unix_millis(at);
         let outcome = self
             .writer
             .write("cancel task", move |tx| {
-                let Some(task) = tenant_task(tx, tenant, id)? else {
+                let Some(task) = tenant_task(tx, &key, tenant, id)? else {
                     return Ok(None);
                 };
                 let outcome = match task.state {
@@ -599,7 +637,7 @@ impl TaskStore for SqliteStore {
                                 task_columns!()
                             ),
                             params![id_text(id.0), now],
-                            |row| rows::read_task(row),
+                            |row| rows::read_task(row, &key),
                         )?)
                     }
                     TaskState::Leased => CancelOutcome::Requested(tx.one(
@@ -609,7 +647,7 @@ impl TaskStore for SqliteStore {
                             task_columns!()
                         ),
                         params![id_text(id.0), now],
-                        |row| rows::read_task(row),
+                        |row| rows::read_task(row, &key),
                     )?),
                     _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
                 };
@@ -633,11 +671,12 @@ impl TaskStore for SqliteStore {
         actor: AuditActor,
         at: OffsetDateTime,
     ) -> Result<Option<RetryOutcome>> {
+        let key = self.payload_key.clone();
         let now = unix_millis(at);
         let outcome = self
             .writer
             .write("retry task", move |tx| {
-                let Some(task) = tenant_task(tx, tenant, id)? else {
+                let Some(task) = tenant_task(tx, &key, tenant, id)? else {
                     return Ok(None);
                 };
                 if !matches!(task.state, TaskState::Unknown | TaskState::DeadLetter) {
@@ -652,7 +691,7 @@ impl TaskStore for SqliteStore {
                         task_columns!()
                     ),
                     params![id_text(id.0), now],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )?;
                 // The read-backs of the losses before the retry are history: their keys go, so
                 // a delivery lost after it gets a read-back of its own.
@@ -672,6 +711,7 @@ impl TaskStore for SqliteStore {
     }
 
     async fn expire_leases(&self, now: OffsetDateTime, policy: &RetryPolicy) -> Result<LeaseSweep> {
+        let key = self.payload_key.clone();
         let now = millis(now);
         let policy = policy.clone();
         let (sweep, agents) = self
@@ -685,7 +725,7 @@ impl TaskStore for SqliteStore {
                          ORDER BY lease_expires_at"
                     ),
                     [unix_millis(now)],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )?;
                 let mut sweep = LeaseSweep::default();
                 let mut agents = BTreeSet::new();
@@ -732,7 +772,7 @@ impl TaskStore for SqliteStore {
                             unix_millis(now),
                             next.finished_at.map(unix_millis),
                         ],
-                        |row| rows::read_task(row),
+                        |row| rows::read_task(row, &key),
                     )?;
                     agents.insert(task.agent_id);
                     match task.state {
@@ -759,6 +799,7 @@ impl TaskStore for SqliteStore {
         evidence: serde_json::Value,
         now: OffsetDateTime,
     ) -> Result<Option<Task>> {
+        let key = self.payload_key.clone();
         let evidence = json_text("tasks.result", &evidence)?;
         self.writer
             .write("resolve read-back", move |tx| {
@@ -771,8 +812,26 @@ impl TaskStore for SqliteStore {
                         task_columns!()
                     ),
                     params![id_text(id.0), found, evidence, unix_millis(now)],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )
+            })
+            .await
+    }
+
+    async fn prune_finished_tasks(&self, before: OffsetDateTime, limit: u32) -> Result<u64> {
+        self.writer
+            .write("prune finished tasks", move |tx| {
+                tx.execute(
+                    "DELETE FROM tasks WHERE id IN (\
+                       SELECT t.id FROM tasks t \
+                       WHERE t.state IN ('succeeded', 'failed', 'dead_letter', 'cancelled', \
+                                         'expired') \
+                       AND t.finished_at < ?1 \
+                       AND NOT EXISTS (SELECT 1 FROM tasks rb WHERE rb.read_back_of = t.id) \
+                       ORDER BY t.finished_at LIMIT ?2)",
+                    params![unix_millis(before), i64::from(limit)],
+                )
+                .map(|n| n as u64)
             })
             .await
     }
@@ -782,6 +841,7 @@ impl TaskStore for SqliteStore {
         after: Option<TaskId>,
         limit: u32,
     ) -> Result<Vec<Task>> {
+        let key = self.payload_key.clone();
         // Ids are lower-case hyphenated text: '' sorts before all of them.
         let after = after.map(|id| id_text(id.0)).unwrap_or_default();
         self.readers
@@ -800,7 +860,7 @@ impl TaskStore for SqliteStore {
                          ORDER BY p.id LIMIT ?2"
                     ),
                     params![after, i64::from(limit), READ_BACK_KEY_PREFIX],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )
             })
             .await
@@ -811,6 +871,7 @@ impl TaskStore for SqliteStore {
         after: Option<TaskId>,
         limit: u32,
     ) -> Result<Vec<Task>> {
+        let key = self.payload_key.clone();
         let after = after.map(|id| id_text(id.0)).unwrap_or_default();
         self.readers
             .read("finished read-backs of unknown tasks", move |db| {
@@ -829,7 +890,7 @@ impl TaskStore for SqliteStore {
                          ORDER BY read_back_of"
                     ),
                     params![after, i64::from(limit), READ_BACK_KEY_PREFIX],
-                    |row| rows::read_task(row),
+                    |row| rows::read_task(row, &key),
                 )
             })
             .await
