@@ -23,7 +23,7 @@ use crate::link::SharedLink;
 use crate::probe::{self, Readiness};
 use crate::retry::{classify, Failure};
 use crate::state::StateDir;
-use crate::tasks::{HeldSession, Runner};
+use crate::tasks::{HeldSession, Interrupt, Runner};
 use crate::AgentError;
 
 /// How long running tasks get to finish (and report) when a failure stops the agent; a
@@ -213,14 +213,11 @@ pub async fn run(
     // Stop what still runs (nothing after a clean quiesce): all of it at once when fenced
     // (another process owns the identity now), after a short grace otherwise so results already
     // computed still reach the server.
-    let fenced = matches!(outcome, Err(AgentError::Fenced(_)));
-    let interrupted = runner
-        .stop(if fenced {
-            Duration::ZERO
-        } else {
-            FAILURE_GRACE
-        })
-        .await;
+    let interrupted = if matches!(outcome, Err(AgentError::Fenced(_))) {
+        runner.stop(Duration::ZERO, Interrupt::Fenced).await
+    } else {
+        runner.stop(FAILURE_GRACE, Interrupt::Stopping).await
+    };
     if !interrupted.is_empty() {
         tracing::warn!(interrupted = %task_list(&interrupted), "stopped with tasks still running; they were interrupted");
     }
@@ -252,7 +249,7 @@ async fn quiesce(runner: &Runner, grace: Duration) {
     if !running.is_empty() {
         tracing::info!(running = %task_list(&running), ?grace, "stopping: taking no new work; waiting for running tasks");
     }
-    let interrupted = runner.stop(grace).await;
+    let interrupted = runner.stop(grace, Interrupt::Stopping).await;
     if !interrupted.is_empty() {
         tracing::warn!(interrupted = %task_list(&interrupted), ?grace, "shutdown grace ran out: interrupted running tasks");
     }

@@ -12,8 +12,7 @@ use berth_client::sealing::open_assignment;
 use berth_client::ClientError;
 use berth_proto::error::ErrorChain;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use berth_crypto::hpke::{RecipientKey, RecipientPublicKey};
@@ -66,6 +65,32 @@ pub struct HeldSession {
     pub server_key: RecipientPublicKey,
 }
 
+/// Why the agent interrupts the tasks still running when it stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interrupt {
+    /// A requested stop (SIGTERM) whose grace ran out, or a failure that ends the process.
+    Stopping,
+    /// Another process took this agent's session: the deliveries are no longer this
+    /// process's, whatever they were doing.
+    Fenced,
+}
+
+impl Interrupt {
+    /// The `errorType` and message an interrupted task reports.
+    fn reported(self) -> (&'static str, &'static str) {
+        match self {
+            Interrupt::Stopping => (
+                error_types::AGENT_STOPPED,
+                "interrupted: the agent was stopping and its shutdown grace ran out",
+            ),
+            Interrupt::Fenced => (
+                error_types::LEASE_LOST,
+                "interrupted: another process took over this agent's session (fenced)",
+            ),
+        }
+    }
+}
+
 struct Shared {
     agent_id: AgentId,
     link: SharedLink,
@@ -77,9 +102,9 @@ struct Shared {
     retry_budget: Duration,
     /// Running assignments, their tasks, and the tokens that stop them.
     running: Mutex<HashMap<AssignmentId, (TaskId, CancellationToken)>>,
-    /// Set when the agent stops and its grace ran out: a token cancelled from then on
-    /// interrupts its task (`AGENT_STOPPED`) rather than cancels it for an operator.
-    interrupting: AtomicBool,
+    /// Set when the agent interrupts what still runs: a token cancelled from then on
+    /// interrupts its task for this reason rather than cancels it for an operator.
+    interrupt: OnceLock<Interrupt>,
     /// Cancellations already received, echoed to the server so it does not resend them.
     known_cancellations: Mutex<BTreeSet<AssignmentId>>,
 }
@@ -154,7 +179,7 @@ impl Runner {
                 journal: Journal::open(config.state_dir.join("journal"))?,
                 retry_budget: config.retry_budget,
                 running: Mutex::new(HashMap::new()),
-                interrupting: AtomicBool::new(false),
+                interrupt: OnceLock::new(),
                 known_cancellations: Mutex::new(BTreeSet::new()),
             }),
             slots: Arc::new(Semaphore::new(config.max_concurrent_tasks.max(1))),
@@ -445,9 +470,9 @@ impl Runner {
     }
 
     /// Stops taking work; waits up to `grace` for running tasks, then interrupts what is left
-    /// (each reports `AGENT_STOPPED`, given a few seconds to clean up and send it) and returns
+    /// (each reports `why`'s code, given a few seconds to clean up and send it) and returns
     /// those tasks.
-    pub async fn stop(&self, grace: Duration) -> Vec<TaskId> {
+    pub async fn stop(&self, grace: Duration, why: Interrupt) -> Vec<TaskId> {
         self.tracker.close();
         if !grace.is_zero()
             && tokio::time::timeout(grace, self.tracker.wait())
@@ -456,7 +481,8 @@ impl Runner {
         {
             return Vec::new();
         }
-        self.shared.interrupting.store(true, Ordering::SeqCst);
+        // The first reason stands: a fence during a requested stop's grace is still a stop.
+        let _ = self.shared.interrupt.set(why);
         let interrupted = {
             let running = self
                 .shared
@@ -578,14 +604,14 @@ impl Shared {
         }
         let lease = lease.map_or_else(Lease::unfenced, |l| Lease::new(l));
         let mut outcome = self.execute(a, &opened, token, lease).await;
-        if outcome.error_type.as_deref() == Some(error_types::CANCELLED)
-            && self.interrupting.load(Ordering::SeqCst)
+        if let (Some(error_types::CANCELLED), Some(why)) =
+            (outcome.error_type.as_deref(), self.interrupt.get())
         {
-            // Stopped by the agent's own shutdown, not by an operator: the server must not
-            // record it as cancelled, and a read-only task may run again elsewhere.
-            outcome.error_type = Some(error_types::AGENT_STOPPED.into());
-            outcome.message =
-                "interrupted: the agent was stopping and its shutdown grace ran out".into();
+            // Stopped by the agent itself, not by an operator: the server must not record it
+            // as cancelled, and a read-only task may run again elsewhere.
+            let (code, message) = why.reported();
+            outcome.error_type = Some(code.into());
+            outcome.message = message.into();
             outcome.retriable = !a.side_effects;
         }
         // Retriable failures are not journaled: a redelivery must try again.

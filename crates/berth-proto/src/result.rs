@@ -31,7 +31,9 @@ pub mod error_types {
     pub const HOOK_NOT_ALLOWED: &str = "HOOK_NOT_ALLOWED";
     /// The delivery's lease no longer held right before an irreversible step (the server fenced
     /// it, or its `expiresAt` passed), so the step was not taken. Retriable: the agent does not
-    /// journal it, and a later delivery runs the task for real.
+    /// journal it, and a later delivery runs the task for real. Also what a task reports when
+    /// another process took the agent's session while it ran and the fenced process interrupted
+    /// it; then, like [`AGENT_STOPPED`], it is retriable only without side effects.
     pub const LEASE_LOST: &str = "LEASE_LOST";
     /// `ssh.deploy`: the target's host key is not the pinned one; nothing was sent to it.
     pub const HOST_KEY_MISMATCH: &str = "HOST_KEY_MISMATCH";
