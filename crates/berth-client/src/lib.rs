@@ -198,8 +198,10 @@ impl Client {
     }
 
     /// This client with more servers to try, in order, after its own: replicas of one control
-    /// plane (same CA, one database). A request that cannot connect (nothing was sent) or is
-    /// answered 5xx goes to the next server; an answer from any server is final, and later
+    /// plane (same CA, one database). A request that cannot connect (nothing was sent) goes to
+    /// the next server; so does one answered 5xx when it is safe to repeat: a GET, or a request
+    /// with an `Idempotency-Key` (a 5xx may come after the server acted, and the key makes the
+    /// next server answer with what the first one did). Any other answer is final, and later
     /// requests start at the server that gave it. The task stream's WebSocket uses the first
     /// server only.
     pub fn with_fallbacks(mut self, others: impl IntoIterator<Item = String>) -> Client {
@@ -355,8 +357,14 @@ impl Client {
         response.json().await.map_err(ClientError::Decode)
     }
 
+    /// Whether this client has servers to fall back on ([`Client::with_fallbacks`]).
+    pub fn has_fallbacks(&self) -> bool {
+        self.servers.len() > 1
+    }
+
     /// Sends the request `build` makes for a server, to the server that answered last and, on
-    /// a failed connection or a 5xx, to each next one in turn (see [`Client::with_fallbacks`]).
+    /// a failed connection or (when it is safe to repeat) a 5xx, to each next one in turn (see
+    /// [`Client::with_fallbacks`]).
     async fn execute(
         &self,
         build: impl Fn(&str) -> reqwest::RequestBuilder,
@@ -373,16 +381,22 @@ impl Client {
                 builder = builder.bearer_auth(token);
             }
             let more = tried < count;
-            match builder.send().await {
+            let transport = |source| ClientError::Transport {
+                server: server.clone(),
+                source,
+            };
+            let request = builder.build().map_err(transport)?;
+            let repeatable = request.method() == reqwest::Method::GET
+                || request
+                    .headers()
+                    .contains_key(berth_proto::headers::IDEMPOTENCY_KEY_HEADER);
+            match self.http.execute(request).await {
                 // Not connected: the request never left, so the next server may take it.
                 Err(source) if more && source.is_connect() => continue,
-                Err(source) => {
-                    return Err(ClientError::Transport {
-                        server: server.clone(),
-                        source,
-                    })
+                Err(source) => return Err(transport(source)),
+                Ok(response) if more && repeatable && response.status().is_server_error() => {
+                    continue
                 }
-                Ok(response) if more && response.status().is_server_error() => continue,
                 Ok(response) => {
                     if count > 1 {
                         self.current.store(at, Ordering::Relaxed);

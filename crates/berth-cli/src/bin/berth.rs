@@ -1002,6 +1002,14 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
                 timeout_seconds: timeout_secs,
                 priority,
             };
+            // With several servers a create that failed with a 5xx is tried on the next one
+            // only when it carries a key (the first may have recorded it): one of our own
+            // makes that retry safe when none was given.
+            let idempotency_key = idempotency_key.or_else(|| {
+                client
+                    .has_fallbacks()
+                    .then(|| format!("berth-cli:{}", uuid::Uuid::new_v4()))
+            });
             let headers: Vec<(&str, &str)> = idempotency_key
                 .iter()
                 .map(|k| (berth_proto::headers::IDEMPOTENCY_KEY_HEADER, k.as_str()))
