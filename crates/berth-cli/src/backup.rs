@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use age::secrecy::SecretString;
 use anyhow::{bail, Context};
 use berth_server::DataDir;
+use berth_store::Database;
 use serde::{Deserialize, Serialize};
 
 const MANIFEST: &str = "berth-backup.json";
@@ -154,11 +155,14 @@ pub fn backup(
         .prefix(".berth-backup-")
         .tempdir_in(parent(out))
         .context("a staging dir beside the backup file")?;
-    let sqlite = !database.starts_with("postgres://") && !database.starts_with("postgresql://");
+    let sqlite = match Database::parse(database) {
+        Database::Sqlite(path) => Some(path),
+        Database::Postgres(_) => None,
+    };
     let mut files: Vec<(String, PathBuf)> = Vec::new();
-    if sqlite {
+    if let Some(path) = sqlite {
         let copy = staging.path().join(DATABASE);
-        copy_sqlite(Path::new(database), &copy)?;
+        copy_sqlite(path, &copy)?;
         files.push((DATABASE.into(), copy));
     }
     for path in DataDir(data_dir.to_path_buf()).key_material() {
@@ -176,7 +180,7 @@ pub fn backup(
     let mut manifest = Manifest {
         format: FORMAT,
         created_at: time::OffsetDateTime::now_utc(),
-        database: if sqlite { "sqlite" } else { "none" }.into(),
+        database: if sqlite.is_some() { "sqlite" } else { "none" }.into(),
         files: BTreeMap::new(),
     };
 

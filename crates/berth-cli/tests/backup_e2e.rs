@@ -241,11 +241,15 @@ fn a_backup_to_an_age_recipient_restores_with_its_identity_only() {
     )
     .unwrap();
     let backup = tmp.path().join("b.age");
+    // The database named as the server also takes it, with the `sqlite://` prefix.
+    let database = format!("sqlite://{}", data.join("berth.db").display());
     let (code, _, stderr) = berth(&[
         "backup",
         backup.to_str().unwrap(),
         "--data-dir",
         data.to_str().unwrap(),
+        "--database",
+        &database,
         "--recipient",
         &recipient,
     ]);

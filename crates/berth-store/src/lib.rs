@@ -135,18 +135,30 @@ pub trait Store:
 
 pub type DynStore = Arc<dyn Store>;
 
-/// Opens a store from `--database`: a `postgres://` / `postgresql://` URL, or a SQLite file path
-/// (`sqlite://` prefix optional). Runs the migrations. Task payloads are sealed at rest with
-/// `payload_key` (the server's master key).
-pub async fn open(database: &str, payload_key: PayloadKey) -> Result<DynStore> {
-    if database.starts_with("postgres://") || database.starts_with("postgresql://") {
-        Ok(Arc::new(
-            PostgresStore::connect(database, payload_key).await?,
-        ))
-    } else {
-        let path = database.strip_prefix("sqlite://").unwrap_or(database);
-        Ok(Arc::new(
-            SqliteStore::open(std::path::Path::new(path), payload_key).await?,
-        ))
+/// What a `--database` value names: a `postgres://` / `postgresql://` URL, or a SQLite file
+/// path (`sqlite://` prefix optional). Every reader of the option asks this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Database<'a> {
+    Postgres(&'a str),
+    Sqlite(&'a std::path::Path),
+}
+
+impl<'a> Database<'a> {
+    pub fn parse(database: &'a str) -> Database<'a> {
+        if database.starts_with("postgres://") || database.starts_with("postgresql://") {
+            Database::Postgres(database)
+        } else {
+            let path = database.strip_prefix("sqlite://").unwrap_or(database);
+            Database::Sqlite(std::path::Path::new(path))
+        }
     }
+}
+
+/// Opens a store from `--database` ([`Database`]). Runs the migrations. Task payloads are sealed
+/// at rest with `payload_key` (the server's master key).
+pub async fn open(database: &str, payload_key: PayloadKey) -> Result<DynStore> {
+    Ok(match Database::parse(database) {
+        Database::Postgres(url) => Arc::new(PostgresStore::connect(url, payload_key).await?),
+        Database::Sqlite(path) => Arc::new(SqliteStore::open(path, payload_key).await?),
+    })
 }
