@@ -156,10 +156,10 @@ impl Stream {
                 }
                 // (The guard `wait_for` returns is not `Send`: dropped inside.)
                 _ = async { stopping.wait_for(|stop| *stop).await.is_ok() } => {
-                    let _ = self.socket.send(Message::Close(Some(CloseFrame {
+                    close_handshake(&mut self.socket, CloseFrame {
                         code: 1001,
                         reason: "the server is stopping".into(),
-                    }))).await;
+                    }).await;
                     return End::Stopping;
                 }
                 message = self.socket.recv() => match message {
@@ -300,13 +300,35 @@ impl Stream {
             agent_id = %self.id, generation = self.generation, code = refusal.code,
             detail = %refusal.detail, "task stream refused"
         );
-        let _ = self
-            .socket
-            .send(Message::Close(Some(CloseFrame {
+        close_handshake(
+            &mut self.socket,
+            CloseFrame {
                 code: stream_close_code(refusal.status.as_u16()),
                 reason: refusal.code.into(),
-            })))
-            .await;
+            },
+        )
+        .await;
         End::Refused(refusal.code)
     }
+}
+
+/// How long a closed stream waits for the agent's answering Close.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Sends `frame` and waits (briefly) for the agent's Close before the connection is dropped, as
+/// RFC 6455's closing handshake has it. Dropped at once, a connection the agent still writes to
+/// (the Pong to our first Ping, say) is reset, and a reset can discard the Close frame before
+/// the agent reads it: the agent would see a broken pipe instead of the refusal's code.
+async fn close_handshake(socket: &mut WebSocket, frame: CloseFrame) {
+    if socket.send(Message::Close(Some(frame))).await.is_err() {
+        return;
+    }
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        while let Some(Ok(message)) = socket.recv().await {
+            if matches!(message, Message::Close(_)) {
+                break;
+            }
+        }
+    })
+    .await;
 }
