@@ -39,6 +39,19 @@ pub struct ServerSettings {
     /// A SQLite file or a postgres:// URL; default <data-dir>/berth.db.
     #[arg(long, env = "BERTH_DATABASE", hide_env_values = true)]
     pub database: Option<String>,
+    /// PostgreSQL: most connections this server's pool opens (its LISTEN connection is one
+    /// more); every replica opens its own. SQLite ignores it.
+    #[arg(long, env = "BERTH_DATABASE_MAX_CONNECTIONS")]
+    pub database_max_connections: Option<u32>,
+    /// PostgreSQL: a request that gets no pooled connection within this is answered 503
+    /// UNAVAILABLE (retry). SQLite ignores it.
+    #[arg(long, env = "BERTH_DATABASE_ACQUIRE_TIMEOUT_SECS")]
+    pub database_acquire_timeout_secs: Option<u64>,
+    /// PostgreSQL: the statement_timeout of every pooled connection; a statement past it is
+    /// cancelled and its request answered 503 UNAVAILABLE (retry). 0: berth sets none.
+    /// Migrations run without it. SQLite ignores it.
+    #[arg(long, env = "BERTH_DATABASE_STATEMENT_TIMEOUT_SECS")]
+    pub database_statement_timeout_secs: Option<u64>,
     /// Extra names for the server certificate (repeatable).
     #[arg(long, env = "BERTH_HOSTNAMES", value_delimiter = ',')]
     pub hostname: Option<Vec<String>>,
@@ -131,6 +144,11 @@ impl ServerSettings {
         ServerSettings {
             data_dir: Some(c.data_dir.clone()),
             listen: Some(c.listen),
+            database_max_connections: Some(c.database_pool.max_connections),
+            database_acquire_timeout_secs: Some(c.database_pool.acquire_timeout.as_secs()),
+            database_statement_timeout_secs: Some(
+                c.database_pool.statement_timeout.map_or(0, |d| d.as_secs()),
+            ),
             heartbeat_interval_secs: Some(c.heartbeat_interval.as_secs()),
             agent_cert_validity_secs: Some(c.agent_cert_validity.as_secs()),
             agent_transport: Some(if c.agent_transport_enabled {
@@ -217,6 +235,21 @@ impl ServerSettings {
         );
         let secs = Duration::from_secs;
         c.database = self.database.clone();
+        if let Some(v) = self.database_max_connections {
+            if v == 0 {
+                return bad("database_max_connections must be at least 1");
+            }
+            c.database_pool.max_connections = v;
+        }
+        if let Some(v) = self.database_acquire_timeout_secs {
+            if v == 0 {
+                return bad("database_acquire_timeout_secs must be at least 1");
+            }
+            c.database_pool.acquire_timeout = secs(v);
+        }
+        if let Some(v) = self.database_statement_timeout_secs {
+            c.database_pool.statement_timeout = (v > 0).then(|| secs(v));
+        }
         c.hostnames = self.hostname.clone().unwrap_or_default();
         c.public_url = self.public_url.clone();
         c.agent_downloads = self.agent_downloads.clone();
@@ -369,7 +402,36 @@ mod tests {
             from_defaults.registry_tokens.issuer,
             library.registry_tokens.issuer
         );
+        assert_eq!(from_defaults.database_pool, library.database_pool);
         assert!(from_defaults.openbao.is_none());
+    }
+
+    #[test]
+    fn the_database_pool_settings_reach_the_store_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("server.toml");
+        std::fs::write(
+            &file,
+            "database_max_connections = 4\ndatabase_statement_timeout_secs = 0\n",
+        )
+        .unwrap();
+        let given = ServerSettings {
+            database_acquire_timeout_secs: Some(3),
+            ..ServerSettings::default()
+        };
+        let c = ServerSettings::resolve(&given, Some(&file))
+            .unwrap()
+            .server_config()
+            .unwrap();
+        assert_eq!(
+            c.database_pool,
+            berth_server::PostgresPoolConfig {
+                max_connections: 4,
+                acquire_timeout: Duration::from_secs(3),
+                // 0: berth sets no statement_timeout.
+                statement_timeout: None,
+            }
+        );
     }
 
     #[test]
@@ -408,6 +470,14 @@ mod tests {
             },
             ServerSettings {
                 notify_retry_schedule: Some("5".into()),
+                ..ServerSettings::default()
+            },
+            ServerSettings {
+                database_max_connections: Some(0),
+                ..ServerSettings::default()
+            },
+            ServerSettings {
+                database_acquire_timeout_secs: Some(0),
                 ..ServerSettings::default()
             },
         ] {

@@ -78,12 +78,14 @@ fn print_config_shows_the_effective_settings_masks_the_password_and_starts_nothi
         &file,
         &format!(
             "data_dir = {:?}\nretention_days = 9\nheartbeat_interval_secs = 15\n\
-             database = \"postgres://berth:hunter2-secret@127.0.0.1:1/berth\"\n",
+             database = \"postgres://berth:hunter2-secret@127.0.0.1:1/berth\"\n\
+             database_statement_timeout_secs = 5\ndatabase_max_connections = 4\n",
             data.display().to_string()
         ),
     );
     let mut cmd = command(BERTH);
     cmd.env("BERTH_HEARTBEAT_INTERVAL_SECS", "20")
+        .env("BERTH_DATABASE_MAX_CONNECTIONS", "7")
         .args(["server", "--print-config", "--config"])
         .arg(&file);
     let (code, stdout, stderr) = run(cmd);
@@ -104,6 +106,16 @@ fn print_config_shows_the_effective_settings_masks_the_password_and_starts_nothi
         printed["listen"].as_str(),
         Some("127.0.0.1:8443"),
         "default"
+    );
+    // The PostgreSQL pool's settings: file, environment over file, default.
+    assert_eq!(
+        printed["database_statement_timeout_secs"].as_integer(),
+        Some(5)
+    );
+    assert_eq!(printed["database_max_connections"].as_integer(), Some(7));
+    assert_eq!(
+        printed["database_acquire_timeout_secs"].as_integer(),
+        Some(10)
     );
     assert!(!data.exists(), "--print-config started nothing");
 

@@ -93,6 +93,10 @@ pub mod codes {
     pub const AGENT_ID_MISMATCH: &str = "AGENT_ID_MISMATCH";
     pub const NO_MATCHING_AGENT: &str = "NO_MATCHING_AGENT";
     pub const TASK_NOT_RETRIABLE: &str = "TASK_NOT_RETRIABLE";
+    /// `503`: the server cannot serve the request right now, though nothing is wrong with it;
+    /// send it again (after `Retry-After`, or to another replica). The database timed out: a
+    /// statement ran past `--database-statement-timeout-secs`, or no pooled connection came
+    /// free within `--database-acquire-timeout-secs`.
     pub const UNAVAILABLE: &str = "UNAVAILABLE";
     /// A task type no agent runs (see `kind::TaskKind`).
     pub const UNSUPPORTED_TASK_TYPE: &str = "UNSUPPORTED_TASK_TYPE";

@@ -200,7 +200,7 @@ pub(crate) async fn bootstrap(
     let payload_key = berth_store::PayloadKey::new(
         MasterKey::from_bytes(&master).context("the master key file is not 32 bytes")?,
     );
-    let store = berth_store::open(&config.database_url(), payload_key)
+    let store = berth_store::open_with(&config.database_url(), payload_key, config.database_pool)
         .await
         .context("opening the database")?;
     let tenant = store

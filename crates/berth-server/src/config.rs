@@ -32,6 +32,9 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// A SQLite path or a `postgres://` URL; `None` means `<data_dir>/berth.db`.
     pub database: Option<String>,
+    /// The PostgreSQL pool's bounds and statement timeout (SQLite ignores them); the defaults
+    /// are `berth_store::PostgresPoolConfig`'s.
+    pub database_pool: berth_store::PostgresPoolConfig,
     /// Extra names for the server certificate, besides `localhost` and `127.0.0.1`.
     pub hostnames: Vec<String>,
     /// How often agents heartbeat; late after 2 intervals (degraded), offline after 3.
@@ -202,6 +205,7 @@ impl ServerConfig {
             data_dir,
             listen,
             database: None,
+            database_pool: berth_store::PostgresPoolConfig::default(),
             hostnames: Vec::new(),
             heartbeat_interval: Duration::from_secs(30),
             agent_cert_validity: Duration::from_secs(30 * 24 * 3600),

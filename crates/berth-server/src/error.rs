@@ -76,10 +76,28 @@ impl From<berth_store::StoreError> for ApiError {
                 codes::CONSTRAINT_CONFLICT,
                 format!("the request conflicts with an existing {constraint}"),
             ),
+            // The database was too slow or too busy (a statement past its timeout, or no
+            // pooled connection in time): the request may well succeed when sent again, so it
+            // is a 503 the agents and the CLI retry (another replica, or after `Retry-After`),
+            // not an internal error. Logged, since an operator should see the database strain.
+            e @ berth_store::StoreError::Timeout { .. } => {
+                tracing::warn!(error = %ErrorChain(&e), "request failed: database timeout");
+                ApiError {
+                    retry_after: Some(DATABASE_RETRY_AFTER_SECS),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        codes::UNAVAILABLE,
+                        "the database did not answer in time; retry",
+                    )
+                }
+            }
             e => ApiError::internal(&e),
         }
     }
 }
+
+/// `Retry-After` of a request the database timed out: a busy pool frees up in about that.
+const DATABASE_RETRY_AFTER_SECS: u64 = 1;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {

@@ -41,6 +41,8 @@ use berth_crypto::{Ca, JwtSigner, MasterKey, RegistryTokenKey};
 use berth_store::DynStore;
 use tokio::net::TcpListener;
 
+/// The type of [`ServerConfig::database_pool`], so a caller needs no `berth-store` of its own.
+pub use berth_store::PostgresPoolConfig;
 pub use bootstrap::{Bootstrapped, DataDir};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{
@@ -99,7 +101,7 @@ impl Server {
         config.max_connections = tls::connection_budget(config.max_connections);
         let (bootstrapped, material) = bootstrap::bootstrap(&config).await?;
         let tls = tls::server_config(&material)?;
-        let metrics = metrics::Metrics::new();
+        let metrics = metrics::Metrics::new(material.store.clone());
         let heartbeats = heartbeat::HeartbeatWriter::spawn(material.store.clone(), metrics.clone());
         let wakeups = wake::Wakeups::spawn(material.store.task_events());
         let bao = match &config.openbao {

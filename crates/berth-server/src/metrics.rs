@@ -1,13 +1,19 @@
 //! Prometheus metrics: typed recording functions, so names and label sets stay bounded and
 //! consistent (`berth_<thing>_<unit>_total`, plus one `berth_errors_total{error_type}`).
+//! The database pool's are the exception: sqlx owns the pool's state and the store counts its
+//! waits, so [`DatabasePool`] reads them at each scrape rather than mirroring them here.
 
 use std::sync::Arc;
 
-use prometheus_client::metrics::counter::Counter;
+use berth_store::DynStore;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
 
 type Labels = Vec<(&'static str, &'static str)>;
 
@@ -33,8 +39,11 @@ struct Inner {
 }
 
 impl Metrics {
-    pub fn new() -> Metrics {
+    /// `store`'s connection pool is reported at each scrape (nothing for SQLite, which has
+    /// none).
+    pub fn new(store: DynStore) -> Metrics {
         let mut registry = Registry::with_prefix("berth");
+        registry.register_collector(Box::new(DatabasePool(store)));
         let errors = Family::<Labels, Counter>::default();
         registry.register(
             "errors",
@@ -258,5 +267,74 @@ pub struct OpenEventStream(Metrics);
 impl Drop for OpenEventStream {
     fn drop(&mut self) {
         self.0 .0.event_streams.dec();
+    }
+}
+
+/// `berth_database_pool_*`: the PostgreSQL pool's connections (open, idle, the most it opens),
+/// how long store operations waited for one (a histogram; a transaction's wait includes its
+/// `BEGIN`), and how many gave up after the acquire timeout. The store retries no transaction
+/// (a conflict is answered, not retried), so there is no retry count to report.
+struct DatabasePool(DynStore);
+
+impl std::fmt::Debug for DatabasePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DatabasePool")
+            .field(&self.0.backend())
+            .finish()
+    }
+}
+
+impl Collector for DatabasePool {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(stats) = self.0.pool_stats() else {
+            return Ok(());
+        };
+        for (name, help, value) in [
+            (
+                "database_pool_connections",
+                "Connections the database pool holds open, idle or in use",
+                stats.size,
+            ),
+            (
+                "database_pool_idle_connections",
+                "Open pooled connections no operation is using",
+                stats.idle,
+            ),
+            (
+                "database_pool_max_connections",
+                "Most connections the database pool opens (--database-max-connections)",
+                stats.max,
+            ),
+        ] {
+            let gauge = ConstGauge::new(i64::from(value));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let bounds = berth_store::ACQUIRE_WAIT_BOUNDS
+            .iter()
+            .copied()
+            .chain([f64::MAX]);
+        let buckets: Vec<(f64, u64)> = bounds.zip(stats.acquire_wait_buckets).collect();
+        let count = stats.acquire_wait_buckets.iter().sum();
+        encoder
+            .encode_descriptor(
+                "database_pool_acquire_wait",
+                "How long store operations waited for a pooled connection",
+                Some(&Unit::Seconds),
+                MetricType::Histogram,
+            )?
+            .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                stats.acquire_wait_sum.as_secs_f64(),
+                count,
+                &buckets,
+                None,
+            )?;
+        let timeouts = ConstCounter::new(stats.acquire_timeouts);
+        timeouts.encode(encoder.encode_descriptor(
+            "database_pool_acquire_timeouts",
+            "Store operations that got no pooled connection within --database-acquire-timeout-secs",
+            None,
+            timeouts.metric_type(),
+        )?)?;
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 pub mod conformance;
 mod domain;
 mod lifecycle;
+mod pool;
 mod postgres;
 mod rows;
 mod sealed;
@@ -31,6 +32,7 @@ pub use domain::secrets::*;
 pub use domain::ssh_targets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
+pub use pool::{PoolStats, PostgresPoolConfig, ACQUIRE_WAIT_BOUNDS};
 pub use postgres::PostgresStore;
 pub use sealed::PayloadKey;
 pub use sqlite::SqliteStore;
@@ -49,6 +51,17 @@ pub enum StoreError {
     Conflict { constraint: &'static str },
     #[error("database error during {operation}")]
     Database {
+        operation: &'static str,
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The database did not answer in time: a statement ran past the pool's
+    /// `statement_timeout` (SQLSTATE 57014, PostgreSQL cancelled it and rolled its transaction
+    /// back), or no pooled connection came free within its `acquire_timeout`
+    /// ([`PostgresPoolConfig`]). Nothing is wrong with the request: the same one may succeed
+    /// once the database or the pool is less busy, so the server answers it as retriable.
+    #[error("the database timed out during {operation}")]
+    Timeout {
         operation: &'static str,
         #[source]
         source: sqlx::Error,
@@ -131,6 +144,10 @@ pub trait Store:
 
     /// Succeeds when the database answers a trivial query (`/readyz`).
     async fn ping(&self) -> Result<()>;
+
+    /// The connection pool's state and acquire waits, for `/metrics`; `None` for a backend
+    /// without a pool (SQLite owns a fixed set of connection threads, nothing waits on a pool).
+    fn pool_stats(&self) -> Option<PoolStats>;
 }
 
 pub type DynStore = Arc<dyn Store>;
@@ -155,10 +172,22 @@ impl<'a> Database<'a> {
 }
 
 /// Opens a store from `--database` ([`Database`]). Runs the migrations. Task payloads are sealed
-/// at rest with `payload_key` (the server's master key).
+/// at rest with `payload_key` (the server's master key). A PostgreSQL pool gets the default
+/// bounds.
 pub async fn open(database: &str, payload_key: PayloadKey) -> Result<DynStore> {
+    open_with(database, payload_key, PostgresPoolConfig::default()).await
+}
+
+/// [`open`], a PostgreSQL pool bounded by `pool` (SQLite ignores it).
+pub async fn open_with(
+    database: &str,
+    payload_key: PayloadKey,
+    pool: PostgresPoolConfig,
+) -> Result<DynStore> {
     Ok(match Database::parse(database) {
-        Database::Postgres(url) => Arc::new(PostgresStore::connect(url, payload_key).await?),
+        Database::Postgres(url) => {
+            Arc::new(PostgresStore::connect_with(url, payload_key, pool).await?)
+        }
         Database::Sqlite(path) => Arc::new(SqliteStore::open(path, payload_key).await?),
     })
 }

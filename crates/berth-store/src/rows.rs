@@ -421,12 +421,27 @@ pub(crate) fn sqlite_unique_violation(message: &str) -> Option<&'static str> {
         .map(|(_, _, name)| *name)
 }
 
-/// Maps a failed statement: a known unique violation becomes `Conflict`, anything else keeps
-/// its source under the name of the operation.
+/// Maps a failed statement: a known unique violation becomes `Conflict`, a timeout `Timeout`,
+/// anything else keeps its source under the name of the operation.
 pub(crate) fn db_error(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
     move |source| match unique_violation(&source) {
         Some(constraint) => StoreError::Conflict { constraint },
+        None if is_timeout(&source) => StoreError::Timeout { operation, source },
         None => StoreError::Database { operation, source },
+    }
+}
+
+/// PostgreSQL's `query_canceled`: what a statement past `statement_timeout` fails with. berth
+/// never cancels a statement itself, so here it means the timeout.
+const QUERY_CANCELED: &str = "57014";
+
+/// A statement cancelled by `statement_timeout`, or no pooled connection within the acquire
+/// timeout: the database was too slow or too busy, not the request wrong.
+fn is_timeout(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => db.code().as_deref() == Some(QUERY_CANCELED),
+        _ => false,
     }
 }
 

@@ -31,7 +31,7 @@ impl AgentStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<std::result::Result<Agent, RegisterError>> {
         const OP: &str = "register agent";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // The row lock taken here holds concurrent consumers until this transaction ends; they
         // then re-check `used_at IS NULL` and find nothing, or take the token after a rollback.
         let consumed = sqlx::query(
@@ -93,7 +93,7 @@ impl AgentStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(id.0)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get agent"))?
         .map(|row| rows::read_agent(&row))
@@ -107,7 +107,7 @@ impl AgentStore for PostgresStore {
             " FROM agents WHERE id = $1"
         ))
         .bind(id.0)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get agent"))?
         .map(|row| rows::read_agent(&row))
@@ -149,7 +149,7 @@ impl AgentStore for PostgresStore {
             query.push(" AND labels @> ").push_bind(Json(probe));
         }
         fetch_page(
-            &self.pool,
+            &mut *self.conn().await?,
             query,
             crate::rows::PageRequest {
                 after: after.map(|id| id.0),
@@ -171,7 +171,7 @@ impl AgentStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<Option<Agent>> {
         const OP: &str = "update agent";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let agent = sqlx::query(concat!(
             "UPDATE agents SET labels = COALESCE($1, labels), \
              capabilities = COALESCE($2, capabilities), updated_at = $3 \
@@ -207,7 +207,7 @@ impl AgentStore for PostgresStore {
     ) -> Result<Option<Agent>> {
         const OP: &str = "set agent hold";
         let (column, value, action) = hold_change(hold);
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let changed = sqlx::query(&format!(
             "UPDATE agents SET {column} = $1, updated_at = $2 \
              WHERE tenant_id = $3 AND id = $4 AND {column} <> $1 RETURNING {}",
@@ -254,7 +254,7 @@ impl AgentStore for PostgresStore {
     ) -> Result<bool> {
         const OP: &str = "delete agent";
         let now = millis(at);
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // The agent row first, like every other writer: its lock waits out claims, results and
         // task creations in flight, and those that come after find no agent.
         let done = sqlx::query("DELETE FROM agents WHERE tenant_id = $1 AND id = $2")
@@ -311,7 +311,7 @@ impl AgentStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<RebindOutcome> {
         const OP: &str = "rebind certificate";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // The row lock holds the generation and the binding until the rebind commits.
         match check_binding(&mut tx, BINDING_EXCLUSIVE, id, old_fingerprint, generation).await? {
             Binding::Current => {}
@@ -341,7 +341,7 @@ impl AgentStore for PostgresStore {
             return Ok(outcomes);
         }
         // One transaction, one commit for the whole batch: that is the group commit.
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         for i in rows::lock_order(batch) {
             let record = &batch[i];
             // Binding and generation are conditions of the update itself.
@@ -395,7 +395,7 @@ impl AgentStore for PostgresStore {
         offline_before: OffsetDateTime,
     ) -> Result<StaleSweep> {
         const OP: &str = "sweep stale agents";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // Rows are locked in id order, like heartbeat batches, so the two cannot deadlock; a row
         // a heartbeat holds right now is skipped, since it is evidently not stale.
         // Offline first, so an agent late enough for both is counted once, as offline.
@@ -440,7 +440,7 @@ impl AgentStore for PostgresStore {
         lease_expires_at: OffsetDateTime,
     ) -> Result<SessionOutcome> {
         const OP: &str = "acquire session";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(
             "SELECT certificate_fingerprint, session_instance_id, session_expires_at, \
              session_restart_key FROM agents WHERE id = $1 FOR NO KEY UPDATE",
@@ -500,7 +500,7 @@ impl AgentStore for PostgresStore {
         )
         .bind(agent.0)
         .bind(generation)
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("release session"))?;
         Ok(done.rows_affected() > 0)
@@ -512,7 +512,7 @@ impl AgentStore for PostgresStore {
             .bind(AgentStatus::Degraded.as_str())
             .bind(agent.0)
             .bind(millis(until))
-            .execute(&self.pool)
+            .execute(&mut *self.conn().await?)
             .await
             .map_err(db_error("mark agent degraded"))?;
         Ok(())

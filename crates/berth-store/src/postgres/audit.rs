@@ -49,7 +49,7 @@ pub(super) async fn append(conn: &mut PgConnection, event: NewAuditEvent) -> Res
 #[async_trait::async_trait]
 impl AuditStore for PostgresStore {
     async fn append_audit(&self, event: NewAuditEvent) -> Result<AuditEntry> {
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let entry = append(&mut tx, event).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(entry)
@@ -67,7 +67,7 @@ impl AuditStore for PostgresStore {
         .bind(tenant.0)
         .bind(i64::try_from(after).unwrap_or(i64::MAX))
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list audit entries"))?
         .iter()

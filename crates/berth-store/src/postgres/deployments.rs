@@ -190,7 +190,7 @@ async fn put_target(
 impl DeploymentStore for PostgresStore {
     async fn create_environment(&self, env: Environment, actor: AuditActor) -> Result<Environment> {
         const OP: &str = "create environment";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         sqlx::query(
             "INSERT INTO environments (id, tenant_id, name, tier, selector, policy, \
              promote_from, approvals, auto_heal, drift_interval_secs, current_release_id, \
@@ -230,7 +230,7 @@ impl DeploymentStore for PostgresStore {
         sqlx::query(concat!(environment_rows!(), "tenant_id = $1 AND name = $2"))
             .bind(tenant.0)
             .bind(name)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.conn().await?)
             .await
             .map_err(db_error("get environment"))?
             .map(|row| rows::read_environment(&row))
@@ -244,7 +244,7 @@ impl DeploymentStore for PostgresStore {
             "tenant_id = $1 ORDER BY name COLLATE \"C\""
         ))
         .bind(tenant.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list environments"))?
         .iter()
@@ -264,7 +264,7 @@ impl DeploymentStore for PostgresStore {
         ))
         .bind(after.map(|a| a.0))
         .bind(i64::from(limit.max(1)))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list environments with a release"))?
         .iter()
@@ -280,7 +280,7 @@ impl DeploymentStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<Option<Environment>> {
         const OP: &str = "unpin environment";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let Some(row) = sqlx::query(
             "SELECT e.id, pn.name AS unpinned FROM environments e \
              LEFT JOIN releases pn ON pn.id = e.pinned_release_id \
@@ -314,7 +314,7 @@ impl DeploymentStore for PostgresStore {
     async fn create_deployment(&self, new: NewDeployment) -> Result<DeploymentDetail> {
         const OP: &str = "create deployment";
         let d = &new.deployment;
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // A second active deployment of the environment waits here for the first to commit,
         // then fails on `deployments_one_active`.
         sqlx::query(
@@ -372,7 +372,7 @@ impl DeploymentStore for PostgresStore {
     ) -> Result<Option<DeploymentDetail>> {
         const OP: &str = "get deployment";
         // One snapshot for the deployment and its parts.
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .execute(&mut *tx)
             .await
@@ -399,7 +399,7 @@ impl DeploymentStore for PostgresStore {
                 .push_bind(environment.0);
         }
         fetch_page(
-            &self.pool,
+            &mut *self.conn().await?,
             query,
             crate::rows::PageRequest {
                 after: after.map(|id| id.0),
@@ -428,7 +428,7 @@ impl DeploymentStore for PostgresStore {
         .bind(tenant.0)
         .bind(environment)
         .bind(release.0)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *self.conn().await?)
         .await
         .map_err(db_error("check promotion"))?
         .flag("found")
@@ -443,7 +443,7 @@ impl DeploymentStore for PostgresStore {
     ) -> Result<Option<ApproveOutcome>> {
         const OP: &str = "approve deployment";
         let token = rows::approver_token(&actor)?;
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // Approvals of one deployment queue here, so the last one counts every other.
         let Some(state) = locked_state(&mut tx, OP, tenant, id).await? else {
             return Ok(None);
@@ -496,7 +496,7 @@ impl DeploymentStore for PostgresStore {
     ) -> Result<Option<DeploymentDetail>> {
         const OP: &str = "cancel deployment";
         let at = millis(now);
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let Some(state) = locked_state(&mut tx, OP, tenant, id).await? else {
             return Ok(None);
         };
@@ -551,7 +551,7 @@ impl DeploymentStore for PostgresStore {
 
     async fn active_deployments(&self, limit: u32) -> Result<Vec<DeploymentDetail>> {
         const OP: &str = "list active deployments";
-        let mut conn = self.pool.acquire().await.map_err(db_error(OP))?;
+        let mut conn = self.acquire(OP).await?;
         let active = sqlx::query(concat!(
             deployment_rows!(),
             "state IN ('pending', 'running') ORDER BY created_at, id LIMIT $1"
@@ -577,7 +577,7 @@ impl DeploymentStore for PostgresStore {
         const OP: &str = "record deployment step";
         let at = millis(step.now);
         let finished = (!step.state.is_active()).then_some(at);
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // A concurrent step waits for this row's lock, then finds `version` moved: 0 rows.
         let applied = sqlx::query(
             "UPDATE deployments SET state = $4, rolling_back = $5, current_wave = $6, \
@@ -637,7 +637,7 @@ impl DeploymentStore for PostgresStore {
             " FROM target_observations WHERE environment_id = $1 ORDER BY agent_id"
         ))
         .bind(environment.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list target observations"))?
         .iter()
@@ -664,7 +664,7 @@ impl DeploymentStore for PostgresStore {
         .bind(&o.running_release)
         .bind(Json(&o.components))
         .bind(o.verified_at.map(millis))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("put target observation"))?;
         Ok(())

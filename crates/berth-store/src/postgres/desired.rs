@@ -56,13 +56,13 @@ impl DesiredStore for PostgresStore {
         name: &str,
     ) -> Result<Option<DesiredEnvironment>> {
         const OP: &str = "get desired environment";
-        let mut conn = self.pool.acquire().await.map_err(db_error(OP))?;
+        let mut conn = self.acquire(OP).await?;
         environment(&mut conn, tenant, name, false, OP).await
     }
 
     async fn put_bundle(&self, bundle: NewBundle) -> Result<(Bundle, bool)> {
         const OP: &str = "put bundle";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let inserted = sqlx::query(
             "INSERT INTO bundles \
              (tenant_id, environment_id, sha, content, size, created_at, created_by) \
@@ -100,7 +100,7 @@ impl DesiredStore for PostgresStore {
             sqlx::query("SELECT content FROM bundles WHERE environment_id = $1 AND sha = $2")
                 .bind(environment.0)
                 .bind(sha)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *self.conn().await?)
                 .await
                 .map_err(db_error("get bundle"))?
                 .map(|row| row.bytes_opt("content"))
@@ -116,7 +116,7 @@ impl DesiredStore for PostgresStore {
             " FROM bundles WHERE environment_id = $1 ORDER BY created_at DESC, sha"
         ))
         .bind(environment.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list bundles"))?
         .iter()
@@ -133,7 +133,7 @@ impl DesiredStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<SetDesiredOutcome> {
         const OP: &str = "set desired sha";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let Some(mut env) = environment(&mut tx, tenant, name, true, OP).await? else {
             return Ok(SetDesiredOutcome::NoSuchEnvironment);
         };
@@ -169,7 +169,7 @@ impl DesiredStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<Option<DesiredEnvironment>> {
         const OP: &str = "retire environment";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let Some(mut env) = environment(&mut tx, tenant, name, true, OP).await? else {
             return Ok(None);
         };
@@ -205,7 +205,7 @@ impl DesiredStore for PostgresStore {
         .bind(Json(&checkin.host))
         .bind(Json(&checkin.containers))
         .bind(millis(checkin.at))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("record checkin"))?;
         Ok(())
@@ -213,7 +213,7 @@ impl DesiredStore for PostgresStore {
 
     async fn record_report(&self, report: ReportRecord) -> Result<DesiredAgent> {
         const OP: &str = "record report";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // The row lock orders two reports of one agent; a first report has no row to lock, and
         // the primary key makes the loser's insert an update.
         let previous = sqlx::query(
@@ -264,7 +264,7 @@ impl DesiredStore for PostgresStore {
             " FROM desired_agents WHERE environment_id = $1 ORDER BY agent_key"
         ))
         .bind(environment.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list desired agents"))?
         .iter()

@@ -42,7 +42,7 @@ impl EventStore for PostgresStore {
             .push_bind(i64::from(limit.max(1)));
         query
             .build()
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.conn().await?)
             .await
             .map_err(db_error("read events"))?
             .iter()
@@ -58,7 +58,7 @@ impl EventStore for PostgresStore {
              WHERE tenant_id = $1 AND id IS NOT NULL",
         )
         .bind(tenant.0)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *self.conn().await?)
         .await
         .map_err(db_error("latest event id"))?;
         row.int("latest")
@@ -72,7 +72,7 @@ impl EventStore for PostgresStore {
         )
         .bind(millis(before))
         .bind(i64::from(limit))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("prune events"))?;
         Ok(done.rows_affected())

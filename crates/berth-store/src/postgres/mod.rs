@@ -6,18 +6,20 @@
 //! this one connects, forwards task events and holds what the domains share.
 
 use berth_proto::error::ErrorChain;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use berth_proto::AgentId;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Postgres, QueryBuilder};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Postgres, QueryBuilder, Transaction};
 use time::OffsetDateTime;
 use tokio::sync::{broadcast, oneshot, watch};
 use uuid::Uuid;
 
+use crate::pool::AcquireWaits;
 use crate::rows::{self, db_error, get, ColumnReader, PageRequest};
-use crate::{Page, PayloadKey, Result, Store};
+use crate::{Page, PayloadKey, PoolStats, PostgresPoolConfig, Result, Store};
 
 mod agents;
 mod audit;
@@ -25,6 +27,8 @@ mod deployments;
 mod desired;
 mod events;
 mod notify;
+#[cfg(test)]
+mod pool_tests;
 mod readiness;
 mod releases;
 mod secrets;
@@ -34,7 +38,6 @@ mod tenants;
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
-const MAX_CONNECTIONS: u32 = 16;
 /// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas.
 const TASK_CHANNEL: &str = "berth_tasks";
 /// Notified by migration 0011's `events_number()` at the commit of every transaction that
@@ -51,27 +54,74 @@ pub struct PostgresStore {
     written: watch::Sender<u64>,
     /// Seals and opens task payloads.
     payload_key: PayloadKey,
+    /// How long operations waited for a pooled connection (`/metrics`).
+    waits: AcquireWaits,
     /// Dropping the store drops this, which stops the listener task.
     _stop_listener: oneshot::Sender<()>,
 }
 
 impl PostgresStore {
+    /// [`PostgresStore::connect_with`] the default pool bounds.
+    pub async fn connect(url: &str, payload_key: PayloadKey) -> Result<PostgresStore> {
+        PostgresStore::connect_with(url, payload_key, PostgresPoolConfig::default()).await
+    }
+
     /// Connects and runs the migrations (sqlx serialises concurrent migrators across replicas
     /// with an advisory lock). Task payloads are sealed with `payload_key` (see `sealed.rs`).
-    pub async fn connect(url: &str, payload_key: PayloadKey) -> Result<PostgresStore> {
-        let pool = PgPoolOptions::new()
-            .max_connections(MAX_CONNECTIONS)
-            .connect(url)
+    /// The pool holds at most `pool.max_connections`, every one with `pool.statement_timeout`;
+    /// sqlx pings an idle connection before handing it out (`test_before_acquire`, on by
+    /// default and kept on here), so one the server or a network cut killed is replaced, not
+    /// used.
+    pub async fn connect_with(
+        url: &str,
+        payload_key: PayloadKey,
+        pool: PostgresPoolConfig,
+    ) -> Result<PostgresStore> {
+        let options: PgConnectOptions = url.parse().map_err(db_error("parse the postgres url"))?;
+        // Migrations run on a connection of their own, without the statement timeout: a
+        // migration, or waiting on the advisory lock while another replica migrates, may take
+        // longer than any statement should while serving.
+        // (A pool of one rather than a bare connection: `migrate` over `&mut PgConnection`
+        // makes the caller's future not `Send` for every lifetime, which `tokio::spawn` needs.)
+        let migrating = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
             .await
             .map_err(db_error("connect to postgres"))?;
-        crate::migrate(&MIGRATOR, &pool).await?;
+        let migrated = crate::migrate(&MIGRATOR, &migrating).await;
+        migrating.close().await;
+        migrated?;
+        let options = match pool.statement_timeout {
+            // A startup parameter (`-c statement_timeout=…`), so it holds from the first
+            // statement of every connection the pool opens, and a reconnect keeps it.
+            Some(timeout) => {
+                options.options([("statement_timeout", format!("{}ms", timeout.as_millis()))])
+            }
+            None => options,
+        };
+        // The listener holds its connection for good (sqlx's `PgListener` takes it from the
+        // pool it is given): a pool of its own, so operations get all of `max_connections`,
+        // and a saturated pool never keeps the listener from reconnecting.
+        let listener_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(pool.acquire_timeout)
+            .connect_with(options.clone())
+            .await
+            .map_err(db_error("connect to postgres"))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(pool.max_connections)
+            .acquire_timeout(pool.acquire_timeout)
+            .test_before_acquire(true)
+            .connect_with(options)
+            .await
+            .map_err(db_error("connect to postgres"))?;
         // LISTEN before returning, so no write after `connect` can go unnoticed.
-        let listener = listen(&pool).await?;
+        let listener = listen(&listener_pool).await?;
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
         let (written, _) = watch::channel(0);
         let (stop, stopped) = oneshot::channel();
         tokio::spawn(forward_task_events(
-            pool.clone(),
+            listener_pool,
             listener,
             events.clone(),
             written.clone(),
@@ -82,8 +132,41 @@ impl PostgresStore {
             events,
             written,
             payload_key,
+            waits: AcquireWaits::default(),
             _stop_listener: stop,
         })
+    }
+
+    /// A pooled connection for one statement or a few; the wait is recorded for `/metrics`.
+    async fn conn(&self) -> Result<PoolConnection<Postgres>> {
+        self.acquire("acquire a database connection").await
+    }
+
+    /// A pooled connection, its wait recorded; a pool that stays full past the acquire
+    /// timeout is [`crate::StoreError::Timeout`] under `operation`.
+    async fn acquire(&self, operation: &'static str) -> Result<PoolConnection<Postgres>> {
+        let started = Instant::now();
+        let acquired = self.pool.acquire().await;
+        self.record_wait(started, acquired.as_ref().err());
+        acquired.map_err(db_error(operation))
+    }
+
+    /// A transaction on a pooled connection. Its wait is recorded through its `BEGIN` (sqlx
+    /// gives no hook between the two; `BEGIN` is one round trip).
+    async fn begin(&self, operation: &'static str) -> Result<Transaction<'static, Postgres>> {
+        let started = Instant::now();
+        let begun = self.pool.begin().await;
+        self.record_wait(started, begun.as_ref().err());
+        begun.map_err(db_error(operation))
+    }
+
+    fn record_wait(&self, started: Instant, failed: Option<&sqlx::Error>) {
+        match failed {
+            None => self.waits.acquired(started.elapsed()),
+            Some(sqlx::Error::PoolTimedOut) => self.waits.timed_out(),
+            // Connecting failed or BEGIN did: not a wait for the pool, and the error says so.
+            Some(_) => {}
+        }
     }
 }
 
@@ -102,6 +185,7 @@ async fn listen(pool: &PgPool) -> Result<PgListener> {
 /// Whenever notifications may have been lost (the connection dropped), it sends the nil id,
 /// which tells every long-poll to look again.
 async fn forward_task_events(
+    // The listener's own pool of one (see `connect_with`).
     pool: PgPool,
     mut listener: PgListener,
     events: broadcast::Sender<AgentId>,
@@ -133,6 +217,8 @@ async fn forward_task_events(
             }
             Err(e) => {
                 tracing::warn!(error = %ErrorChain(&e), "task event listener failed; reconnecting");
+                // Let go of its connection first: the listener's pool holds only that one.
+                drop(listener);
                 let mut backoff = Duration::from_millis(250);
                 listener = loop {
                     tokio::select! {
@@ -169,7 +255,7 @@ async fn notify(conn: &mut PgConnection, agent: AgentId) -> Result<()> {
 /// Ends a keyset-paged list query — rows after `after` in id order, at most `limit` — and
 /// reads the page.
 async fn fetch_page<T>(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     mut query: QueryBuilder<'_, Postgres>,
     page: PageRequest,
     operation: &'static str,
@@ -191,7 +277,7 @@ async fn fetch_page<T>(
         .push_bind(i64::from(limit));
     let items = query
         .build()
-        .fetch_all(pool)
+        .fetch_all(conn)
         .await
         .map_err(db_error(operation))?
         .iter()
@@ -244,10 +330,19 @@ impl Store for PostgresStore {
 
     async fn ping(&self) -> Result<()> {
         sqlx::query("SELECT 1")
-            .execute(&self.pool)
+            .execute(&mut *self.conn().await?)
             .await
             .map_err(db_error("ping"))?;
         Ok(())
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        let idle = u32::try_from(self.pool.num_idle()).unwrap_or(u32::MAX);
+        Some(self.waits.stats(
+            self.pool.size(),
+            idle,
+            self.pool.options().get_max_connections(),
+        ))
     }
 }
 

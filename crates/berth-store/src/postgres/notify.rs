@@ -27,7 +27,7 @@ const SELECT_NOTIFICATION: &str = concat!(
 impl NotifyStore for PostgresStore {
     async fn create_webhook(&self, webhook: NewWebhook, actor: AuditActor) -> Result<Webhook> {
         const OP: &str = "create webhook";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(concat!(
             "INSERT INTO webhooks (tenant_id, name, url, format, events, secret_wrapped_key, \
              secret_ciphertext, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING ",
@@ -61,7 +61,7 @@ impl NotifyStore for PostgresStore {
             " FROM webhooks WHERE tenant_id = $1 ORDER BY name"
         ))
         .bind(tenant.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list webhooks"))?
         .iter()
@@ -77,7 +77,7 @@ impl NotifyStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<bool> {
         const OP: &str = "delete webhook";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let deleted = sqlx::query(concat!(
             "DELETE FROM webhooks WHERE tenant_id = $1 AND name = $2 RETURNING ",
             webhook_columns!()
@@ -116,7 +116,7 @@ impl NotifyStore for PostgresStore {
         .bind(tenant.0)
         .bind(state.map(NotificationState::as_str))
         .bind(i64::from(limit.max(1)))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list notifications"))?
         .iter()
@@ -128,7 +128,7 @@ impl NotifyStore for PostgresStore {
         sqlx::query(SELECT_NOTIFICATION)
             .bind(tenant.0)
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.conn().await?)
             .await
             .map_err(db_error("get notification"))?
             .map(|row| rows::read_notification(&row))
@@ -156,7 +156,7 @@ impl NotifyStore for PostgresStore {
         .bind(millis(now))
         .bind(millis(lease_until))
         .bind(i64::from(limit.max(1)))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("claim notifications"))?
         .iter()
@@ -191,7 +191,7 @@ impl NotifyStore for PostgresStore {
         .bind(millis(next))
         .bind(retry)
         .bind(millis(now))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("finish notification"))?
         .rows_affected();
@@ -206,7 +206,7 @@ impl NotifyStore for PostgresStore {
         )
         .bind(millis(now))
         .bind(INTERRUPTED)
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("expire sending notifications"))?
         .rows_affected())
@@ -220,7 +220,7 @@ impl NotifyStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<Resend> {
         const OP: &str = "resend notification";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // FOR UPDATE OF n: a concurrent sender's finish waits, and so does a second resend.
         let before = sqlx::query(concat!(
             "SELECT ",

@@ -25,7 +25,7 @@ impl ReadinessStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(environment.0)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get readiness"))?
         .map(|row| rows::read_readiness(&row))
@@ -58,7 +58,7 @@ impl ReadinessStore for PostgresStore {
             .bind(&r.verify_observed)
             .bind(millis(r.updated_at))
             .bind(expected.unwrap_or(0))
-            .execute(&self.pool)
+            .execute(&mut *self.conn().await?)
             .await
             .map_err(db_error("put readiness"))?;
         Ok(done.rows_affected() == 1)
@@ -72,7 +72,7 @@ impl ReadinessStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<()> {
         const OP: &str = "request verify";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         sqlx::query(
             "INSERT INTO environment_readiness (environment_id, tenant_id, verify_request, \
              updated_at) VALUES ($1, $2, $3, $4) \
@@ -101,7 +101,7 @@ impl ReadinessStore for PostgresStore {
         ))
         .bind(after.map(|a| a.0))
         .bind(i64::from(limit.max(1)))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list environments for readiness"))?
         .iter()

@@ -14,7 +14,7 @@ use berth_proto::audit::AuditActor;
 impl ReleaseStore for PostgresStore {
     async fn create_release(&self, release: Release, actor: AuditActor) -> Result<Release> {
         const OP: &str = "create release";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(concat!(
             "INSERT INTO releases (id, tenant_id, name, components, compose_lock, ssh, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING ",
@@ -44,7 +44,7 @@ impl ReleaseStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(name)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get release"))?
         .map(|row| rows::read_release(&row))
@@ -65,7 +65,7 @@ impl ReleaseStore for PostgresStore {
         ));
         query.push_bind(tenant.0);
         fetch_page(
-            &self.pool,
+            &mut *self.conn().await?,
             query,
             crate::rows::PageRequest {
                 after: after.map(|id| id.0),

@@ -22,7 +22,7 @@ impl SecretStore for PostgresStore {
         )
         .bind(tenant.0)
         .bind(key)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *self.conn().await?)
         .await
         .map_err(db_error("secret head"))?;
         let head: i64 = get(&row, "version")?;
@@ -31,7 +31,7 @@ impl SecretStore for PostgresStore {
 
     async fn put_secret(&self, secret: SealedSecret) -> Result<SecretMeta> {
         const OP: &str = "put secret";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(concat!(
             "INSERT INTO secrets (tenant_id, key, version, wrapped_key, ciphertext, created_at, \
              created_by) VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING ",
@@ -69,7 +69,7 @@ impl SecretStore for PostgresStore {
         .bind(tenant.0)
         .bind(key)
         .bind(version.map(i64::from))
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get secret"))?
         .map(|row| rows::read_sealed_secret(&row))
@@ -85,7 +85,7 @@ impl SecretStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(prefix)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list secrets"))?
         .iter()
@@ -101,7 +101,7 @@ impl SecretStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(key)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("secret versions"))?
         .iter()
@@ -117,7 +117,7 @@ impl SecretStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<u32> {
         const OP: &str = "delete secret";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let marked = sqlx::query(
             "UPDATE secrets SET deleted_at = $3 \
              WHERE tenant_id = $1 AND key = $2 AND deleted_at IS NULL",
@@ -155,7 +155,7 @@ impl GrantStore for PostgresStore {
 
     async fn record_kit_grant(&self, grant: Grant, actor: AuditActor) -> Result<Superseded> {
         const OP: &str = "record kit grant";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let superseded = supersede(&mut tx, grant.environment_id, grant.issued_at).await?;
         insert_grant(&mut tx, &grant).await?;
         super::audit::append(&mut tx, kit_event(&grant, superseded.count, actor)).await?;
@@ -185,7 +185,7 @@ impl GrantStore for PostgresStore {
             " FROM grants WHERE jti = $1"
         ))
         .bind(jti)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get grant"))?
         .map(|row| rows::read_grant(&row))
@@ -208,7 +208,7 @@ impl GrantStore for PostgresStore {
         .bind(jti)
         .bind(token_accessor)
         .bind(millis(now))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error(OP))?
         .rows_affected();
@@ -217,7 +217,7 @@ impl GrantStore for PostgresStore {
         }
         let held = sqlx::query("SELECT token_accessor FROM grants WHERE jti = $1")
             .bind(jti)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.conn().await?)
             .await
             .map_err(db_error(OP))?;
         Ok(match held {
@@ -241,7 +241,7 @@ impl GrantStore for PostgresStore {
         )
         .bind(tenant.map(|t| t.0))
         .bind(millis(now))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("live grant jwks"))?
         .iter()

@@ -14,7 +14,7 @@ use crate::{Artifact, ArtifactStore, Result, SshTarget, SshTargetStore};
 impl SshTargetStore for PostgresStore {
     async fn create_ssh_target(&self, target: SshTarget, actor: AuditActor) -> Result<SshTarget> {
         const OP: &str = "create ssh target";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(concat!(
             "INSERT INTO ssh_targets (id, tenant_id, name, host, port, user_name, via_agent, \
              via_selector, host_key, key_secret, labels, created_at) \
@@ -59,7 +59,7 @@ impl SshTargetStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(name)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get ssh target"))?
         .map(|row| rows::read_ssh_target(&row))
@@ -78,7 +78,7 @@ impl SshTargetStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(id.0)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get ssh target by id"))?
         .map(|row| rows::read_ssh_target(&row))
@@ -92,7 +92,7 @@ impl SshTargetStore for PostgresStore {
             " FROM ssh_targets WHERE tenant_id = $1 ORDER BY name"
         ))
         .bind(tenant.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list ssh targets"))?
         .iter()
@@ -108,7 +108,7 @@ impl SshTargetStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<bool> {
         const OP: &str = "delete ssh target";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let deleted = sqlx::query(concat!(
             "DELETE FROM ssh_targets WHERE tenant_id = $1 AND name = $2 RETURNING ",
             ssh_target_columns!()
@@ -141,7 +141,7 @@ impl ArtifactStore for PostgresStore {
         actor: AuditActor,
     ) -> Result<Artifact> {
         const OP: &str = "put artifact";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let inserted = sqlx::query(
             "INSERT INTO artifacts (tenant_id, sha256, size, content, created_by, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant_id, sha256) DO NOTHING",
@@ -182,7 +182,7 @@ impl ArtifactStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(sha256)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("get artifact"))?
         .map(|row| rows::read_artifact(&row))
@@ -193,7 +193,7 @@ impl ArtifactStore for PostgresStore {
         sqlx::query("SELECT content FROM artifacts WHERE tenant_id = $1 AND sha256 = $2")
             .bind(tenant.0)
             .bind(sha256)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.conn().await?)
             .await
             .map_err(db_error("artifact content"))?
             .map(|row| get::<_, Vec<u8>>(&row, "content"))
@@ -207,7 +207,7 @@ impl ArtifactStore for PostgresStore {
             " FROM artifacts WHERE tenant_id = $1 ORDER BY created_at DESC, sha256"
         ))
         .bind(tenant.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("list artifacts"))?
         .iter()

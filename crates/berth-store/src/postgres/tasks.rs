@@ -27,7 +27,7 @@ use berth_proto::audit::AuditActor;
 impl TaskStore for PostgresStore {
     async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome> {
         const OP: &str = "create task";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // KEY SHARE conflicts only with deleting the agent: a concurrent delete_agent either
         // commits first (we see no agent) or waits for us (and then expires this task).
         // A cordon racing this create is not serialised with it (it takes no key lock): the
@@ -154,7 +154,7 @@ impl TaskStore for PostgresStore {
         ))
         .bind(tenant.0)
         .bind(id.0)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error(OP))?;
         let Some(row) = row else {
@@ -167,7 +167,7 @@ impl TaskStore for PostgresStore {
             " FROM task_attempts WHERE task_id = $1 ORDER BY assigned_at, assignment_id"
         ))
         .bind(id.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error(OP))?
         .iter()
@@ -200,7 +200,7 @@ impl TaskStore for PostgresStore {
             query.push(" AND task_type = ").push_bind(task_type.clone());
         }
         fetch_page(
-            &self.pool,
+            &mut *self.conn().await?,
             query,
             crate::rows::PageRequest {
                 after: after.map(|id| id.0),
@@ -225,7 +225,7 @@ impl TaskStore for PostgresStore {
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
         const OP: &str = "claim task";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // The exclusive agent-row lock serialises every claim for this agent across replicas:
         // strict order and "one side-effecting task at a time" are decisions over several rows,
         // which SKIP LOCKED on the task rows could not keep (it would hand out the second task
@@ -352,7 +352,7 @@ impl TaskStore for PostgresStore {
              AND state IN ('pending', 'leased', 'retry_wait') GROUP BY agent_id",
         )
         .bind(&ids)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("open task counts"))?
         .iter()
@@ -373,7 +373,7 @@ impl TaskStore for PostgresStore {
         ))
         .bind(agent.0)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("queued tasks"))?
         .iter()
@@ -387,7 +387,7 @@ impl TaskStore for PostgresStore {
              WHERE agent_id = $1 AND state = 'leased' AND cancel_requested ORDER BY seq",
         )
         .bind(agent.0)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("pending cancellations"))?
         .iter()
@@ -402,7 +402,7 @@ impl TaskStore for PostgresStore {
 
     async fn start_attempt(&self, start: StartAttempt) -> Result<StartOutcome> {
         const OP: &str = "start attempt";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // FOR SHARE: the generation cannot move until this commits.
         match check_binding(
             &mut tx,
@@ -458,7 +458,7 @@ impl TaskStore for PostgresStore {
         policy: &RetryPolicy,
     ) -> Result<CompleteOutcome> {
         const OP: &str = "complete attempt";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // FOR SHARE: the generation cannot move (acquire_session waits) until this commits.
         match check_binding(
             &mut tx,
@@ -544,7 +544,7 @@ impl TaskStore for PostgresStore {
     ) -> Result<Option<CancelOutcome>> {
         const OP: &str = "cancel task";
         let now = millis(at);
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let Some(task) = locked_tenant_task(&mut tx, &self.payload_key, OP, tenant, id).await?
         else {
             return Ok(None);
@@ -595,7 +595,7 @@ impl TaskStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<Option<RetryOutcome>> {
         const OP: &str = "retry task";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let Some(task) = locked_tenant_task(&mut tx, &self.payload_key, OP, tenant, id).await?
         else {
             return Ok(None);
@@ -635,7 +635,7 @@ impl TaskStore for PostgresStore {
     async fn expire_leases(&self, now: OffsetDateTime, policy: &RetryPolicy) -> Result<LeaseSweep> {
         const OP: &str = "expire leases";
         let now = millis(now);
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         // SKIP LOCKED: a row another replica sweeps, or a result being recorded, is theirs; the
         // task is re-checked as leased under our lock, so nothing transitions twice.
         let expired = sqlx::query(concat!(
@@ -734,7 +734,7 @@ impl TaskStore for PostgresStore {
         .bind(found)
         .bind(Json(&evidence))
         .bind(millis(now))
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("resolve read-back"))?
         .map(|row| rows::read_task(&row, &self.payload_key))
@@ -752,7 +752,7 @@ impl TaskStore for PostgresStore {
         )
         .bind(millis(before))
         .bind(i64::from(limit))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("prune finished tasks"))?;
         Ok(done.rows_affected())
@@ -778,7 +778,7 @@ impl TaskStore for PostgresStore {
         .bind(after.map(|id| id.0))
         .bind(i64::from(limit))
         .bind(READ_BACK_KEY_PREFIX)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("unknown tasks without read-back"))?
         .iter()
@@ -807,7 +807,7 @@ impl TaskStore for PostgresStore {
         .bind(after.map(|id| id.0))
         .bind(i64::from(limit))
         .bind(READ_BACK_KEY_PREFIX)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
         .map_err(db_error("finished read-backs of unknown tasks"))?
         .iter()

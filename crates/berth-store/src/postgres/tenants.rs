@@ -28,12 +28,12 @@ impl TenantStore for PostgresStore {
         .bind(TenantId::new().0)
         .bind(name)
         .bind(millis(now))
-        .execute(&self.pool)
+        .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("ensure tenant"))?;
         let row = sqlx::query("SELECT id, name, created_at FROM tenants WHERE name = $1")
             .bind(name)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *self.conn().await?)
             .await
             .map_err(db_error("ensure tenant"))?;
         rows::read_tenant(&row)
@@ -47,7 +47,7 @@ impl TenantStore for PostgresStore {
         now: OffsetDateTime,
     ) -> Result<Tenant> {
         const OP: &str = "create tenant";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(
             "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) \
              RETURNING id, name, created_at",
@@ -72,7 +72,7 @@ impl TenantStore for PostgresStore {
     async fn get_tenant(&self, id: TenantId) -> Result<Option<Tenant>> {
         sqlx::query("SELECT id, name, created_at FROM tenants WHERE id = $1")
             .bind(id.0)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.conn().await?)
             .await
             .map_err(db_error("get tenant"))?
             .map(|row| rows::read_tenant(&row))
@@ -81,7 +81,7 @@ impl TenantStore for PostgresStore {
 
     async fn create_api_token(&self, token: NewApiToken) -> Result<ApiToken> {
         const OP: &str = "create api token";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         let row = sqlx::query(
             "INSERT INTO api_tokens (id, tenant_id, name, role, operator, token_hash, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7) \
@@ -111,7 +111,7 @@ impl TenantStore for PostgresStore {
              WHERE token_hash = $1",
         )
         .bind(token_hash)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("look up api token"))?
         .map(|row| rows::read_api_token(&row))
@@ -123,7 +123,7 @@ impl TenantStore for PostgresStore {
             "SELECT EXISTS (SELECT 1 FROM api_tokens WHERE tenant_id = $1 AND operator) AS found",
         )
         .bind(tenant.0)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *self.conn().await?)
         .await
         .map_err(db_error("check operator token"))?;
         get(&row, "found")
@@ -131,7 +131,7 @@ impl TenantStore for PostgresStore {
 
     async fn create_ui_session(&self, session: NewUiSession) -> Result<()> {
         const OP: &str = "create ui session";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= $1")
             .bind(millis(session.created_at))
             .execute(&mut *tx)
@@ -160,7 +160,7 @@ impl TenantStore for PostgresStore {
         )
         .bind(id_hash)
         .bind(millis(now))
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(db_error("look up ui session"))?
         .map(|row| {
@@ -175,7 +175,7 @@ impl TenantStore for PostgresStore {
     async fn delete_ui_session(&self, id_hash: &str) -> Result<bool> {
         let done = sqlx::query("DELETE FROM ui_sessions WHERE id_hash = $1")
             .bind(id_hash)
-            .execute(&self.pool)
+            .execute(&mut *self.conn().await?)
             .await
             .map_err(db_error("delete ui session"))?;
         Ok(done.rows_affected() > 0)
@@ -183,7 +183,7 @@ impl TenantStore for PostgresStore {
 
     async fn create_registration_token(&self, token: NewRegistrationToken) -> Result<()> {
         const OP: &str = "create registration token";
-        let mut tx = self.pool.begin().await.map_err(db_error(OP))?;
+        let mut tx = self.begin(OP).await?;
         sqlx::query(
             "INSERT INTO registration_tokens \
              (id, tenant_id, token_hash, labels, environment, expires_at, created_at) \

@@ -333,6 +333,11 @@ impl Store for SqliteStore {
             .read("ping", |db| db.one("SELECT 1", [], |_| Ok(())))
             .await
     }
+
+    /// None: SQLite has no pool; its writer and readers are threads it owns for its lifetime.
+    fn pool_stats(&self) -> Option<crate::PoolStats> {
+        None
+    }
 }
 
 /// How an agent-runtime write stands against the agent's row.
