@@ -13,8 +13,6 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::time::Duration;
 
 use berth_test_utils::postgres::{self, TestDatabase};
@@ -23,31 +21,6 @@ use serde_json::{json, Value};
 
 /// How long a task may take to reach a state that needs only the agent and the sweeper.
 const TASK: Duration = Duration::from_secs(120);
-
-/// Two replicas on one database: B's data dir starts as a copy of A's key material (the CA, so
-/// agents keep their pin; the JWT, master and sealing keys), as README's "Several replicas"
-/// says.
-fn two_replicas(root: &Path, args: &[&str]) -> (Server, Server) {
-    let dir_a = root.join("replica-a");
-    let dir_b = root.join("replica-b");
-    let a = Server::start(&dir_a, args);
-    std::fs::create_dir(&dir_b).unwrap();
-    std::fs::set_permissions(&dir_b, std::fs::Permissions::from_mode(0o700)).unwrap();
-    for file in [
-        "ca.crt",
-        "ca.key",
-        "jwt.key",
-        "master.key",
-        "sealing.key",
-        "registry-token.key",
-        "registry-token.crt",
-    ] {
-        std::fs::copy(dir_a.join(file), dir_b.join(file)).unwrap();
-    }
-    let b = Server::start_at(&dir_b, "127.0.0.1:0", args, Some(&a.admin_token));
-    assert_eq!(a.ca_fingerprint, b.ca_fingerprint);
-    (a, b)
-}
 
 /// The generation of the agent process's latest session, once it is at least `at_least`.
 fn wait_generation(agent: &mut Proc, at_least: i64) -> i64 {

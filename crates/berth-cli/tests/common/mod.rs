@@ -11,6 +11,7 @@
 pub mod netns;
 
 use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -730,6 +731,31 @@ impl Server {
         })
         .expect("API client")
     }
+}
+
+/// Two replicas on one database: B's data dir starts as a copy of A's key material (the CA, so
+/// agents keep their pin; the JWT, master and sealing keys), as README's "Several replicas"
+/// says.
+pub fn two_replicas(root: &Path, args: &[&str]) -> (Server, Server) {
+    let dir_a = root.join("replica-a");
+    let dir_b = root.join("replica-b");
+    let a = Server::start(&dir_a, args);
+    std::fs::create_dir(&dir_b).unwrap();
+    std::fs::set_permissions(&dir_b, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for file in [
+        "ca.crt",
+        "ca.key",
+        "jwt.key",
+        "master.key",
+        "sealing.key",
+        "registry-token.key",
+        "registry-token.crt",
+    ] {
+        std::fs::copy(dir_a.join(file), dir_b.join(file)).unwrap();
+    }
+    let b = Server::start_at(&dir_b, "127.0.0.1:0", args, Some(&a.admin_token));
+    assert_eq!(a.ca_fingerprint, b.ca_fingerprint);
+    (a, b)
 }
 
 // ---------------------------------------------------------------------------------------------
