@@ -13,7 +13,10 @@
 #           measured. SQLite only (IDLE_DATABASES to change).
 # Knobs: RUNS (3), DATABASES ("sqlite postgres"), SKIP_BUILD=1, OUT (results dir),
 # REGISTER_CONCURRENCY (16).
-# PostgreSQL is berth's test cluster (scripts/postgres.sh: fsync=off, synchronous_commit=off).
+# PostgreSQL is berth's benchmark cluster, set like production (`BERTH_PG_DURABLE=1
+# scripts/postgres.sh`: fsync, synchronous_commit and full_page_writes on, 127.0.0.1:55433);
+# PG_DURABLE=0 uses the tests' cluster instead (fsync off). PG_STATEMENTS=1 writes the run's
+# pg_stat_statements (calls and time per statement) next to its log.
 set -euo pipefail
 
 source "$(dirname "$0")/bench-lib.sh"
@@ -63,8 +66,12 @@ mkdir -p "$OUT"
 } | tee "$OUT/machine.txt"
 
 if [[ " $DATABASES $IDLE_DATABASES " == *" postgres "* ]] && [[ "$SCENARIOS" != "verify" ]]; then
-    PG_ADMIN_URL=$(bash "$BENCH_ROOT/scripts/postgres.sh" | tail -n 1)
-    echo "PostgreSQL: $PG_ADMIN_URL (berth's test cluster: fsync=off)"
+    PG_ADMIN_URL=$(BERTH_PG_DURABLE=${PG_DURABLE:-1} bash "$BENCH_ROOT/scripts/postgres.sh" | tail -n 1)
+    if [ "${PG_DURABLE:-1}" = 1 ]; then
+        echo "PostgreSQL: $PG_ADMIN_URL (durable: fsync, synchronous_commit, full_page_writes on)"
+    else
+        echo "PostgreSQL: $PG_ADMIN_URL (berth's test cluster: fsync=off)"
+    fi
 fi
 
 # sample PID FILE: every 2 s, "unix_time cpu_ticks rss_kib".
@@ -86,6 +93,9 @@ run() {
     if [ "$db" = postgres ]; then
         PG_DB="berth_bench_$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
         psql "$PG_ADMIN_URL" -qAt -c "CREATE DATABASE $PG_DB" >/dev/null
+        if [ "${PG_STATEMENTS:-0}" = 1 ]; then
+            psql "${PG_ADMIN_URL%/*}/$PG_DB" -qAt -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()" >/dev/null
+        fi
         extra=(--database "${PG_ADMIN_URL%/*}/$PG_DB")
     fi
     start_server "$data" "$OUT/$tag.server.log" "${extra[@]}"
@@ -97,6 +107,9 @@ run() {
         --concurrency-register "$REGISTER_CONCURRENCY" --name-prefix "$tag" | tee -a "$OUT/$tag.log"
     echo "uptime after: $(uptime)" | tee -a "$OUT/$tag.log"
     curl -sS --cacert "$data/ca.crt" "$SERVER_URL/metrics" >"$OUT/$tag.metrics" || true
+    if [ "$db" = postgres ] && [ "${PG_STATEMENTS:-0}" = 1 ]; then
+        psql "${PG_ADMIN_URL%/*}/$PG_DB" -qA -F $'\t' -c "SELECT calls, round(total_exec_time::numeric, 1) AS ms, rows, query FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY calls DESC" >"$OUT/$tag.statements" || true
+    fi
     stop_pid "$SAMPLER_PID"
     SAMPLER_PID=""
     stop_server

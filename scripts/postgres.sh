@@ -4,13 +4,23 @@
 # the URL. It never touches the system's default cluster (Debian's "main" on 5432).
 #
 # Run as root on Debian 12 (installs the `postgresql` package when missing).
-#   BERTH_PG_DIR   where the cluster lives (default /tmp/berth-pg; the `postgres` user must be
-#                  able to reach it, so not under /root)
+#   BERTH_PG_DIR     where the cluster lives (default /tmp/berth-pg, or /tmp/berth-pg-durable;
+#                    the `postgres` user must be able to reach it, so not under /root)
+#   BERTH_PG_DURABLE =1: the benchmarks' cluster instead, set like production (fsync,
+#                    synchronous_commit and full_page_writes on), on 127.0.0.1:55433, with
+#                    pg_stat_statements loaded for profiling. The tests' cluster trades
+#                    durability for speed: only benchmarks measure durable figures.
 # Usage: export BERTH_TEST_POSTGRES_URL="$(bash scripts/postgres.sh | tail -1)"
 set -euo pipefail
 
-PORT=55432
-ROOT="${BERTH_PG_DIR:-/tmp/berth-pg}"
+DURABLE=${BERTH_PG_DURABLE:-0}
+if [ "$DURABLE" = 1 ]; then
+    PORT=55433
+    ROOT="${BERTH_PG_DIR:-/tmp/berth-pg-durable}"
+else
+    PORT=55432
+    ROOT="${BERTH_PG_DIR:-/tmp/berth-pg}"
+fi
 DATA="$ROOT/data"
 LOG="$ROOT/postgresql.log"
 URL="postgres://berth:berth@127.0.0.1:${PORT}/postgres"
@@ -59,18 +69,27 @@ if [ ! -s "$DATA/PG_VERSION" ]; then
     rm -rf "$DATA"
     as_postgres "$BIN/initdb" -D "$DATA" -U postgres -E UTF8 --no-locale \
         --auth-local=trust --auth-host=scram-sha-256 >&2
-    # Loopback only, our own socket directory, and no durability: the cluster holds nothing
-    # but test databases, and fsync would make every CREATE DATABASE slow.
+    # Loopback only and our own socket directory. The tests' cluster has no durability: it
+    # holds nothing but test databases, and fsync would make every CREATE DATABASE slow.
+    if [ "$DURABLE" = 1 ]; then
+        settings="# berth benchmark cluster (scripts/postgres.sh, BERTH_PG_DURABLE=1)
+fsync = on
+synchronous_commit = on
+full_page_writes = on
+shared_preload_libraries = 'pg_stat_statements'"
+    else
+        settings="# berth test cluster (scripts/postgres.sh)
+fsync = off
+synchronous_commit = off
+full_page_writes = off"
+    fi
     cat >>"$DATA/postgresql.conf" <<EOF
 
-# berth test cluster (scripts/postgres.sh)
+$settings
 listen_addresses = '127.0.0.1'
 port = $PORT
 unix_socket_directories = '$ROOT'
 max_connections = 200
-fsync = off
-synchronous_commit = off
-full_page_writes = off
 EOF
 fi
 

@@ -39,8 +39,8 @@ pub struct ServerSettings {
     /// A SQLite file or a postgres:// URL; default <data-dir>/berth.db.
     #[arg(long, env = "BERTH_DATABASE", hide_env_values = true)]
     pub database: Option<String>,
-    /// PostgreSQL: most connections this server's pool opens (its LISTEN connection is one
-    /// more); every replica opens its own. SQLite ignores it.
+    /// PostgreSQL: most connections this server's pool opens (its LISTEN and sequencer
+    /// connections are two more); every replica opens its own. SQLite ignores it.
     #[arg(long, env = "BERTH_DATABASE_MAX_CONNECTIONS")]
     pub database_max_connections: Option<u32>,
     /// PostgreSQL: a request that gets no pooled connection within this is answered 503

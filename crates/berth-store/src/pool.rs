@@ -10,9 +10,9 @@ use std::time::Duration;
 /// (`sqlite/threads.rs`), one writer and a fixed set of readers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PostgresPoolConfig {
-    /// Most connections the pool holds open at once. The LISTEN connection is one more, in a
-    /// pool of its own, so every replica takes up to this plus one of PostgreSQL's
-    /// `max_connections`.
+    /// Most connections the pool holds open at once. The LISTEN connection and the
+    /// sequencer's are two more, each in a pool of its own, so every replica takes up to this
+    /// plus two of PostgreSQL's `max_connections`.
     pub max_connections: u32,
     /// Longest an operation waits for a pooled connection before it fails
     /// ([`crate::StoreError::Timeout`]), so a saturated pool answers "retry" instead of queueing

@@ -42,27 +42,43 @@ pub(crate) fn chain(
     event: NewAuditEvent,
     head: Option<(i64, String)>,
 ) -> Result<(AuditEntry, String)> {
-    let (seq, prev_hash) = match head {
-        Some((seq, hash)) => (seq + 1, hash),
-        None => (1, GENESIS_HASH.to_string()),
-    };
-    let corrupt = |e: serde_json::Error| StoreError::Corrupt(format!("audit entry: {e}"));
+    link(draft(event), head)
+}
+
+/// The entry `event` becomes, not yet linked: no `seq` and no hashes. PostgreSQL stages it as
+/// text in the writing transaction and links it later (`postgres/sequencer.rs`).
+pub(crate) fn draft(event: NewAuditEvent) -> AuditEntry {
     // Millisecond precision, as every other stored time: the text round-trips exactly.
     let at = event
         .at
         .replace_nanosecond(event.at.millisecond() as u32 * 1_000_000)
         .unwrap_or(event.at);
-    let mut entry = AuditEntry {
-        seq: seq as u64,
+    AuditEntry {
+        seq: 0,
         tenant_id: event.tenant_id,
         at,
         actor: event.actor,
         action: event.action.to_string(),
         subject: event.subject,
         details: event.details,
-        prev_hash,
+        prev_hash: String::new(),
         hash: String::new(),
+    }
+}
+
+/// `draft` linked after `head`: its `seq`, `prevHash` and `hash`, and its stored text.
+pub(crate) fn link(
+    mut entry: AuditEntry,
+    head: Option<(i64, String)>,
+) -> Result<(AuditEntry, String)> {
+    let (seq, prev_hash) = match head {
+        Some((seq, hash)) => (seq + 1, hash),
+        None => (1, GENESIS_HASH.to_string()),
     };
+    let corrupt = |e: serde_json::Error| StoreError::Corrupt(format!("audit entry: {e}"));
+    entry.seq = seq as u64;
+    entry.prev_hash = prev_hash;
+    entry.hash = String::new();
     let value = serde_json::to_value(&entry).map_err(corrupt)?;
     entry.hash =
         berth_crypto::sha256_hex(&berth_proto::audit::hash_input(&value).map_err(corrupt)?);
@@ -77,20 +93,26 @@ pub(crate) fn parse(text: &str) -> Result<AuditEntry> {
 
 /// The `task.result` entry of a recorded result: the envelope as received and the certificate
 /// it was verified with, so `berth audit verify` can check the signature again offline.
-pub(crate) fn result_event(completion: &crate::Completion, task: &crate::Task) -> NewAuditEvent {
+/// `state` is the one the result moved the task to.
+pub(crate) fn result_event(
+    completion: &crate::Completion,
+    tenant_id: TenantId,
+    task_id: berth_proto::TaskId,
+    state: crate::TaskState,
+) -> NewAuditEvent {
     use base64::Engine as _;
     let evidence = berth_proto::audit::ResultEvidence {
         envelope: completion.envelope.clone(),
         certificate: base64::engine::general_purpose::STANDARD.encode(&completion.certificate_der),
-        state: task.state,
+        state,
     };
     NewAuditEvent {
-        tenant_id: task.tenant_id,
+        tenant_id,
         actor: AuditActor::Agent {
             id: completion.agent_id.0,
         },
         action: berth_proto::audit::actions::TASK_RESULT,
-        subject: task.id.to_string(),
+        subject: task_id.to_string(),
         // A struct of JSON values and strings always serialises.
         details: serde_json::to_value(evidence).unwrap_or_default(),
         at: completion.now,

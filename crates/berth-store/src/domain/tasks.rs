@@ -137,6 +137,35 @@ pub struct Attempt {
     pub phase: Option<ProgressPhase>,
 }
 
+impl Attempt {
+    /// The delivery a claim opens: leased, nothing reported yet.
+    pub(crate) fn leased(
+        assignment_id: AssignmentId,
+        task_id: TaskId,
+        agent_id: AgentId,
+        generation: i64,
+        assigned_at: OffsetDateTime,
+        lease_expires_at: OffsetDateTime,
+        start_handshake: bool,
+    ) -> Attempt {
+        Attempt {
+            assignment_id,
+            task_id,
+            agent_id,
+            generation,
+            state: AttemptState::Leased,
+            assigned_at,
+            lease_expires_at,
+            finished_at: None,
+            envelope: None,
+            error_code: None,
+            start_handshake,
+            started_at: None,
+            phase: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum CreateTaskOutcome {
     Created(Task),

@@ -314,7 +314,7 @@ impl AgentStore for PostgresStore {
         let mut tx = self.begin(OP).await?;
         // The row lock holds the generation and the binding until the rebind commits.
         match check_binding(&mut tx, BINDING_EXCLUSIVE, id, old_fingerprint, generation).await? {
-            Binding::Current => {}
+            Binding::Current { .. } => {}
             Binding::Fenced => return Ok(RebindOutcome::Fenced),
             Binding::Revoked => return Ok(RebindOutcome::Revoked),
         }

@@ -15,8 +15,9 @@ impl EventStore for PostgresStore {
         after: i64,
         limit: u32,
     ) -> Result<Vec<Event>> {
-        // `id IS NULL` rows are staged by a transaction that has not committed yet; no one
-        // else can see them, so `id > $after` needs no extra guard.
+        // Every event committed before this call gets its id first. `id IS NULL` rows are
+        // staged and not numbered yet: `id > $after` leaves them for a later read.
+        self.sequencer.flush().await?;
         let mut query = QueryBuilder::<Postgres>::new(
             "SELECT id, tenant_id, kind, task_id, agent_id, deployment_id, environment_id, data, \
              created_at FROM events WHERE tenant_id = ",
@@ -51,8 +52,9 @@ impl EventStore for PostgresStore {
     }
 
     async fn latest_event_id(&self, tenant: berth_proto::TenantId) -> Result<i64> {
-        // Ids are numbered in commit order, so the highest visible one has every lower one
-        // visible too: a reader after it misses nothing.
+        // Ids are numbered in the order of the passes that commit them, so the highest visible
+        // one has every lower one visible too: a reader after it misses nothing.
+        self.sequencer.flush().await?;
         let row = sqlx::query(
             "SELECT COALESCE(MAX(id), 0)::BIGINT AS latest FROM events \
              WHERE tenant_id = $1 AND id IS NOT NULL",

@@ -6,15 +6,16 @@
 //! this one connects, forwards task events and holds what the domains share.
 
 use berth_proto::error::ErrorChain;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use berth_proto::AgentId;
 use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Postgres, QueryBuilder, Transaction};
+use sqlx::{Connection as _, Postgres, QueryBuilder, Transaction};
 use time::OffsetDateTime;
-use tokio::sync::{broadcast, oneshot, watch};
+use tokio::sync::{broadcast, oneshot, watch, Notify};
 use uuid::Uuid;
 
 use crate::pool::AcquireWaits;
@@ -32,19 +33,22 @@ mod pool_tests;
 mod readiness;
 mod releases;
 mod secrets;
+mod sequencer;
 mod ssh_targets;
 mod tasks;
 mod tenants;
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
-/// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas.
+/// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas:
+/// a sequencer pass notifies every agent that an event it numbered names.
 const TASK_CHANNEL: &str = "berth_tasks";
-/// Notified by migration 0011's `events_number()` at the commit of every transaction that
-/// wrote events, on every replica's listener.
+/// Notified by every sequencer pass that numbered events, on every replica's listener.
 const EVENT_CHANNEL: &str = "berth_events";
 const EVENT_CAPACITY: usize = 1024;
 const LISTENER_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// A pooled connection idle for this long is pinged before it is handed out.
+const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -56,8 +60,11 @@ pub struct PostgresStore {
     payload_key: PayloadKey,
     /// How long operations waited for a pooled connection (`/metrics`).
     waits: AcquireWaits,
-    /// Dropping the store drops this, which stops the listener task.
+    /// Numbers staged events and links staged audit entries (`sequencer.rs`).
+    sequencer: Arc<sequencer::Sequencer>,
+    /// Dropping the store drops these, which stops the listener and sequencer tasks.
     _stop_listener: oneshot::Sender<()>,
+    _stop_sequencer: oneshot::Sender<()>,
 }
 
 impl PostgresStore {
@@ -69,9 +76,8 @@ impl PostgresStore {
     /// Connects and runs the migrations (sqlx serialises concurrent migrators across replicas
     /// with an advisory lock). Task payloads are sealed with `payload_key` (see `sealed.rs`).
     /// The pool holds at most `pool.max_connections`, every one with `pool.statement_timeout`;
-    /// sqlx pings an idle connection before handing it out (`test_before_acquire`, on by
-    /// default and kept on here), so one the server or a network cut killed is replaced, not
-    /// used.
+    /// a connection is pinged as it comes back and, after `PING_IDLE_AFTER` idle, before it is
+    /// handed out, so one the server or a network cut killed is replaced, not used.
     pub async fn connect_with(
         url: &str,
         payload_key: PayloadKey,
@@ -108,10 +114,36 @@ impl PostgresStore {
             .connect_with(options.clone())
             .await
             .map_err(db_error("connect to postgres"))?;
+        // The sequencer's own pool of one, for the same reasons.
+        let sequencer_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(pool.acquire_timeout)
+            .connect_with(options.clone())
+            .await
+            .map_err(db_error("connect to postgres"))?;
+        let poke = Arc::new(Notify::new());
+        let poked = poke.clone();
         let pool = PgPoolOptions::new()
             .max_connections(pool.max_connections)
             .acquire_timeout(pool.acquire_timeout)
-            .test_before_acquire(true)
+            // sqlx pings every connection as it comes back (`return_to_pool`, always); a ping
+            // before each acquire too would cost every operation a second round trip. So only a
+            // connection idle for longer than `PING_IDLE_AFTER` is pinged first, as HikariCP's
+            // `aliveBypassWindowMs` does; one that failed it is dropped and another handed out.
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for >= PING_IDLE_AFTER {
+                        conn.ping().await?;
+                    }
+                    Ok(true)
+                })
+            })
+            // Whatever the connection did may have staged events or audit entries.
+            .after_release(move |_, _| {
+                poked.notify_one();
+                Box::pin(async { Ok(true) })
+            })
             .connect_with(options)
             .await
             .map_err(db_error("connect to postgres"))?;
@@ -127,13 +159,18 @@ impl PostgresStore {
             written.clone(),
             stopped,
         ));
+        let sequencer = sequencer::Sequencer::new(sequencer_pool, poke);
+        let (stop_sequencer, sequencer_stopped) = oneshot::channel();
+        tokio::spawn(sequencer::run(sequencer.clone(), sequencer_stopped));
         Ok(PostgresStore {
             pool,
             events,
             written,
             payload_key,
             waits: AcquireWaits::default(),
+            sequencer,
             _stop_listener: stop,
+            _stop_sequencer: stop_sequencer,
         })
     }
 
@@ -240,18 +277,6 @@ async fn forward_task_events(
     }
 }
 
-/// Tells every replica's long-polls (this one's included) that `agent` may have work. Runs
-/// inside the writing transaction: PostgreSQL delivers it only if, and when, that commits.
-async fn notify(conn: &mut PgConnection, agent: AgentId) -> Result<()> {
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(TASK_CHANNEL)
-        .bind(agent.0.hyphenated().to_string())
-        .execute(conn)
-        .await
-        .map_err(db_error("notify task event"))?;
-    Ok(())
-}
-
 /// Ends a keyset-paged list query — rows after `after` in id order, at most `limit` — and
 /// reads the page.
 async fn fetch_page<T>(
@@ -348,7 +373,8 @@ impl Store for PostgresStore {
 
 /// How an agent-runtime write stands against the agent's row.
 enum Binding {
-    Current,
+    /// With the agent's `suspended` flag, read under the same lock.
+    Current { suspended: bool },
     Fenced,
     Revoked,
 }
@@ -376,13 +402,15 @@ async fn check_binding(
         return Ok(Binding::Revoked);
     }
     Ok(if row.int("generation")? == generation {
-        Binding::Current
+        Binding::Current {
+            suspended: row.flag("suspended")?,
+        }
     } else {
         Binding::Fenced
     })
 }
 
 const BINDING_SHARE: &str =
-    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR SHARE";
-const BINDING_EXCLUSIVE: &str =
-    "SELECT generation, certificate_fingerprint FROM agents WHERE id = $1 FOR NO KEY UPDATE";
+    "SELECT generation, certificate_fingerprint, suspended FROM agents WHERE id = $1 FOR SHARE";
+const BINDING_EXCLUSIVE: &str = "SELECT generation, certificate_fingerprint, suspended FROM agents \
+     WHERE id = $1 FOR NO KEY UPDATE";

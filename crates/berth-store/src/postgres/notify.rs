@@ -106,6 +106,9 @@ impl NotifyStore for PostgresStore {
         state: Option<NotificationState>,
         limit: u32,
     ) -> Result<Vec<Notification>> {
+        // A notification is written when its event is numbered (migration 0019's trigger),
+        // so every event committed before this call gets its id first.
+        self.sequencer.flush().await?;
         sqlx::query(concat!(
             "SELECT ",
             notification_columns!(),
@@ -141,6 +144,8 @@ impl NotifyStore for PostgresStore {
         lease_until: OffsetDateTime,
         limit: u32,
     ) -> Result<Vec<Delivery>> {
+        // As in `list_notifications`: the events committed so far have their notifications.
+        self.sequencer.flush().await?;
         // SKIP LOCKED: replicas sweeping at once each take other rows, none waits.
         let mut claimed = sqlx::query(concat!(
             "WITH due AS (SELECT id FROM notifications \

@@ -1,7 +1,5 @@
 //! Tasks and their deliveries on PostgreSQL.
 
-use std::collections::BTreeSet;
-
 use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
 use sqlx::types::Json;
 use sqlx::{Postgres, QueryBuilder};
@@ -9,7 +7,7 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::{
-    check_binding, fetch_page, notify, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
+    check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
 };
 use crate::domain::audit::{result_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
@@ -106,7 +104,6 @@ impl TaskStore for PostgresStore {
                     let event = task_event(TASK_CREATE, &created, actor, task.created_at);
                     super::audit::append(&mut tx, event).await?;
                 }
-                notify(&mut tx, created.agent_id).await?;
                 tx.commit().await.map_err(db_error(OP))?;
                 return Ok(CreateTaskOutcome::Created(created));
             }
@@ -225,12 +222,35 @@ impl TaskStore for PostgresStore {
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
         const OP: &str = "claim task";
+        // Most polls find nothing: answer those from one unlocked read, without a transaction.
+        // A task or a resume that commits after this read wakes the poll through its event,
+        // and a binding this read finds wrong is decided under the lock below.
+        let probe = sqlx::query(concat!(
+            "SELECT generation, certificate_fingerprint, suspended, EXISTS (SELECT 1 FROM tasks \
+             WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
+               AND (next_attempt_at IS NULL OR next_attempt_at <= $2)) AS claimable \
+             FROM agents WHERE id = $1"
+        ))
+        .bind(agent.0)
+        .bind(millis(now))
+        .fetch_optional(&mut *self.conn().await?)
+        .await
+        .map_err(db_error(OP))?;
+        if let Some(row) = &probe {
+            let current = row.text_opt("certificate_fingerprint")?.as_deref()
+                == Some(certificate_fingerprint)
+                && row.int("generation")? == generation;
+            if current && (row.flag("suspended")? || !row.flag("claimable")?) {
+                return Ok(ClaimOutcome::Empty);
+            }
+        }
         let mut tx = self.begin(OP).await?;
         // The exclusive agent-row lock serialises every claim for this agent across replicas:
         // strict order and "one side-effecting task at a time" are decisions over several rows,
         // which SKIP LOCKED on the task rows could not keep (it would hand out the second task
         // while the first is being claimed). Claims for different agents never wait on each other.
-        match check_binding(
+        // Under the row lock: a suspension commits before this claim or after it.
+        let suspended = match check_binding(
             &mut tx,
             BINDING_EXCLUSIVE,
             agent,
@@ -239,16 +259,10 @@ impl TaskStore for PostgresStore {
         )
         .await?
         {
-            Binding::Current => {}
+            Binding::Current { suspended } => suspended,
             Binding::Fenced => return Ok(ClaimOutcome::Fenced),
             Binding::Revoked => return Ok(ClaimOutcome::Revoked),
-        }
-        // Under the row lock: a suspension commits before this claim or after it.
-        let suspended: bool = sqlx::query_scalar("SELECT suspended FROM agents WHERE id = $1")
-            .bind(agent.0)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
+        };
         if !lifecycle::may_claim(suspended) {
             return Ok(ClaimOutcome::Empty);
         }
@@ -305,41 +319,44 @@ impl TaskStore for PostgresStore {
             let assignment = AssignmentId::new();
             let lease_expires_at =
                 lifecycle::lease_deadline(now, head.timeout_seconds, lease_grace);
-            // Conditional: an operator may have cancelled the head since we read it.
+            let attempt = Attempt::leased(
+                assignment,
+                head.id,
+                agent,
+                generation,
+                now,
+                lease_expires_at,
+                start_handshake,
+            );
+            // One statement: the task leased (conditional: an operator may have cancelled the
+            // head since we read it) and, only then, its delivery, exactly as `attempt` says.
             let claimed = sqlx::query(concat!(
-                "UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
-             current_assignment = $2, lease_expires_at = $3, next_attempt_at = NULL, \
-             updated_at = $4 WHERE id = $1 AND state IN ('pending', 'retry_wait') RETURNING ",
-                task_columns!()
+                "WITH claimed AS (UPDATE tasks SET state = 'leased', attempts = attempts + 1, \
+                 current_assignment = $2, lease_expires_at = $3, next_attempt_at = NULL, \
+                 updated_at = $4 WHERE id = $1 AND state IN ('pending', 'retry_wait') \
+                 RETURNING *), \
+                 delivery AS (INSERT INTO task_attempts (assignment_id, task_id, agent_id, \
+                 generation, state, assigned_at, lease_expires_at, start_handshake) \
+                 SELECT $2, id, $5, $6, $7, $4, $3, $8 FROM claimed) \
+                 SELECT ",
+                task_columns!(),
+                " FROM claimed"
             ))
             .bind(head.id.0)
-            .bind(assignment.0)
-            .bind(lease_expires_at)
-            .bind(now)
+            .bind(attempt.assignment_id.0)
+            .bind(attempt.lease_expires_at)
+            .bind(attempt.assigned_at)
+            .bind(agent.0)
+            .bind(generation)
+            .bind(attempt.state.as_str())
+            .bind(attempt.start_handshake)
             .fetch_optional(&mut *tx)
             .await
             .map_err(db_error(OP))?;
             let Some(claimed) = claimed else {
                 break 'claim ClaimOutcome::Empty;
             };
-            let task = rows::read_task(&claimed, &self.payload_key)?;
-            let attempt = sqlx::query(concat!(
-                "INSERT INTO task_attempts (assignment_id, task_id, agent_id, generation, state, \
-             assigned_at, lease_expires_at, start_handshake) \
-             VALUES ($1, $2, $3, $4, 'leased', $5, $6, $7) RETURNING ",
-                attempt_columns!()
-            ))
-            .bind(assignment.0)
-            .bind(task.id.0)
-            .bind(agent.0)
-            .bind(generation)
-            .bind(now)
-            .bind(lease_expires_at)
-            .bind(start_handshake)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-            ClaimOutcome::Claimed(task, rows::read_attempt(&attempt)?)
+            ClaimOutcome::Claimed(rows::read_task(&claimed, &self.payload_key)?, attempt)
         };
         tx.commit().await.map_err(db_error(OP))?;
         Ok(outcome)
@@ -413,7 +430,7 @@ impl TaskStore for PostgresStore {
         )
         .await?
         {
-            Binding::Current => {}
+            Binding::Current { .. } => {}
             Binding::Fenced => return Ok(StartOutcome::Fenced),
             Binding::Revoked => return Ok(StartOutcome::Revoked),
         }
@@ -469,7 +486,7 @@ impl TaskStore for PostgresStore {
         )
         .await?
         {
-            Binding::Current => {}
+            Binding::Current { .. } => {}
             Binding::Fenced => return Ok(CompleteOutcome::Fenced),
             Binding::Revoked => return Ok(CompleteOutcome::Revoked),
         }
@@ -498,20 +515,18 @@ impl TaskStore for PostgresStore {
             policy,
             now,
         );
-        sqlx::query(
-            "UPDATE task_attempts SET state = $2, finished_at = $3, envelope = $4, \
-             error_code = $5 WHERE assignment_id = $1",
-        )
-        .bind(attempt.assignment_id.0)
-        .bind(next.attempt.as_str())
-        .bind(now)
-        .bind(Json(&completion.envelope))
-        .bind(&next.error_code)
-        .execute(&mut *tx)
-        .await
-        .map_err(db_error(OP))?;
+        // The attempt, the task and the `task.result` audit entry in one statement.
+        let (audit_tenant, audit_draft) = super::sequencer::staged(result_event(
+            &completion,
+            task.tenant_id,
+            task.id,
+            next.state,
+        ))?;
         let row = sqlx::query(concat!(
-            "UPDATE tasks SET state = $2, next_attempt_at = $3, \
+            "WITH attempt AS (UPDATE task_attempts SET state = $8, finished_at = $6, \
+             envelope = $9, error_code = $4 WHERE assignment_id = $10), \
+             audit AS (INSERT INTO audit_pending (tenant_id, draft) VALUES ($11, $12)) \
+             UPDATE tasks SET state = $2, next_attempt_at = $3, \
              error_code = COALESCE($4, error_code), result = $5, current_assignment = NULL, \
              lease_expires_at = NULL, updated_at = $6, finished_at = $7 \
              WHERE id = $1 RETURNING ",
@@ -524,13 +539,15 @@ impl TaskStore for PostgresStore {
         .bind(completion.result_data.as_ref().map(Json))
         .bind(now)
         .bind(next.finished_at)
+        .bind(next.attempt.as_str())
+        .bind(Json(&completion.envelope))
+        .bind(attempt.assignment_id.0)
+        .bind(audit_tenant.0)
+        .bind(audit_draft)
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error(OP))?;
         let task = rows::read_task(&row, &self.payload_key)?;
-        super::audit::append(&mut tx, result_event(&completion, &task)).await?;
-        // The agent's queue may have unblocked (a side-effecting task ended, or the head moved).
-        notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(CompleteOutcome::Recorded(task))
     }
@@ -581,8 +598,6 @@ impl TaskStore for PostgresStore {
         if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
             super::audit::append(&mut tx, task_event(TASK_CANCEL, task, actor, at)).await?;
         }
-        // Wakes the agent's long-poll: a cancellation to deliver, or a queue head that moved.
-        notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(Some(outcome))
     }
@@ -627,7 +642,6 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         super::audit::append(&mut tx, task_event(TASK_RETRY, &task, actor, now)).await?;
-        notify(&mut tx, task.agent_id).await?;
         tx.commit().await.map_err(db_error(OP))?;
         Ok(Some(RetryOutcome::Requeued(task)))
     }
@@ -652,7 +666,6 @@ impl TaskStore for PostgresStore {
         .map(|row| rows::read_task(row, &self.payload_key))
         .collect::<Result<Vec<_>>>()?;
         let mut sweep = LeaseSweep::default();
-        let mut agents = BTreeSet::new();
         for task in expired {
             let attempt = sqlx::query(concat!(
                 "SELECT ",
@@ -700,17 +713,12 @@ impl TaskStore for PostgresStore {
             .await
             .map_err(db_error(OP))?;
             let task = rows::read_task(&row, &self.payload_key)?;
-            agents.insert(task.agent_id);
             match task.state {
                 TaskState::Unknown => sweep.unknown.push(task),
                 TaskState::RetryWait => sweep.requeued.push(task),
                 TaskState::DeadLetter => sweep.dead_lettered += 1,
                 _ => {}
             }
-        }
-        // A task leaving `leased` may unblock its agent's queue.
-        for agent in agents {
-            notify(&mut tx, agent).await?;
         }
         tx.commit().await.map_err(db_error(OP))?;
         Ok(sweep)

@@ -602,7 +602,10 @@ impl TaskStore for SqliteStore {
                     ],
                     |row| rows::read_task(row, &key),
                 )?;
-                super::audit::append(tx, result_event(&completion, &task))?;
+                super::audit::append(
+                    tx,
+                    result_event(&completion, task.tenant_id, task.id, task.state),
+                )?;
                 Ok(CompleteOutcome::Recorded(task))
             })
             .await?;
