@@ -158,6 +158,18 @@ pub(crate) async fn current(
     Ok(fresh.then_some(r))
 }
 
+/// The id of the pass that starts from the stored row at `version`: derived, not random, so two
+/// replicas that start the same pass at once give it the same id, and so the same probe keys,
+/// and queue each probe once (the compare-and-set then keeps one of their writes).
+fn pass_id(env: &Environment, version: i64, generation: i64) -> uuid::Uuid {
+    let digest = berth_crypto::sha256(
+        format!("berth.readiness.pass:{}:{version}:{generation}", env.id).as_bytes(),
+    );
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
 async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreError> {
     let stored = state.store.get_readiness(env.tenant_id, env.id).await?;
     let now = state.config.clock.now();
@@ -196,7 +208,7 @@ async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreEr
         .is_some_and(|p| p.complete && now >= p.started_at + refresh);
     if new_generation || r.pass.is_none() || nonce_unserved || stale {
         r.pass = Some(ReadinessPass {
-            id: uuid::Uuid::new_v4(),
+            id: pass_id(env, stored.as_ref().map_or(0, |s| s.version), r.generation),
             started_at: now,
             nonce: open_nonce,
             probes: Vec::new(),

@@ -52,7 +52,9 @@ const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 
 pub struct PostgresStore {
     pool: PgPool,
-    /// Fed only by the listener task, so every replica's writes (ours included) arrive once.
+    /// Fed by the listener task with every replica's wake-ups (ours included), sent by the
+    /// sequencer pass that numbers their events; and by this store itself right after it
+    /// created or cancelled a task, so a poll held here need not wait for that pass.
     events: broadcast::Sender<AgentId>,
     /// Counts `berth_events` notifications (and listener reconnects, which may have lost some).
     written: watch::Sender<u64>,
@@ -195,6 +197,12 @@ impl PostgresStore {
         let begun = self.pool.begin().await;
         self.record_wait(started, begun.as_ref().err());
         begun.map_err(db_error(operation))
+    }
+
+    /// Wakes this replica's polls of `agent` now; other replicas' wait for the sequencer pass.
+    fn wake(&self, agent: AgentId) {
+        // No receivers is not an error: nobody is long-polling right now.
+        let _ = self.events.send(agent);
     }
 
     fn record_wait(&self, started: Instant, failed: Option<&sqlx::Error>) {

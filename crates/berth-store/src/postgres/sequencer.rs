@@ -94,7 +94,7 @@ impl Sequencer {
         let mut conn = self.pool.acquire().await.map_err(db_error(OP))?;
         let mut appended = None;
         loop {
-            let pass = pass(&mut conn, extra.take()).await?;
+            let pass = pass(&mut conn, &mut extra).await?;
             appended = appended.or(pass.appended);
             if !pass.full {
                 break;
@@ -140,7 +140,8 @@ struct Pass {
     appended: Option<AuditEntry>,
 }
 
-async fn pass(conn: &mut PgConnection, extra: Option<NewAuditEvent>) -> Result<Pass> {
+/// Links `extra` too, once no more is pending before it (it is taken then).
+async fn pass(conn: &mut PgConnection, extra: &mut Option<NewAuditEvent>) -> Result<Pass> {
     // Without the lock, and usually the whole pass: most pokes find nothing staged.
     let row = sqlx::query(
         "SELECT EXISTS (SELECT 1 FROM events WHERE id IS NULL) AS events, \
@@ -163,74 +164,54 @@ async fn pass(conn: &mut PgConnection, extra: Option<NewAuditEvent>) -> Result<P
         .map_err(db_error(OP))?;
     // In staging order (an identity column): a task's later event was staged after its earlier
     // one committed, so the two are numbered in that order. `MATERIALIZED`: `nextval` is taken
-    // once per row, in the sorted order.
-    let numbered: Vec<Option<Uuid>> = sqlx::query_scalar(
+    // once per row, in the sorted order, and every notification is sent.
+    // Delivered at commit, to every replica's listener: `berth_tasks` for each agent these
+    // events name that has something to claim or a cancellation to collect now (a long-poll
+    // returns for nothing else; a task created later wakes its agent through its own event),
+    // and `berth_events` for the event streams.
+    let numbered = sqlx::query(
         "WITH staged AS MATERIALIZED (\
              SELECT row_id FROM events WHERE id IS NULL ORDER BY row_id LIMIT $1), \
-         ids AS MATERIALIZED (SELECT row_id, nextval('events_id_seq') AS id FROM staged) \
-         UPDATE events SET id = ids.id FROM ids WHERE events.row_id = ids.row_id \
-         RETURNING events.agent_id",
+         ids AS MATERIALIZED (SELECT row_id, nextval('events_id_seq') AS id FROM staged), \
+         numbered AS (UPDATE events SET id = ids.id FROM ids WHERE events.row_id = ids.row_id \
+                      RETURNING events.agent_id), \
+         woken AS (SELECT DISTINCT agent_id FROM tasks \
+                   WHERE agent_id IN (SELECT agent_id FROM numbered) \
+                   AND (state IN ('pending', 'retry_wait') \
+                        OR (state = 'leased' AND cancel_requested))), \
+         sent AS MATERIALIZED (SELECT pg_notify($2, agent_id::text) FROM woken \
+                   UNION ALL SELECT pg_notify($3, '') WHERE EXISTS (SELECT 1 FROM numbered)) \
+         SELECT (SELECT count(*) FROM numbered) AS numbered, \
+                (SELECT count(*) FROM sent) AS notified",
     )
     .bind(EVENT_BATCH)
+    .bind(TASK_CHANNEL)
+    .bind(EVENT_CHANNEL)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error(OP))?
+    .int("numbered")?;
+    // Taken out and linked in one transaction: a failure leaves them staged.
+    let mut pending = sqlx::query(
+        "DELETE FROM audit_pending WHERE id IN \
+         (SELECT id FROM audit_pending ORDER BY id LIMIT $1) RETURNING id, draft",
+    )
+    .bind(AUDIT_BATCH)
     .fetch_all(&mut *tx)
     .await
-    .map_err(db_error(OP))?;
-    let pending = sqlx::query("SELECT id, draft FROM audit_pending ORDER BY id LIMIT $1")
-        .bind(AUDIT_BATCH)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .iter()
-        .map(|row| Ok((row.int("id")?, parse(&row.text("draft")?)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let full = numbered.len() as i64 == EVENT_BATCH || pending.len() as i64 == AUDIT_BATCH;
-    let extra = extra.map(draft);
-    let appended = link_pending(
-        &mut tx,
-        pending.iter().map(|(_, draft)| draft.clone()),
-        extra,
-    )
-    .await?;
-    if !pending.is_empty() {
-        let ids: Vec<i64> = pending.iter().map(|(id, _)| *id).collect();
-        sqlx::query("DELETE FROM audit_pending WHERE id = ANY($1)")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-    }
-    // Delivered at commit, to every replica's listener: the agents these events name that
-    // have something to claim or a cancellation to collect now (a long-poll returns for nothing
-    // else), and the event streams. A task created later wakes its agent through its own event.
-    let mut named: Vec<Uuid> = numbered.iter().flatten().copied().collect();
-    named.sort_unstable();
-    named.dedup();
-    let agents: Vec<Uuid> = if named.is_empty() {
-        vec![]
+    .map_err(db_error(OP))?
+    .iter()
+    .map(|row| Ok((row.int("id")?, parse(&row.text("draft")?)?)))
+    .collect::<Result<Vec<_>>>()?;
+    pending.sort_unstable_by_key(|(id, _)| *id);
+    let full = numbered == EVENT_BATCH || pending.len() as i64 == AUDIT_BATCH;
+    // After every entry staged before it: not while a full batch may have left some behind.
+    let extra = if pending.len() as i64 == AUDIT_BATCH {
+        None
     } else {
-        sqlx::query_scalar(
-            "SELECT DISTINCT agent_id FROM tasks WHERE agent_id = ANY($1) \
-             AND (state IN ('pending', 'retry_wait') OR (state = 'leased' AND cancel_requested))",
-        )
-        .bind(&named)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
+        extra.take().map(draft)
     };
-    let mut channels = vec![TASK_CHANNEL; agents.len()];
-    let mut payloads: Vec<String> = agents.iter().map(|a| a.hyphenated().to_string()).collect();
-    if !numbered.is_empty() {
-        channels.push(EVENT_CHANNEL);
-        payloads.push(String::new());
-    }
-    if !channels.is_empty() {
-        sqlx::query("SELECT pg_notify(c, p) FROM unnest($1::text[], $2::text[]) AS n(c, p)")
-            .bind(&channels)
-            .bind(&payloads)
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-    }
+    let appended = link_pending(&mut tx, pending.into_iter().map(|(_, d)| d), extra).await?;
     tx.commit().await.map_err(db_error(OP))?;
     Ok(Pass { full, appended })
 }

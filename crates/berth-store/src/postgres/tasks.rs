@@ -105,6 +105,7 @@ impl TaskStore for PostgresStore {
                     super::audit::append(&mut tx, event).await?;
                 }
                 tx.commit().await.map_err(db_error(OP))?;
+                self.wake(created.agent_id);
                 return Ok(CreateTaskOutcome::Created(created));
             }
         }
@@ -599,6 +600,7 @@ impl TaskStore for PostgresStore {
             super::audit::append(&mut tx, task_event(TASK_CANCEL, task, actor, at)).await?;
         }
         tx.commit().await.map_err(db_error(OP))?;
+        self.wake(task.agent_id);
         Ok(Some(outcome))
     }
 
