@@ -27,7 +27,8 @@ PIDS=()
 PG_ADMIN_URL=""
 PG_DB=""
 cleanup() {
-    for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+    # SERVER_PID too: a replica that failed to start is not in PIDS yet.
+    for pid in "${PIDS[@]}" "${SERVER_PID:-}"; do stop_pid "$pid"; done
     if [ -n "$PG_DB" ]; then
         psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null 2>&1 || true
     fi
@@ -92,7 +93,9 @@ for r in $(seq 1 "$RUNS"); do
         else
             mkdir -p "$WORK/b"
             chmod 700 "$WORK/b"
-            for f in ca.crt ca.key jwt.key registry-token.key registry-token.crt master.key sealing.key; do
+            # admin.token only so that start_server finds it: the second replica writes none (the
+            # database has its operator token already).
+            for f in ca.crt ca.key jwt.key registry-token.key registry-token.crt master.key sealing.key admin.token; do
                 cp -p "$WORK/a/$f" "$WORK/b/$f"
             done
             replica "$WORK/b" "$OUT/$tag.b.server.log"
@@ -104,8 +107,10 @@ for r in $(seq 1 "$RUNS"); do
         fi
         # CPU over the measured window: from the end of the last bench's 5 s warm-up (after its
         # sessions) to 2 s before the first one's measurement ends.
-        for log in "$OUT/$tag"-?.log; do
-            until grep -q "sessions acquired" "$log" 2>/dev/null; do sleep 0.2; done
+        sides=(a)
+        [ "$mode" = one ] || sides=(a b)
+        for side in "${sides[@]}"; do
+            until grep -q "sessions acquired" "$OUT/$tag-$side.log" 2>/dev/null; do sleep 0.2; done
         done
         sleep 5
         t0=$(date +%s.%N); s0=$(ticks_of "${PIDS[@]}"); p0=$(pg_ticks)

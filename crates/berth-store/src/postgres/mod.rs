@@ -382,7 +382,9 @@ impl Store for PostgresStore {
 /// How an agent-runtime write stands against the agent's row.
 enum Binding {
     /// With the agent's `suspended` flag, read under the same lock.
-    Current { suspended: bool },
+    Current {
+        suspended: bool,
+    },
     Fenced,
     Revoked,
 }
@@ -420,5 +422,6 @@ async fn check_binding(
 
 const BINDING_SHARE: &str =
     "SELECT generation, certificate_fingerprint, suspended FROM agents WHERE id = $1 FOR SHARE";
-const BINDING_EXCLUSIVE: &str = "SELECT generation, certificate_fingerprint, suspended FROM agents \
+const BINDING_EXCLUSIVE: &str =
+    "SELECT generation, certificate_fingerprint, suspended FROM agents \
      WHERE id = $1 FOR NO KEY UPDATE";

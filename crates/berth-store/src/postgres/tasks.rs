@@ -6,9 +6,7 @@ use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
-use super::{
-    check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE,
-};
+use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE};
 use crate::domain::audit::{result_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
