@@ -224,12 +224,12 @@ impl TaskStore for PostgresStore {
         // Most polls find nothing: answer those from one unlocked read, without a transaction.
         // A task or a resume that commits after this read wakes the poll through its event,
         // and a binding this read finds wrong is decided under the lock below.
-        let probe = sqlx::query(concat!(
+        let probe = sqlx::query(
             "SELECT generation, certificate_fingerprint, suspended, EXISTS (SELECT 1 FROM tasks \
              WHERE agent_id = $1 AND state IN ('pending', 'retry_wait') \
                AND (next_attempt_at IS NULL OR next_attempt_at <= $2)) AS claimable \
-             FROM agents WHERE id = $1"
-        ))
+             FROM agents WHERE id = $1",
+        )
         .bind(agent.0)
         .bind(millis(now))
         .fetch_optional(&mut *self.conn().await?)
