@@ -480,3 +480,83 @@ async fn postgres_two_replicas_append_one_audit_chain() {
     })
     .await;
 }
+
+/// What a replica that died right after its commit leaves behind: an event staged without an id
+/// and an audit entry not yet linked (`postgres/sequencer.rs`). Nothing pokes the surviving
+/// store, so its once-a-second sweep must number and link them: the event readable with an id,
+/// the entry at the head of its tenant's chain, nothing left staged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_dead_replicas_staged_rows_are_numbered_and_linked() {
+    use std::time::Duration;
+    on_postgres(|store, url| async move {
+        let at = time::OffsetDateTime::now_utc();
+        let actor = berth_proto::audit::AuditActor::Agent {
+            id: uuid::Uuid::nil(),
+        };
+        let tenant = store
+            .create_tenant(berth_proto::TenantId::new(), "orphaned", actor.clone(), at)
+            .await
+            .expect("tenant");
+        let draft = berth_proto::audit::AuditEntry {
+            seq: 0,
+            tenant_id: tenant.id,
+            at: at.replace_nanosecond(0).expect("whole second"),
+            actor,
+            action: berth_proto::audit::actions::TASK_RETRY.to_string(),
+            subject: "left-by-a-dead-replica".to_string(),
+            details: serde_json::Value::Null,
+            prev_hash: String::new(),
+            hash: String::new(),
+        };
+        let mut dead = PgConnection::connect(&url).await.expect("connect");
+        sqlx::query(
+            "INSERT INTO events (tenant_id, kind, data, created_at) \
+             VALUES ($1, 'agent.status', '{}'::jsonb, now())",
+        )
+        .bind(tenant.id.0)
+        .execute(&mut dead)
+        .await
+        .expect("stage an event");
+        sqlx::query("INSERT INTO audit_pending (tenant_id, draft) VALUES ($1, $2)")
+            .bind(tenant.id.0)
+            .bind(serde_json::to_string(&draft).expect("draft"))
+            .execute(&mut dead)
+            .await
+            .expect("stage an audit entry");
+        let swept = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let staged: i64 = sqlx::query_scalar(
+                    "SELECT (SELECT count(*) FROM events WHERE id IS NULL) \
+                     + (SELECT count(*) FROM audit_pending)",
+                )
+                .fetch_one(&mut dead)
+                .await
+                .expect("count staged rows");
+                if staged == 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        assert!(
+            swept.is_ok(),
+            "the sweep numbered and linked the staged rows"
+        );
+        let events = store
+            .read_events(tenant.id, &berth_store::EventFilter::default(), 0, 100)
+            .await
+            .expect("events");
+        assert!(
+            events.iter().any(|e| e.kind == "agent.status" && e.id > 0),
+            "{events:?}"
+        );
+        let chain = store.list_audit(tenant.id, 0, 100).await.expect("audit");
+        berth_store::conformance::assert_linear_chain(&chain);
+        let last = chain.last().expect("entries");
+        assert_eq!(last.subject, "left-by-a-dead-replica");
+        assert_eq!(last.seq, 2, "after tenant.create");
+        drop(dead.close().await);
+    })
+    .await;
+}
