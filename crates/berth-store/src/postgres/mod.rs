@@ -110,17 +110,17 @@ impl PostgresStore {
         // The listener holds its connection for good (sqlx's `PgListener` takes it from the
         // pool it is given): a pool of its own, so operations get all of `max_connections`,
         // and a saturated pool never keeps the listener from reconnecting.
-        let listener_pool = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(pool.acquire_timeout)
-            .connect_with(options.clone())
+        let pool_of_one = || {
+            PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(pool.acquire_timeout)
+                .connect_with(options.clone())
+        };
+        let listener_pool = pool_of_one()
             .await
             .map_err(db_error("connect to postgres"))?;
         // The sequencer's own pool of one, for the same reasons.
-        let sequencer_pool = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(pool.acquire_timeout)
-            .connect_with(options.clone())
+        let sequencer_pool = pool_of_one()
             .await
             .map_err(db_error("connect to postgres"))?;
         let poke = Arc::new(Notify::new());
