@@ -12,9 +12,16 @@ use crate::domain::audit::parse;
 use crate::rows::{db_error, ColumnReader};
 use crate::{AuditStore, NewAuditEvent, Result};
 
-/// Records `event` inside the caller's transaction: it is linked once that commits.
+/// Stages `event` inside the caller's transaction: a sequencer pass links it once that commits.
 pub(super) async fn append(conn: &mut PgConnection, event: NewAuditEvent) -> Result<()> {
-    super::sequencer::stage_audit(conn, event).await
+    let (tenant, draft) = super::sequencer::staged(event)?;
+    sqlx::query("INSERT INTO audit_pending (tenant_id, draft) VALUES ($1, $2)")
+        .bind(tenant.0)
+        .bind(draft)
+        .execute(conn)
+        .await
+        .map_err(db_error("stage audit entry"))?;
+    Ok(())
 }
 
 #[async_trait::async_trait]

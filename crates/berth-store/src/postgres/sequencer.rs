@@ -211,7 +211,8 @@ async fn pass(conn: &mut PgConnection, extra: &mut Option<NewAuditEvent>) -> Res
     } else {
         extra.take().map(draft)
     };
-    let appended = link_pending(&mut tx, pending.into_iter().map(|(_, d)| d), extra).await?;
+    let drafts = pending.into_iter().map(|(_, draft)| draft).collect();
+    let appended = link_pending(&mut tx, drafts, extra).await?;
     tx.commit().await.map_err(db_error(OP))?;
     Ok(Pass { full, appended })
 }
@@ -220,10 +221,11 @@ async fn pass(conn: &mut PgConnection, extra: &mut Option<NewAuditEvent>) -> Res
 /// inserts them; returns `extra`'s entry.
 async fn link_pending(
     conn: &mut PgConnection,
-    drafts: impl Iterator<Item = AuditEntry>,
+    mut drafts: Vec<AuditEntry>,
     extra: Option<AuditEntry>,
 ) -> Result<Option<AuditEntry>> {
-    let drafts: Vec<AuditEntry> = drafts.chain(extra.iter().cloned()).collect();
+    let has_extra = extra.is_some();
+    drafts.extend(extra);
     if drafts.is_empty() {
         return Ok(None);
     }
@@ -282,19 +284,7 @@ async fn link_pending(
     .execute(&mut *conn)
     .await
     .map_err(db_error(OP))?;
-    Ok(if extra.is_some() { last } else { None })
-}
-
-/// Stages `event` in the caller's transaction, to be linked by a pass.
-pub(super) async fn stage_audit(conn: &mut PgConnection, event: NewAuditEvent) -> Result<()> {
-    let (tenant, text) = staged(event)?;
-    sqlx::query("INSERT INTO audit_pending (tenant_id, draft) VALUES ($1, $2)")
-        .bind(tenant.0)
-        .bind(text)
-        .execute(conn)
-        .await
-        .map_err(db_error("stage audit entry"))?;
-    Ok(())
+    Ok(if has_extra { last } else { None })
 }
 
 /// The `audit_pending` row of `event`: its tenant and draft text, for a statement that stages
