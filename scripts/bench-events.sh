@@ -21,13 +21,9 @@ DURATION=${DURATION:-20}
 OUT=${OUT:-"$BENCH_ROOT/target/bench-results/events-$(date -u +%Y%m%dT%H%M%SZ)"}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/berth-bench-events.XXXXXX")
-PG_ADMIN_URL=""
-PG_DB=""
 cleanup() {
     stop_server
-    if [ -n "$PG_DB" ]; then
-        psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null 2>&1 || true
-    fi
+    drop_db
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -41,9 +37,8 @@ for db in $DATABASES; do
     extra=()
     if [ "$db" = postgres ]; then
         [ -n "$PG_ADMIN_URL" ] || PG_ADMIN_URL=$(bash "$BENCH_ROOT/scripts/postgres.sh" | tail -n 1)
-        PG_DB="berth_bench_$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
-        psql "$PG_ADMIN_URL" -qAt -c "CREATE DATABASE $PG_DB" >/dev/null
-        extra=(--database "${PG_ADMIN_URL%/*}/$PG_DB")
+        create_db
+        extra=(--database "$(db_url)")
     fi
     echo
     echo "=== events on $db ($(uptime | sed 's/.*load/load/')) ==="
@@ -53,9 +48,6 @@ for db in $DATABASES; do
         --clients "$CLIENTS" --baseline-clients "$BASELINE" --rounds "$ROUNDS" \
         --rate "$RATE" --duration-secs "$DURATION" | tee "$OUT/$db.log"
     stop_server
-    if [ -n "$PG_DB" ]; then
-        psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null
-        PG_DB=""
-    fi
+    drop_db
 done
 echo "logs in $OUT"

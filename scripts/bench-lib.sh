@@ -8,6 +8,27 @@ BIN=${BIN:-"$BENCH_ROOT/target/release"}
 CLK_TCK=$(getconf CLK_TCK)
 SERVER_PID=""
 SERVER_URL=""
+# The PostgreSQL database of a run (create_db, drop_db), on the cluster PG_ADMIN_URL names.
+PG_ADMIN_URL=""
+PG_DB=""
+
+# create_db: a fresh database for one run; its name in PG_DB, its URL printed by db_url.
+create_db() {
+    PG_DB="berth_bench_$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
+    psql "$PG_ADMIN_URL" -qAt -c "CREATE DATABASE $PG_DB" >/dev/null
+}
+
+db_url() {
+    echo "${PG_ADMIN_URL%/*}/$PG_DB"
+}
+
+# drop_db: drops PG_DB, if a run made one (also from a caller's trap, so it never fails).
+drop_db() {
+    if [ -n "$PG_DB" ] && [ -n "$PG_ADMIN_URL" ]; then
+        psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null 2>&1 || true
+    fi
+    PG_DB=""
+}
 
 # bench_build PACKAGE…: release build of those packages (skipped with SKIP_BUILD=1), then
 # checks the binaries in BENCH_BINS are there.

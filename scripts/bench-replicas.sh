@@ -24,14 +24,10 @@ OUT=${OUT:-"$BENCH_ROOT/target/bench-results/replicas-$(date -u +%Y%m%dT%H%M%SZ)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/berth-bench-replicas.XXXXXX")
 PIDS=()
-PG_ADMIN_URL=""
-PG_DB=""
 cleanup() {
     # SERVER_PID too: a replica that failed to start is not in PIDS yet.
     for pid in "${PIDS[@]}" "${SERVER_PID:-}"; do stop_pid "$pid"; done
-    if [ -n "$PG_DB" ]; then
-        psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null 2>&1 || true
-    fi
+    drop_db
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -59,7 +55,7 @@ pg_ticks() {
 
 # replica DATA_DIR LOG: starts one on the run's database; appends its pid to PIDS.
 replica() {
-    start_server "$1" "$2" --database "${PG_ADMIN_URL%/*}/$PG_DB"
+    start_server "$1" "$2" --database "$(db_url)"
     PIDS+=("$SERVER_PID")
 }
 
@@ -82,8 +78,7 @@ for r in $(seq 1 "$RUNS"); do
         tag="$mode-$r"
         echo
         echo "=== $tag ($(uptime | sed 's/.*load/load/')) ==="
-        PG_DB="berth_bench_$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
-        psql "$PG_ADMIN_URL" -qAt -c "CREATE DATABASE $PG_DB" >/dev/null
+        create_db
         replica "$WORK/a" "$OUT/$tag.a.server.log"
         url_a=$SERVER_URL
         benches=()
@@ -138,8 +133,7 @@ print(f"RESULT {json.dumps({'tag': tag, 'tasks_per_sec': rate, 'errors': errors,
 EOF
         for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
         PIDS=()
-        psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null
-        PG_DB=""
+        drop_db
         rm -rf "$WORK/a" "$WORK/b"
     done
 done

@@ -37,14 +37,6 @@ OUT=${OUT:-"$BENCH_ROOT/target/bench-results/tasks-$(date -u +%Y%m%dT%H%M%SZ)"}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/berth-bench-tasks.XXXXXX")
 SAMPLER_PID=""
-PG_ADMIN_URL=""
-PG_DB=""
-drop_db() {
-    if [ -n "$PG_DB" ] && [ -n "$PG_ADMIN_URL" ]; then
-        psql "$PG_ADMIN_URL" -qAt -c "DROP DATABASE IF EXISTS $PG_DB WITH (FORCE)" >/dev/null 2>&1 || true
-    fi
-    PG_DB=""
-}
 cleanup() {
     stop_pid "$SAMPLER_PID"
     stop_server
@@ -91,12 +83,11 @@ run() {
     echo
     echo "=== $tag: berth-bench $* ($(uptime | sed 's/.*load/load/')) ==="
     if [ "$db" = postgres ]; then
-        PG_DB="berth_bench_$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
-        psql "$PG_ADMIN_URL" -qAt -c "CREATE DATABASE $PG_DB" >/dev/null
+        create_db
         if [ "${PG_STATEMENTS:-0}" = 1 ]; then
-            psql "${PG_ADMIN_URL%/*}/$PG_DB" -qAt -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()" >/dev/null
+            psql "$(db_url)" -qAt -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()" >/dev/null
         fi
-        extra=(--database "${PG_ADMIN_URL%/*}/$PG_DB")
+        extra=(--database "$(db_url)")
     fi
     start_server "$data" "$OUT/$tag.server.log" "${extra[@]}"
     sample "$SERVER_PID" "$OUT/$tag.samples" &
@@ -108,7 +99,7 @@ run() {
     echo "uptime after: $(uptime)" | tee -a "$OUT/$tag.log"
     curl -sS --cacert "$data/ca.crt" "$SERVER_URL/metrics" >"$OUT/$tag.metrics" || true
     if [ "$db" = postgres ] && [ "${PG_STATEMENTS:-0}" = 1 ]; then
-        psql "${PG_ADMIN_URL%/*}/$PG_DB" -qA -F $'\t' -c "SELECT calls, round(total_exec_time::numeric, 1) AS ms, rows, query FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY calls DESC" >"$OUT/$tag.statements" || true
+        psql "$(db_url)" -qA -F $'\t' -c "SELECT calls, round(total_exec_time::numeric, 1) AS ms, rows, query FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY calls DESC" >"$OUT/$tag.statements" || true
     fi
     stop_pid "$SAMPLER_PID"
     SAMPLER_PID=""
