@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-say() { echo "test.sh: $*" >&2; }
+# Each line carries the time since the start, so a slow CI run shows where its time went.
+say() { printf 'test.sh: [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
 command -v cargo >/dev/null || { say "cargo is missing: install Rust with rustup first"; exit 1; }
 
@@ -65,7 +66,9 @@ cargo fmt --all -- --check
 say "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-say "cargo test"
+say "cargo test: building"
+cargo test --workspace --locked --no-run
+say "cargo test: running"
 # --no-fail-fast: one run reports every failing test binary, not just the first.
 cargo test --workspace --locked --no-fail-fast
 # The agents above took their work over the task stream (berth-agent's default, auto); the
@@ -75,6 +78,7 @@ BERTH_E2E_TASK_TRANSPORT=poll cargo test -p berth-cli --test transport_e2e --loc
 
 say "schemathesis against a live server (scripts/schemathesis.sh)"
 bash scripts/schemathesis.sh
+say "all passed"
 
 # The Debian packages are checked by scripts/package.sh, run by hand or in a release job: it needs
 # a release build (about 10 min on 2 cores, 30 under load), which would double this suite's time.
