@@ -5,7 +5,8 @@
 # utime+stime from /proc/PID/stat, at the start and end of the window (plus the on-CPU
 # nanoseconds of its threads, /proc/PID/task/*/schedstat, per 60 s part of the window); prints
 # median, min and max RSS, CPU % of one core, the binary's size, and where the resident pages are
-# (/proc/PID/smaps summed per mapping: the binary, each library, heap, stack, other anonymous).
+# (/proc/PID/smaps summed per mapping: the binary, each library, heap, stack, other anonymous),
+# and which crates' code the resident text pages hold (scripts/resident-pages.py).
 #
 # The agent measured is the shipped one: `--profile agent`, without the server feature, as
 # scripts/package.sh builds it (AGENT_DIR, default target/agent); the server is $BIN/berth.
@@ -167,6 +168,8 @@ heartbeats=$(curl -sS --cacert "$ca" "$SERVER_URL/metrics" | awk '/^berth_heartb
         echo "rollup:     $(awk '/^(Rss|Pss|Shared_Clean|Private_Clean|Private_Dirty|Anonymous):/ {printf "%s %s  ", $1, $2}' "/proc/$pid/smaps_rollup")"
         echo "resident pages by mapping:"
         rss_map "$pid"
+        echo "resident text by crate (scripts/resident-pages.py):"
+        python3 "$BENCH_ROOT/scripts/resident-pages.py" "$pid" 15 | sed 's/^/  /'
     done
 } | tee "$OUT/result.txt"
 echo "results in $OUT"
