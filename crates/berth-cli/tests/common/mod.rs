@@ -8,6 +8,7 @@
 
 #![allow(dead_code)]
 
+pub mod machine;
 pub mod netns;
 
 use std::io::Read;
