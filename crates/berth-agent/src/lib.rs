@@ -3,9 +3,9 @@
 //! certificate in time.
 //!
 //! One job per module, imports only downwards: `run` (the lifetime) starts `heartbeat` (which
-//! uses `renew`) and `tasks` (which uses `report`, `journal`); all of them reach the server
-//! through `link` and `retry`; `enroll` is the first run. Exit codes come from typed errors
-//! (`retry` → `error`).
+//! uses `renew`), `tasks` (which uses `report`, `journal`) and `idle` (which gives back the
+//! pages only start-up used); all of them reach the server through `link` and `retry`; `enroll`
+//! is the first run. Exit codes come from typed errors (`retry` → `error`).
 //!
 //! Invariant: this crate never depends on the store or the server. It talks to the control plane
 //! only through `berth-client` and the wire types in `berth-proto`.
@@ -18,6 +18,7 @@ pub mod desired;
 mod enroll;
 mod error;
 mod heartbeat;
+mod idle;
 mod installation;
 mod journal;
 mod link;

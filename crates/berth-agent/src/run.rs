@@ -173,6 +173,7 @@ pub async fn run(
             }, true),
             r = &mut heartbeats => (r, false),
             r = runner.task_loop(config.task_transport, current) => (r, false),
+            never = crate::idle::release_while_idle(&runner) => match never {},
         };
         if stopping {
             // Asked to stop: no fail-over (and `shutdown` has resolved, never to be polled

@@ -12,6 +12,7 @@ use berth_client::sealing::open_assignment;
 use berth_client::ClientError;
 use berth_proto::error::ErrorChain;
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -113,6 +114,8 @@ pub struct Runner {
     shared: Arc<Shared>,
     slots: Arc<Semaphore>,
     tracker: TaskTracker,
+    /// Deliveries dispatched by this process: `idle` releases pages again only after tasks ran.
+    dispatched: AtomicU64,
 }
 
 impl Runner {
@@ -184,6 +187,7 @@ impl Runner {
             }),
             slots: Arc::new(Semaphore::new(config.max_concurrent_tasks.max(1))),
             tracker: TaskTracker::new(),
+            dispatched: AtomicU64::new(0),
         })
     }
 
@@ -365,6 +369,7 @@ impl Runner {
         // One span per delivery: with RUST_LOG=info every line of this task's path (journal,
         // executor, result) carries these fields.
         let span = delivery_span(self.shared.agent_id, &session.generation, &assignment);
+        self.dispatched.fetch_add(1, Ordering::Relaxed);
         let shared = self.shared.clone();
         self.tracker.spawn(
             async move {
@@ -460,6 +465,11 @@ impl Runner {
     }
 
     /// The tasks running now.
+    /// How many deliveries this process has dispatched.
+    pub fn dispatched(&self) -> u64 {
+        self.dispatched.load(Ordering::Relaxed)
+    }
+
     pub fn running(&self) -> Vec<TaskId> {
         let running = self
             .shared
