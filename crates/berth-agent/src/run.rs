@@ -105,6 +105,7 @@ pub async fn run(
         instance_id: instance_id.clone(),
         boot_id: installation.boot_id.clone(),
         lock: installation.lock_id(),
+        version: Some(crate::VERSION.to_string()),
     };
     // One runner for the process: its task slots, journal and running tasks outlive a change
     // of server; each poll carries the session it was made in.

@@ -225,6 +225,7 @@ pub(crate) async fn sessions(
                     instance_id: uuid::Uuid::new_v4().to_string(),
                     boot_id: None,
                     lock: None,
+                    version: None,
                 })
                 .await
                 .with_context(|| format!("acquiring the session of agent {id}"))?;

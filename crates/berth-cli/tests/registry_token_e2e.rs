@@ -272,6 +272,7 @@ fn deployments_pull_with_a_task_scoped_token_that_allows_nothing_else() {
         instance_id: "registry-token-e2e".into(),
         boot_id: None,
         lock: None,
+        version: None,
     };
     let generation = wait_for(SETTLE, "the hand-driven session", || {
         rt.block_on(as_agent.send(&acquire))

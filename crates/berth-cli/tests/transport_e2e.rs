@@ -619,6 +619,7 @@ fn read_back_completes_after_kill_9_of_the_server_between_its_steps() {
         instance_id: "seed-000-agent".into(),
         boot_id: None,
         lock: None,
+        version: None,
     };
     // Held until the killed process's session lease (3 intervals) lapses.
     let generation = wait_for(TASK, "the seed agent's session", || {
@@ -1815,6 +1816,7 @@ fn assignments_and_logs_travel_sealed_end_to_end() {
             instance_id: "sealed-raw-by-hand".into(),
             boot_id: None,
             lock: None,
+            version: None,
         }))
         .map_err(|e| e.to_string())
     });

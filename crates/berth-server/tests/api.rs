@@ -1011,6 +1011,7 @@ async fn a_refused_clone_cannot_renew_the_certificate() {
             instance_id: "the-clone".into(),
             boot_id: None,
             lock: None,
+            version: None,
         })
         .await
         .unwrap_err();

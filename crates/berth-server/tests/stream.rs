@@ -42,6 +42,7 @@ async fn restart(agent: &TestAgent) -> i64 {
             instance_id: uuid::Uuid::new_v4().to_string(),
             boot_id: Some("stream-test-boot".into()),
             lock: Some("1:1".into()),
+            version: None,
         })
         .await
         .expect("session")

@@ -64,6 +64,7 @@ async fn sessions_fence_stale_and_missing_generations() {
             instance_id: "clone".into(),
             boot_id: None,
             lock: None,
+            version: None,
         })
         .await
         .unwrap_err();
@@ -121,6 +122,50 @@ async fn sessions_fence_stale_and_missing_generations() {
     server.stop().await;
 }
 
+/// The version a session request names becomes the agent's (an agent upgraded in place shows
+/// what it runs); a request without one (agents before 0.2.0) keeps the registered version; a
+/// bad one is refused before anything changes.
+#[tokio::test]
+async fn a_session_request_records_the_version_the_agent_runs() {
+    let server = start().await;
+    let agent = server.agent("upgraded").await;
+    let version = || async {
+        server
+            .admin()
+            .send(&GetAgent { id: agent.id })
+            .await
+            .unwrap()
+            .version
+    };
+    let registered = version().await;
+    let acquire = |instance: &str, version: Option<&str>| AcquireSession {
+        agent_id: agent.id,
+        instance_id: instance.into(),
+        boot_id: None,
+        lock: None,
+        version: version.map(str::to_owned),
+    };
+    let first = agent.client.send(&acquire("old", None)).await.unwrap();
+    assert_eq!(version().await, registered, "nothing said, nothing changed");
+    for bad in [String::new(), "9".repeat(51)] {
+        let err = agent
+            .client
+            .send(&acquire("old", Some(&bad)))
+            .await
+            .unwrap_err();
+        assert_eq!(code(&err), (422, "INVALID_REQUEST".into()), "{bad:?}");
+    }
+    assert_eq!(version().await, registered);
+    let second = agent
+        .client
+        .send(&acquire("old", Some("99.1.0-new")))
+        .await
+        .unwrap();
+    assert!(second.generation > first.generation);
+    assert_eq!(version().await, "99.1.0-new");
+    server.stop().await;
+}
+
 /// A restart of the same installation (same boot id, same held lock) takes a live session at
 /// once and clears nothing it should not: no conflict, no degraded mark. Anything else waits.
 #[tokio::test]
@@ -132,6 +177,7 @@ async fn a_restart_holding_the_installation_lock_takes_the_session_at_once() {
         instance_id: instance.into(),
         boot_id: boot.map(str::to_owned),
         lock: lock.map(str::to_owned),
+        version: None,
     };
     let first = agent
         .client

@@ -72,6 +72,16 @@ pub async fn acquire_session(
         ));
     }
     let restart_key = restart_key(&req)?;
+    if req
+        .version
+        .as_ref()
+        .is_some_and(|v| v.is_empty() || v.len() > 50)
+    {
+        return Err(ApiError::unprocessable(
+            codes::INVALID_REQUEST,
+            "version must be 1-50 characters",
+        ));
+    }
     let now = state.config.clock.now();
     let lease_expires_at = now + state.config.heartbeat_interval * 3;
     match state
@@ -90,7 +100,15 @@ pub async fn acquire_session(
             generation,
             lease_expires_at,
         } => {
-            tracing::info!(agent_id = %id, generation, instance = %req.instance_id, holds_lock = restart_key.is_some(), "session acquired");
+            tracing::info!(agent_id = %id, generation, instance = %req.instance_id, holds_lock = restart_key.is_some(), version = req.version.as_deref().unwrap_or("-"), "session acquired");
+            // What this process runs: an agent upgraded in place shows its new version. A newer
+            // session taking over first wins (the write is for this generation only).
+            if let Some(version) = &req.version {
+                state
+                    .store
+                    .record_agent_version(id, generation, version)
+                    .await?;
+            }
             Ok(Json(Session {
                 generation,
                 lease_expires_at,

@@ -173,6 +173,7 @@ impl TestAgent {
                 instance_id: uuid::Uuid::new_v4().to_string(),
                 boot_id: None,
                 lock: None,
+                version: None,
             })
             .await
             .expect("session")

@@ -1229,6 +1229,47 @@ pub async fn session_conflict_degrades(store: &DynStore) {
     );
 }
 
+/// The version an agent process says it runs with its session replaces the registered one,
+/// for the current generation only.
+pub async fn session_records_version(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("upgraded")).await;
+    assert_eq!(agent.version, "0.1.0");
+    let t = now();
+    let first = session(store, &agent, t).await;
+    let read = || async {
+        store
+            .get_agent(tenant.id, agent.id)
+            .await
+            .expect("get")
+            .expect("exists")
+    };
+    assert!(store
+        .record_agent_version(agent.id, first, "0.2.0")
+        .await
+        .expect("record version"));
+    let upgraded = read().await;
+    assert_eq!(upgraded.version, "0.2.0");
+    assert_eq!(upgraded.updated_at, agent.updated_at, "not an edit");
+    assert!(!store
+        .record_agent_version(agent.id, first, "0.2.0")
+        .await
+        .expect("record the same version"));
+
+    // A process whose session was taken over records nothing.
+    let second = session(store, &agent, t + Duration::seconds(1)).await;
+    assert!(second > first);
+    assert!(!store
+        .record_agent_version(agent.id, first, "0.1.0")
+        .await
+        .expect("record version"));
+    assert_eq!(read().await.version, "0.2.0");
+    assert!(!store
+        .record_agent_version(AgentId::new(), second, "0.1.0")
+        .await
+        .expect("record version for nobody"));
+}
+
 pub async fn heartbeat_fencing(store: &DynStore) {
     let tenant = tenant(store).await;
     let agent = register(store, tenant.id, new_agent("fenced")).await;

@@ -82,6 +82,7 @@ macro_rules! conformance_cases {
             session_lease,
             session_conflict_degrades,
             session_restart_takeover,
+            session_records_version,
             heartbeat_fencing,
             heartbeat_replay,
             task_create_idempotency,

@@ -276,4 +276,16 @@ pub trait AgentStore: Send + Sync {
     /// it so until `until`: heartbeats before then record what the agent reports but leave the
     /// status `degraded`. A new session acquisition (a takeover) clears the mark.
     async fn mark_agent_degraded(&self, agent: AgentId, until: OffsetDateTime) -> Result<()>;
+
+    /// Records `version` as the agent's version when `generation` is its current session: what
+    /// the process that acquired it says it runs, so an agent upgraded in place shows its new
+    /// version (the registered one stays for agents that do not say). True if it changed (a
+    /// reconnect naming the same version writes nothing); a reported version is not an edit, so
+    /// `updated_at` stays.
+    async fn record_agent_version(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        version: &str,
+    ) -> Result<bool>;
 }

@@ -517,4 +517,22 @@ impl AgentStore for PostgresStore {
             .map_err(db_error("mark agent degraded"))?;
         Ok(())
     }
+
+    async fn record_agent_version(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        version: &str,
+    ) -> Result<bool> {
+        let done = sqlx::query(
+            "UPDATE agents SET version = $3 WHERE id = $1 AND generation = $2 AND version <> $3",
+        )
+        .bind(agent.0)
+        .bind(generation)
+        .bind(version)
+        .execute(&mut *self.conn().await?)
+        .await
+        .map_err(db_error("record agent version"))?;
+        Ok(done.rows_affected() > 0)
+    }
 }

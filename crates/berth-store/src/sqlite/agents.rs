@@ -556,4 +556,22 @@ impl AgentStore for SqliteStore {
             })
             .await
     }
+
+    async fn record_agent_version(
+        &self,
+        agent: AgentId,
+        generation: i64,
+        version: &str,
+    ) -> Result<bool> {
+        let version = version.to_owned();
+        self.writer
+            .write("record agent version", move |tx| {
+                let done = tx.execute(
+                    "UPDATE agents SET version = ?3 WHERE id = ?1 AND generation = ?2 AND version <> ?3",
+                    params![id_text(agent.0), generation, version],
+                )?;
+                Ok(done > 0)
+            })
+            .await
+    }
 }
