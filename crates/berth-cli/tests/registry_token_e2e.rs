@@ -20,7 +20,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
-use berth_client::Client;
 use berth_proto::transport::{
     AcquireSession, AgentTaskPollRequest, CONTRACT_VERSION, GENERATION_HEADER,
 };
@@ -90,26 +89,6 @@ fn status(port: u16, method: &str, path: &str, token: Option<&str>) -> u16 {
         .trim()
         .parse()
         .unwrap_or(0)
-}
-
-/// An mTLS client holding the agent's identity from its state dir.
-fn agent_client(server: &Server, state_dir: &Path) -> Client {
-    let pem = std::fs::read_to_string(state_dir.join("agent.pem")).expect("agent.pem");
-    let split = pem
-        .find("-----BEGIN CERTIFICATE-----")
-        .expect("certificate in agent.pem");
-    let ca = std::fs::read_to_string(server.data_dir.join("ca.crt")).expect("ca.crt");
-    Client::new(berth_client::ClientConfig {
-        server: server.url.clone(),
-        trust: berth_client::Trust::CaPem(ca),
-        identity: Some(berth_client::Identity {
-            key_pem: pem[..split].trim().to_string(),
-            cert_pem: pem[split..].trim().to_string(),
-        }),
-        bearer: None,
-        timeout: Duration::from_secs(30),
-    })
-    .expect("agent client")
 }
 
 fn claims(token: &str) -> Value {

@@ -1278,26 +1278,6 @@ fn assert_transport(agent: &mut Agent) {
 // 7. two replicas on one PostgreSQL database
 // ---------------------------------------------------------------------------------------------
 
-/// An mTLS client holding the agent's identity from its state dir.
-fn agent_client(server: &Server, state_dir: &Path) -> Client {
-    let pem = std::fs::read_to_string(state_dir.join("agent.pem")).expect("agent.pem");
-    let split = pem
-        .find("-----BEGIN CERTIFICATE-----")
-        .expect("certificate in agent.pem");
-    let ca = std::fs::read_to_string(server.data_dir.join("ca.crt")).expect("ca.crt");
-    Client::new(berth_client::ClientConfig {
-        server: server.url.clone(),
-        trust: berth_client::Trust::CaPem(ca),
-        identity: Some(berth_client::Identity {
-            key_pem: pem[..split].trim().to_string(),
-            cert_pem: pem[split..].trim().to_string(),
-        }),
-        bearer: None,
-        timeout: Duration::from_secs(30),
-    })
-    .expect("agent client")
-}
-
 fn api_wait_succeeded(rt: &tokio::runtime::Runtime, api: &Client, id: TaskId) -> TaskView {
     wait_for(TASK, &format!("task {id} to succeed"), || {
         let task = rt

@@ -17,7 +17,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use berth_client::Client;
 use berth_proto::transport::{
     AgentTaskPollRequest, AgentTaskResultEnvelope, SubmitResult, ALG_ECDSA_SHA256,
     CONTRACT_VERSION, GENERATION_HEADER,
@@ -136,26 +135,6 @@ fn run_verified(server: &Server, agent: &Agent, task_type: &str, payload: &Value
     assert_eq!(envelope["agentId"], agent.id.as_str(), "{task:#}");
     assert_eq!(envelope["signatureAlgorithm"], ALG_ECDSA_SHA256, "{task:#}");
     task
-}
-
-/// An mTLS client holding the identity in `state_dir` (as the agent that wrote it stored it).
-fn agent_client(server: &Server, state_dir: &Path) -> Client {
-    let pem = std::fs::read_to_string(state_dir.join("agent.pem")).expect("agent.pem");
-    let split = pem
-        .find("-----BEGIN CERTIFICATE-----")
-        .expect("certificate in agent.pem");
-    let ca = std::fs::read_to_string(server.data_dir.join("ca.crt")).expect("ca.crt");
-    Client::new(berth_client::ClientConfig {
-        server: server.url.clone(),
-        trust: berth_client::Trust::CaPem(ca),
-        identity: Some(berth_client::Identity {
-            key_pem: pem[..split].trim().to_string(),
-            cert_pem: pem[split..].trim().to_string(),
-        }),
-        bearer: None,
-        timeout: Duration::from_secs(30),
-    })
-    .expect("agent client")
 }
 
 /// The previous release's agent, registered against this server twice (one on the task stream,

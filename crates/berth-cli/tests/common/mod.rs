@@ -949,3 +949,23 @@ pub fn acquired_generations(stderr: &str) -> Vec<i64> {
         })
         .collect()
 }
+
+/// An mTLS client holding the agent's identity from its state dir.
+pub fn agent_client(server: &Server, state_dir: &Path) -> berth_client::Client {
+    let pem = std::fs::read_to_string(state_dir.join("agent.pem")).expect("agent.pem");
+    let split = pem
+        .find("-----BEGIN CERTIFICATE-----")
+        .expect("certificate in agent.pem");
+    let ca = std::fs::read_to_string(server.data_dir.join("ca.crt")).expect("ca.crt");
+    berth_client::Client::new(berth_client::ClientConfig {
+        server: server.url.clone(),
+        trust: berth_client::Trust::CaPem(ca),
+        identity: Some(berth_client::Identity {
+            key_pem: pem[..split].trim().to_string(),
+            cert_pem: pem[split..].trim().to_string(),
+        }),
+        bearer: None,
+        timeout: Duration::from_secs(30),
+    })
+    .expect("agent client")
+}
