@@ -41,9 +41,9 @@ pub struct AcquireSession {
     /// holds the lock the holder held, so the holder is dead: it takes the session at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lock: Option<String>,
-    /// The version this agent process runs (1-50 characters; sent since 0.2.0). It replaces the
-    /// agent's `version`, so an agent upgraded in place shows what it runs; without it the
-    /// registered version stays.
+    /// The version this agent process runs (1-50 printable ASCII characters, no spaces; sent
+    /// since 0.2.0). It replaces the agent's `version`, so an agent upgraded in place shows what
+    /// it runs; without it the registered version stays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
 }

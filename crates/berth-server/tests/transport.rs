@@ -147,7 +147,13 @@ async fn a_session_request_records_the_version_the_agent_runs() {
     };
     let first = agent.client.send(&acquire("old", None)).await.unwrap();
     assert_eq!(version().await, registered, "nothing said, nothing changed");
-    for bad in [String::new(), "9".repeat(51)] {
+    // Empty, too long, or not safe in a log line (a newline could forge one).
+    for bad in [
+        String::new(),
+        "9".repeat(51),
+        "1.0\nforged line".into(),
+        "1.0 beta".into(),
+    ] {
         let err = agent
             .client
             .send(&acquire("old", Some(&bad)))

@@ -202,6 +202,19 @@ pub fn validate_name(what: &str, name: &str) -> ApiResult<()> {
     }
 }
 
+/// The version an agent reports (at registration and with each session): 1–50 printable ASCII
+/// characters, no spaces, so it is safe in a log line.
+pub fn validate_agent_version(version: &str) -> ApiResult<()> {
+    if !version.is_empty() && version.len() <= 50 && version.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(())
+    } else {
+        Err(ApiError::unprocessable(
+            codes::INVALID_REQUEST,
+            "version must be 1-50 printable ASCII characters without spaces",
+        ))
+    }
+}
+
 /// At most 64 labels; keys like names (plus `/`), values up to 255 printable characters.
 pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
     let invalid = |detail: String| ApiError::unprocessable(codes::INVALID_REQUEST, detail);

@@ -22,7 +22,7 @@ use serde_json::json;
 use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
-use crate::routes::admin::{validate_labels, validate_name};
+use crate::routes::admin::{validate_agent_version, validate_labels, validate_name};
 use crate::routes::audit::actor;
 use crate::routes::transport::verify_signature;
 use crate::SharedState;
@@ -111,12 +111,7 @@ pub async fn register(
             )
         })?;
     validate_name("agent name", &req.name)?;
-    if req.version.is_empty() || req.version.len() > 50 {
-        return Err(ApiError::unprocessable(
-            codes::INVALID_REQUEST,
-            "version must be 1-50 characters",
-        ));
-    }
+    validate_agent_version(&req.version)?;
     validate_labels(&req.labels)?;
     validate_capabilities(&req.capabilities)?;
 

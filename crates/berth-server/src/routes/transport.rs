@@ -32,6 +32,7 @@ use berth_crypto::hpke::{self, RecipientKey, RecipientPublicKey};
 use crate::auth::{binding_refused, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
+use crate::routes::admin::validate_agent_version;
 use crate::tls::PeerCertificate;
 use crate::SharedState;
 
@@ -72,15 +73,8 @@ pub async fn acquire_session(
         ));
     }
     let restart_key = restart_key(&req)?;
-    if req
-        .version
-        .as_ref()
-        .is_some_and(|v| v.is_empty() || v.len() > 50)
-    {
-        return Err(ApiError::unprocessable(
-            codes::INVALID_REQUEST,
-            "version must be 1-50 characters",
-        ));
+    if let Some(version) = &req.version {
+        validate_agent_version(version)?;
     }
     let now = state.config.clock.now();
     let lease_expires_at = now + state.config.heartbeat_interval * 3;
