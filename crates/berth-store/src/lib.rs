@@ -33,7 +33,7 @@ pub use domain::ssh_targets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
 pub use pool::{PoolStats, PostgresPoolConfig, ACQUIRE_WAIT_BOUNDS};
-pub use postgres::PostgresStore;
+pub use postgres::{BatchStats, PostgresStore, TaskBatchStats};
 pub use sealed::PayloadKey;
 pub use sqlite::SqliteStore;
 
@@ -73,8 +73,9 @@ pub enum StoreError {
         #[source]
         source: Arc<rusqlite::Error>,
     },
-    /// A SQLite connection's thread is gone, or the operation panicked on it.
-    #[error("the sqlite connection thread stopped during {operation}")]
+    /// A SQLite connection's thread or a PostgreSQL batch worker is gone, or the operation
+    /// panicked on it.
+    #[error("the database worker stopped during {operation}")]
     ThreadStopped { operation: &'static str },
     #[error("migration failed")]
     Migrate(#[source] sqlx::migrate::MigrateError),

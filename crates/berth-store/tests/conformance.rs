@@ -560,3 +560,39 @@ async fn postgres_a_dead_replicas_staged_rows_are_numbered_and_linked() {
     })
     .await;
 }
+
+/// Issue 15: on PostgreSQL the concurrent task path runs in batches. The conformance case
+/// `task_path_concurrent` passes either way, since a declined call runs alone; this checks
+/// that the batches decided its calls, several at a time, and declined only what they must
+/// (the idempotency keys sent twice, the repeated results).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_runs_the_task_path_in_batches() {
+    let Some(admin_url) = postgres_admin_url("postgres batches") else {
+        return;
+    };
+    let database = TestDatabase::create(&admin_url);
+    let store = Arc::new(
+        PostgresStore::connect(&database.url, key())
+            .await
+            .expect("connect postgres"),
+    );
+    let dyn_store: DynStore = store.clone();
+    berth_store::conformance::task_path_concurrent(&dyn_store).await;
+    let stats = store.task_batch_stats();
+    eprintln!("{stats:#?}");
+    // 16 creators × 10 creations × 2 (the second of a keyed pair is declined: its key is taken).
+    let keyed = 16 * 10 / 5;
+    assert_eq!(stats.create.decided + stats.create.declined, 320);
+    assert!(stats.create.declined <= keyed, "{stats:?}");
+    assert!(
+        stats.create.batches < 320,
+        "creations were batched: {stats:?}"
+    );
+    // Every result is sent twice at once: the one of each pair that loses the task's lock, or
+    // comes second in one batch, may be declined; the first is decided.
+    assert!(stats.complete.decided >= 288, "{stats:?}");
+    assert!(stats.complete.batches < stats.complete.decided + stats.complete.declined);
+    // Two claimers per agent: a second poll of one agent in a batch is declined.
+    assert!(stats.claim.decided > stats.claim.declined, "{stats:?}");
+    assert!(stats.claim.batches < stats.claim.decided + stats.claim.declined);
+}

@@ -96,6 +96,7 @@ macro_rules! conformance_cases {
             task_claim_fencing,
             task_result_after_lease_deadline,
             task_claim_concurrent,
+            task_path_concurrent,
             task_complete_transitions,
             task_stale_assignment,
             task_start_handshake,

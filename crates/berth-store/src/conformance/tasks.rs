@@ -1953,3 +1953,138 @@ pub async fn retention_keeps_the_store_bounded(store: &DynStore) {
         }
     }
 }
+
+/// The task path under concurrency, as a busy server drives it: 16 creators at once (with
+/// the operator's audit entry, a queue cap and, for some, an idempotency key sent twice), then
+/// two claimers per agent at once, each completing what it claims, and every result sent
+/// twice at once. Every task is created once, claimed once and succeeds once; each repeat is
+/// answered as one; and the audit log holds one `task.create` and one `task.result` per task.
+/// On PostgreSQL this is the batched path (`postgres/task_batches.rs`) with many calls per
+/// batch.
+pub async fn task_path_concurrent(store: &DynStore) {
+    const AGENTS: usize = 8;
+    const CREATORS: usize = 16;
+    const PER_CREATOR: usize = 10;
+    let tenant = tenant(store).await;
+    let t = now();
+    let mut agents = vec![];
+    for i in 0..AGENTS {
+        let agent = register(store, tenant.id, new_agent(&format!("busy-{i}"))).await;
+        let generation = session(store, &agent, t).await;
+        agents.push((agent, generation));
+    }
+    let mut creators = vec![];
+    for c in 0..CREATORS {
+        let store = store.clone();
+        let agents: Vec<AgentId> = agents.iter().map(|(a, _)| a.id).collect();
+        creators.push(tokio::spawn(async move {
+            let mut created = vec![];
+            for i in 0..PER_CREATOR {
+                let key = (i % 5 == 0).then(|| format!("key-{c}-{i}"));
+                let task = NewTask {
+                    queue_cap: Some(1_000),
+                    created_by: Some(operator()),
+                    idempotency_key: key.clone(),
+                    request_hash: key.as_ref().map(|_| "same request".to_string()),
+                    ..new_task(tenant.id, agents[(c + i) % agents.len()], now())
+                };
+                let (first, again) = tokio::join!(
+                    store.create_task(task.clone()),
+                    store.create_task(NewTask {
+                        id: TaskId::new(),
+                        ..task.clone()
+                    }),
+                );
+                let first = first.expect("create");
+                let again = again.expect("create");
+                match (first, again, &key) {
+                    (CreateTaskOutcome::Created(a), CreateTaskOutcome::Existing(b), Some(_))
+                    | (CreateTaskOutcome::Existing(b), CreateTaskOutcome::Created(a), Some(_)) => {
+                        assert_eq!(a.id, b.id, "the key's task is the one created");
+                        created.push(a.id);
+                    }
+                    (CreateTaskOutcome::Created(a), CreateTaskOutcome::Created(b), None) => {
+                        created.extend([a.id, b.id]);
+                    }
+                    other => panic!("unexpected creations {other:?}"),
+                }
+            }
+            created
+        }));
+    }
+    let mut created = std::collections::BTreeSet::new();
+    for creator in creators {
+        for id in creator.await.expect("creator ran") {
+            assert!(created.insert(id), "a task created twice");
+        }
+    }
+    let expected = CREATORS * PER_CREATOR * 2 - CREATORS * PER_CREATOR / 5;
+    assert_eq!(created.len(), expected);
+
+    let mut claimers = vec![];
+    for (agent, generation) in &agents {
+        for _ in 0..2 {
+            let store = store.clone();
+            let (agent, generation) = (agent.clone(), *generation);
+            claimers.push(tokio::spawn(async move {
+                let mut done = vec![];
+                loop {
+                    let (task, attempt) = match claim(&store, &agent, generation, now()).await {
+                        ClaimOutcome::Claimed(task, attempt) => (task, attempt),
+                        ClaimOutcome::Empty => return done,
+                        other => panic!("unexpected {other:?}"),
+                    };
+                    assert_eq!(task.agent_id, agent.id);
+                    let result = completion(
+                        &agent,
+                        generation,
+                        &attempt,
+                        AttemptResult::Succeeded,
+                        now(),
+                    );
+                    let policy = RetryPolicy::default();
+                    let (a, b) = tokio::join!(
+                        store.complete_attempt(result.clone(), &policy),
+                        store.complete_attempt(result, &policy),
+                    );
+                    match (a.expect("complete"), b.expect("complete")) {
+                        (CompleteOutcome::Recorded(task), CompleteOutcome::Duplicate(_))
+                        | (CompleteOutcome::Duplicate(_), CompleteOutcome::Recorded(task)) => {
+                            assert_eq!(task.state, TaskState::Succeeded);
+                            done.push(task.id);
+                        }
+                        other => panic!("one result recorded, its repeat a duplicate: {other:?}"),
+                    }
+                }
+            }));
+        }
+    }
+    let mut done = std::collections::BTreeSet::new();
+    for claimer in claimers {
+        for id in claimer.await.expect("claimer ran") {
+            assert!(done.insert(id), "a task claimed and completed twice");
+        }
+    }
+    assert_eq!(done, created, "every task claimed and completed once");
+    let mut after = None;
+    loop {
+        let page = store
+            .list_tasks(tenant.id, &TaskFilter::default(), after, 100)
+            .await
+            .expect("list");
+        for task in &page.items {
+            assert_eq!((task.state, task.attempts), (TaskState::Succeeded, 1));
+        }
+        match page.next {
+            Some(next) => after = Some(TaskId(next)),
+            None => break,
+        }
+    }
+    let entries = store
+        .list_audit(tenant.id, 0, 10_000)
+        .await
+        .expect("list audit");
+    let count = |action: &str| entries.iter().filter(|e| e.action == action).count();
+    assert_eq!(count(berth_proto::audit::actions::TASK_CREATE), expected);
+    assert_eq!(count(berth_proto::audit::actions::TASK_RESULT), expected);
+}

@@ -119,25 +119,34 @@ pub(crate) fn result_event(
     }
 }
 
-/// The entry of an operator's action on a task: `task.create` (what was asked: the payload by
-/// its `payloadSha256`, the SHA-256 of its JCS, since the payload is sealed at rest and the
-/// audit log is kept for good; never the credentials), `task.cancel` and `task.retry` (the
-/// state the task went to).
+/// The `task.create` entry of `task`: what was asked, the payload by its `payloadSha256` (the
+/// SHA-256 of its JCS, since the payload is sealed at rest and the audit log is kept for good;
+/// never the credentials).
+pub(crate) fn task_created_event(task: &crate::NewTask, actor: AuditActor) -> NewAuditEvent {
+    let payload_sha256 = serde_jcs::to_vec(&task.payload)
+        .map(|jcs| berth_crypto::sha256_hex(&jcs))
+        .unwrap_or_default();
+    let details = serde_json::json!({"type": task.task_type, "agentId": task.agent_id,
+        "payloadSha256": payload_sha256, "variables": task.variables});
+    admin_event(
+        task.tenant_id,
+        actor,
+        berth_proto::audit::actions::TASK_CREATE,
+        task.id,
+        details,
+        task.created_at,
+    )
+}
+
+/// The entry of an operator's action on a task, `task.cancel` or `task.retry`, with the state
+/// the task went to.
 pub(crate) fn task_event(
     action: &'static str,
     task: &crate::Task,
     actor: AuditActor,
     at: OffsetDateTime,
 ) -> NewAuditEvent {
-    let details = if action == berth_proto::audit::actions::TASK_CREATE {
-        let payload_sha256 = serde_jcs::to_vec(&task.payload)
-            .map(|jcs| berth_crypto::sha256_hex(&jcs))
-            .unwrap_or_default();
-        serde_json::json!({"type": task.task_type, "agentId": task.agent_id,
-            "payloadSha256": payload_sha256, "variables": task.variables})
-    } else {
-        serde_json::json!({"state": task.state})
-    };
+    let details = serde_json::json!({"state": task.state});
     admin_event(task.tenant_id, actor, action, task.id, details, at)
 }
 

@@ -24,6 +24,7 @@ use crate::{Page, PayloadKey, PoolStats, PostgresPoolConfig, Result, Store};
 
 mod agents;
 mod audit;
+mod batch;
 mod deployments;
 mod desired;
 mod events;
@@ -35,8 +36,12 @@ mod releases;
 mod secrets;
 mod sequencer;
 mod ssh_targets;
+mod task_batches;
 mod tasks;
 mod tenants;
+
+pub use batch::BatchStats;
+pub use task_batches::TaskBatchStats;
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
@@ -60,8 +65,10 @@ pub struct PostgresStore {
     written: watch::Sender<u64>,
     /// Seals and opens task payloads.
     payload_key: PayloadKey,
-    /// How long operations waited for a pooled connection (`/metrics`).
-    waits: AcquireWaits,
+    /// How long operations waited for a pooled connection (`/metrics`), batches included.
+    waits: Arc<AcquireWaits>,
+    /// The task path's batched operations (`task_batches.rs`).
+    batches: task_batches::TaskBatches,
     /// Numbers staged events and links staged audit entries (`sequencer.rs`).
     sequencer: Arc<sequencer::Sequencer>,
     /// Dropping the store drops these, which stops the listener and sequencer tasks.
@@ -162,6 +169,13 @@ impl PostgresStore {
             stopped,
         ));
         let sequencer = sequencer::Sequencer::new(sequencer_pool, poke);
+        let waits = Arc::new(AcquireWaits::default());
+        let batches = task_batches::TaskBatches::start(task_batches::Context {
+            pool: pool.clone(),
+            payload_key: payload_key.clone(),
+            events: events.clone(),
+            waits: waits.clone(),
+        });
         let (stop_sequencer, sequencer_stopped) = oneshot::channel();
         tokio::spawn(sequencer::run(sequencer.clone(), sequencer_stopped));
         Ok(PostgresStore {
@@ -169,7 +183,8 @@ impl PostgresStore {
             events,
             written,
             payload_key,
-            waits: AcquireWaits::default(),
+            waits,
+            batches,
             sequencer,
             _stop_listener: stop,
             _stop_sequencer: stop_sequencer,
@@ -184,10 +199,7 @@ impl PostgresStore {
     /// A pooled connection, its wait recorded; a pool that stays full past the acquire
     /// timeout is [`crate::StoreError::Timeout`] under `operation`.
     async fn acquire(&self, operation: &'static str) -> Result<PoolConnection<Postgres>> {
-        let started = Instant::now();
-        let acquired = self.pool.acquire().await;
-        self.record_wait(started, acquired.as_ref().err());
-        acquired.map_err(db_error(operation))
+        acquire(&self.pool, &self.waits, operation).await
     }
 
     /// A transaction on a pooled connection. Its wait is recorded through its `BEGIN` (sqlx
@@ -195,8 +207,13 @@ impl PostgresStore {
     async fn begin(&self, operation: &'static str) -> Result<Transaction<'static, Postgres>> {
         let started = Instant::now();
         let begun = self.pool.begin().await;
-        self.record_wait(started, begun.as_ref().err());
+        record_wait(&self.waits, started, begun.as_ref().err());
         begun.map_err(db_error(operation))
+    }
+
+    /// What the task path's batchers did so far (`task_batches.rs`).
+    pub fn task_batch_stats(&self) -> TaskBatchStats {
+        self.batches.stats()
     }
 
     /// Wakes this replica's polls of `agent` now; other replicas' wait for the sequencer pass.
@@ -204,14 +221,26 @@ impl PostgresStore {
         // No receivers is not an error: nobody is long-polling right now.
         let _ = self.events.send(agent);
     }
+}
 
-    fn record_wait(&self, started: Instant, failed: Option<&sqlx::Error>) {
-        match failed {
-            None => self.waits.acquired(started.elapsed()),
-            Some(sqlx::Error::PoolTimedOut) => self.waits.timed_out(),
-            // Connecting failed or BEGIN did: not a wait for the pool, and the error says so.
-            Some(_) => {}
-        }
+/// A connection of `pool`, its wait recorded in `waits`.
+async fn acquire(
+    pool: &PgPool,
+    waits: &AcquireWaits,
+    operation: &'static str,
+) -> Result<PoolConnection<Postgres>> {
+    let started = Instant::now();
+    let acquired = pool.acquire().await;
+    record_wait(waits, started, acquired.as_ref().err());
+    acquired.map_err(db_error(operation))
+}
+
+fn record_wait(waits: &AcquireWaits, started: Instant, failed: Option<&sqlx::Error>) {
+    match failed {
+        None => waits.acquired(started.elapsed()),
+        Some(sqlx::Error::PoolTimedOut) => waits.timed_out(),
+        // Connecting failed or BEGIN did: not a wait for the pool, and the error says so.
+        Some(_) => {}
     }
 }
 

@@ -6,8 +6,9 @@ use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
+use super::task_batches::ClaimRequest;
 use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE};
-use crate::domain::audit::{result_event, task_event};
+use crate::domain::audit::{result_event, task_created_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
@@ -16,12 +17,18 @@ use crate::{
     LeaseSweep, NewTask, Page, PayloadKey, Result, RetryOutcome, RetryPolicy, StartAttempt,
     StartOutcome, StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
-use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
+use berth_proto::audit::actions::{TASK_CANCEL, TASK_RETRY};
 use berth_proto::audit::AuditActor;
 
 #[async_trait::async_trait]
 impl TaskStore for PostgresStore {
     async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome> {
+        // Decided in a batch with concurrent creations, unless the batch declines it: then
+        // alone, here (`task_batches.rs`).
+        let task = match self.batches.create.run(task).await? {
+            Ok(outcome) => return Ok(outcome),
+            Err(task) => task,
+        };
         const OP: &str = "create task";
         let mut tx = self.begin(OP).await?;
         // KEY SHARE conflicts only with deleting the agent: a concurrent delete_agent either
@@ -99,7 +106,7 @@ impl TaskStore for PostgresStore {
             if let Some(row) = inserted {
                 let created = rows::read_task(&row, &self.payload_key)?;
                 if let Some(actor) = task.created_by.clone() {
-                    let event = task_event(TASK_CREATE, &created, actor, task.created_at);
+                    let event = task_created_event(&task, actor);
                     super::audit::append(&mut tx, event).await?;
                 }
                 tx.commit().await.map_err(db_error(OP))?;
@@ -220,6 +227,22 @@ impl TaskStore for PostgresStore {
         now: OffsetDateTime,
         lease_grace: std::time::Duration,
     ) -> Result<ClaimOutcome> {
+        let batched = self
+            .batches
+            .claim
+            .run(ClaimRequest {
+                agent,
+                generation,
+                certificate_fingerprint: certificate_fingerprint.to_string(),
+                capabilities: capabilities.to_vec(),
+                start_handshake,
+                now,
+                lease_grace,
+            })
+            .await?;
+        if let Ok(outcome) = batched {
+            return Ok(outcome);
+        }
         const OP: &str = "claim task";
         // Most polls find nothing: answer those from one unlocked read, without a transaction.
         // A task or a resume that commits after this read wakes the poll through its event,
@@ -398,6 +421,9 @@ impl TaskStore for PostgresStore {
     }
 
     async fn pending_cancellations(&self, agent: AgentId) -> Result<Vec<(TaskId, AssignmentId)>> {
+        if let Ok(found) = self.batches.cancellations.run(agent).await? {
+            return Ok(found);
+        }
         sqlx::query(
             "SELECT id, current_assignment FROM tasks \
              WHERE agent_id = $1 AND state = 'leased' AND cancel_requested ORDER BY seq",
@@ -473,6 +499,15 @@ impl TaskStore for PostgresStore {
         completion: Completion,
         policy: &RetryPolicy,
     ) -> Result<CompleteOutcome> {
+        let (completion, _) = match self
+            .batches
+            .complete
+            .run((completion, policy.clone()))
+            .await?
+        {
+            Ok(outcome) => return Ok(outcome),
+            Err(declined) => declined,
+        };
         const OP: &str = "complete attempt";
         let mut tx = self.begin(OP).await?;
         // FOR SHARE: the generation cannot move (acquire_session waits) until this commits.

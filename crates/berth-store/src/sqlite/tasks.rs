@@ -9,7 +9,7 @@ use tokio::sync::broadcast;
 
 use super::threads::Db;
 use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
-use crate::domain::audit::{result_event, task_event};
+use crate::domain::audit::{result_event, task_created_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
 use crate::lifecycle;
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
@@ -18,7 +18,7 @@ use crate::{
     LeaseSweep, NewTask, Page, PayloadKey, Result, RetryOutcome, RetryPolicy, StartAttempt,
     StartOutcome, StoreError, Task, TaskFilter, TaskState, TaskStore,
 };
-use berth_proto::audit::actions::{TASK_CANCEL, TASK_CREATE, TASK_RETRY};
+use berth_proto::audit::actions::{TASK_CANCEL, TASK_RETRY};
 use berth_proto::audit::AuditActor;
 
 /// The tenant's task `id`, if it has one.
@@ -165,7 +165,7 @@ impl TaskStore for SqliteStore {
                     )?;
                     if let Some(created) = inserted {
                         if let Some(actor) = task.created_by.clone() {
-                            let event = task_event(TASK_CREATE, &created, actor, task.created_at);
+                            let event = task_created_event(&task, actor);
                             super::audit::append(tx, event)?;
                         }
                         return Ok(CreateTaskOutcome::Created(created));

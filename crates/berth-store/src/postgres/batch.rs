@@ -1,0 +1,146 @@
+//! Group execution on PostgreSQL: concurrent calls of one operation run together, as one
+//! statement or one short transaction over arrays, instead of a transaction and a handful of
+//! round trips each. This is what SQLite's writer thread does by committing whatever queued
+//! while it was busy (`sqlite/threads.rs`); on PostgreSQL every round trip also costs the
+//! database process a wake-up, a parse-bind-execute and, for a commit, a WAL flush, so the task
+//! path's throughput is set by how many statements a task takes, not by the rows it touches.
+//!
+//! A batcher has a few worker tasks. Each takes whatever calls are queued (at most
+//! [`MAX_BATCH`]), runs them as one batch and answers each. While every worker is busy, calls
+//! queue up and go together in the next batch; when one is idle, a call runs at once, alone,
+//! so a quiet server adds no latency. A batch may *decline* a call: it hands the input back
+//! and the caller runs the operation's own single-call transaction, which decides every case
+//! the batch does not (an idempotency key already taken, a cordoned agent, a queue cap, an
+//! unrunnable head) and any call of a batch that failed as a whole. Both paths read and write
+//! the same rows under the same locks, so a call decided either way is decided the same.
+//!
+//! A call is queued whole: dropping its future does not take it back, the batch still runs it
+//! (as a request whose client went away after its transaction committed would have).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use crate::{Result, StoreError};
+
+/// Most calls one batch takes: enough to share a round trip widely, few enough that a batch's
+/// arrays and locks stay small.
+const MAX_BATCH: usize = 64;
+
+/// A call's answer: decided by the batch, or its input handed back to run alone.
+pub(super) type Decided<I, O> = std::result::Result<O, I>;
+
+type Job<I, O> = (I, oneshot::Sender<Decided<I, O>>);
+
+/// What a batcher did so far, for tests and benchmarks to see that calls were batched.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Batches run.
+    pub batches: u64,
+    /// Calls a batch decided.
+    pub decided: u64,
+    /// Calls a batch declined, which ran alone.
+    pub declined: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    batches: AtomicU64,
+    decided: AtomicU64,
+    declined: AtomicU64,
+}
+
+pub(super) struct Batcher<I, O> {
+    queue: mpsc::UnboundedSender<Job<I, O>>,
+    counters: Arc<Counters>,
+    /// The operation's name, for the error when a worker is gone.
+    operation: &'static str,
+}
+
+impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
+    /// Starts `workers` tasks running `run_batch` over whatever is queued. `run_batch` answers
+    /// every input, in order. The workers stop once the batcher is dropped and the queue is
+    /// drained.
+    pub(super) fn start<F, Fut>(
+        operation: &'static str,
+        workers: usize,
+        run_batch: F,
+    ) -> Batcher<I, O>
+    where
+        F: Fn(Vec<I>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Vec<Decided<I, O>>> + Send,
+    {
+        let (queue, received) = mpsc::unbounded_channel::<Job<I, O>>();
+        let received = Arc::new(Mutex::new(received));
+        let run_batch = Arc::new(run_batch);
+        let counters = Arc::new(Counters::default());
+        for _ in 0..workers {
+            let received = received.clone();
+            let run_batch = run_batch.clone();
+            let counters = counters.clone();
+            tokio::spawn(async move {
+                loop {
+                    // The queue's lock is held only while taking: the next worker takes the
+                    // calls that arrive while this one runs its batch.
+                    let jobs = {
+                        let mut received = received.lock().await;
+                        let Some(first) = received.recv().await else {
+                            return;
+                        };
+                        let mut jobs = vec![first];
+                        while jobs.len() < MAX_BATCH {
+                            match received.try_recv() {
+                                Ok(job) => jobs.push(job),
+                                Err(_) => break,
+                            }
+                        }
+                        jobs
+                    };
+                    let (inputs, replies): (Vec<I>, Vec<_>) = jobs.into_iter().unzip();
+                    let answers = run_batch(inputs).await;
+                    debug_assert_eq!(answers.len(), replies.len());
+                    let decided = answers.iter().filter(|a| a.is_ok()).count() as u64;
+                    counters.batches.fetch_add(1, Ordering::Relaxed);
+                    counters.decided.fetch_add(decided, Ordering::Relaxed);
+                    let declined = answers.len() as u64 - decided;
+                    counters.declined.fetch_add(declined, Ordering::Relaxed);
+                    for (reply, answer) in replies.into_iter().zip(answers) {
+                        // A caller that went away does not want its answer.
+                        let _ = reply.send(answer);
+                    }
+                }
+            });
+        }
+        Batcher {
+            queue,
+            counters,
+            operation,
+        }
+    }
+
+    pub(super) fn stats(&self) -> BatchStats {
+        BatchStats {
+            batches: self.counters.batches.load(Ordering::Relaxed),
+            decided: self.counters.decided.load(Ordering::Relaxed),
+            declined: self.counters.declined.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Runs `input` in the next batch.
+    pub(super) async fn run(&self, input: I) -> Result<Decided<I, O>> {
+        let (reply, answer) = oneshot::channel();
+        if let Err(mpsc::error::SendError((input, _))) = self.queue.send((input, reply)) {
+            return Ok(Err(input));
+        }
+        answer.await.map_err(|_| StoreError::ThreadStopped {
+            operation: self.operation,
+        })
+    }
+}
+
+/// Answers every input of a batch that could not run: each is handed back to run alone.
+pub(super) fn decline_all<I, O>(inputs: Vec<I>) -> Vec<Decided<I, O>> {
+    inputs.into_iter().map(Err).collect()
+}
