@@ -202,8 +202,8 @@ impl Client {
     /// the next server; so does one answered 5xx when it is safe to repeat: a GET, or a request
     /// with an `Idempotency-Key` (a 5xx may come after the server acted, and the key makes the
     /// next server answer with what the first one did). Any other answer is final, and later
-    /// requests start at the server that gave it. The task stream's WebSocket uses the first
-    /// server only.
+    /// requests start at the server that gave it. The task stream's WebSocket moves on the
+    /// same way (`stream.rs`).
     pub fn with_fallbacks(mut self, others: impl IntoIterator<Item = String>) -> Client {
         let mut servers = vec![self.server.clone()];
         servers.extend(

@@ -5,6 +5,7 @@
 //! A refused upgrade comes back as the server's `{code, detail}` ([`ClientError::Api`]), so the
 //! caller decides about it exactly as about a refused request.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,23 +28,48 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
 impl Client {
-    /// Opens a WebSocket at `path` with extra request headers (`X-Berth-Generation`).
+    /// Opens a WebSocket at `path` with extra request headers (`X-Berth-Generation`), on the
+    /// server that answered last and, when it cannot be reached or answers 5xx, on each next
+    /// one in turn ([`Client::with_fallbacks`]; the upgrade is a GET, safe to repeat).
     pub async fn websocket(
         &self,
         path: &str,
         headers: &[(&str, &str)],
     ) -> Result<WebSocket, ClientError> {
-        tokio::time::timeout(CONNECT_TIMEOUT, self.open_websocket(path, headers))
-            .await
-            .unwrap_or_else(|_| Err(self.connect_error(std::io::ErrorKind::TimedOut.into())))
+        let first = self.current.load(Ordering::Relaxed);
+        let count = self.servers.len();
+        let mut tried = 0;
+        loop {
+            let at = (first + tried) % count;
+            tried += 1;
+            let server = &self.servers[at];
+            let opened =
+                tokio::time::timeout(CONNECT_TIMEOUT, self.open_websocket(server, path, headers))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(connect_error(server, std::io::ErrorKind::TimedOut.into()))
+                    });
+            match opened {
+                Err(ClientError::Connect { .. }) if tried < count => continue,
+                Err(ClientError::Api { status, .. }) if tried < count && status >= 500 => continue,
+                Ok(socket) => {
+                    if count > 1 {
+                        self.current.store(at, Ordering::Relaxed);
+                    }
+                    return Ok(socket);
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     async fn open_websocket(
         &self,
+        server: &str,
         path: &str,
         headers: &[(&str, &str)],
     ) -> Result<WebSocket, ClientError> {
-        let url = reqwest::Url::parse(&self.server)
+        let url = reqwest::Url::parse(server)
             .map_err(|e| ClientError::Config(format!("server URL: {e}")))?;
         let port = url.port_or_known_default().unwrap_or(443);
         let host = url
@@ -61,12 +87,12 @@ impl Client {
         let name = name.map_err(|e| ClientError::Config(format!("server name: {e}")))?;
         let tcp = TcpStream::connect((address.as_str(), port))
             .await
-            .map_err(|e| self.connect_error(e))?;
+            .map_err(|e| connect_error(server, e))?;
         let _ = tcp.set_nodelay(true);
         let tls = tokio_rustls::TlsConnector::from(self.stream_tls.clone())
             .connect(name, tcp)
             .await
-            .map_err(|e| self.connect_error(e))?;
+            .map_err(|e| connect_error(server, e))?;
         let mut request = format!("wss://{}{path}", url.authority())
             .into_client_request()
             .map_err(|e| ClientError::Config(format!("websocket request: {e}")))?;
@@ -101,15 +127,15 @@ impl Client {
                     retry_after,
                 })
             }
-            Err(e) => Err(self.connect_error(std::io::Error::other(e))),
+            Err(e) => Err(connect_error(server, std::io::Error::other(e))),
         }
     }
+}
 
-    fn connect_error(&self, source: std::io::Error) -> ClientError {
-        ClientError::Connect {
-            server: self.server.clone(),
-            source,
-        }
+fn connect_error(server: &str, source: std::io::Error) -> ClientError {
+    ClientError::Connect {
+        server: server.to_string(),
+        source,
     }
 }
 

@@ -86,6 +86,9 @@ impl AgentStore for PostgresStore {
     }
 
     async fn get_agent(&self, tenant: TenantId, id: AgentId) -> Result<Option<Agent>> {
+        if let Ok(found) = self.batches.agent.run((tenant, id)).await? {
+            return Ok(found);
+        }
         sqlx::query(concat!(
             "SELECT ",
             agent_columns!(),

@@ -1,5 +1,5 @@
-//! The task path in batches on PostgreSQL (`batch.rs`): creations, claims, results and the
-//! poll's cancellation read. A task's life on this path (created, claimed, completed, and the
+//! The task path in batches on PostgreSQL (`batch.rs`): creations (with the token and agent
+//! lookups the admin API does first), claims, results and the poll's cancellation read. A task's life on this path (created, claimed, completed, and the
 //! polls around it) was about 25 statements in 3 transactions, each its own round trip; here
 //! a batch of concurrent calls shares each statement, and each transaction's WAL flush.
 //!
@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use berth_proto::error::ErrorChain;
-use berth_proto::{AgentId, AssignmentId, TaskId};
+use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
 use sqlx::{Connection as _, PgConnection, PgPool};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
@@ -21,14 +21,14 @@ use super::batch::{decline_all, BatchStats, Batcher, Decided};
 use crate::domain::audit::{result_event, task_created_event};
 use crate::lifecycle;
 use crate::pool::AcquireWaits;
-use crate::rows::{self, attempt_columns, db_error, millis, ColumnReader};
+use crate::rows::{self, agent_columns, attempt_columns, db_error, millis, ColumnReader};
 use crate::{
-    Attempt, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome, NewTask, PayloadKey,
-    Result, RetryPolicy, StoreError, Task, TaskState,
+    Agent, ApiToken, Attempt, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
+    NewTask, PayloadKey, Result, RetryPolicy, StoreError, Task, TaskState,
 };
 
-/// Workers per operation: while one waits on PostgreSQL the next batch gathers. Four
-/// operations of two each use at most 8 of the pool's connections.
+/// Workers per operation: while one waits on PostgreSQL the next batch gathers. Six
+/// operations of two each use at most 12 of the pool's 16 connections.
 const WORKERS: usize = 2;
 
 /// What the batches need of the store.
@@ -54,6 +54,10 @@ pub(super) struct ClaimRequest {
 type Cancellations = Vec<(TaskId, AssignmentId)>;
 
 pub(super) struct TaskBatches {
+    /// The admin API's token lookup, which every task creation starts with.
+    pub(super) api_token: Batcher<String, Option<ApiToken>>,
+    /// An agent by id, as a creation checks its target.
+    pub(super) agent: Batcher<(TenantId, AgentId), Option<Agent>>,
     pub(super) create: Batcher<NewTask, CreateTaskOutcome>,
     pub(super) claim: Batcher<ClaimRequest, ClaimOutcome>,
     pub(super) complete: Batcher<(Completion, RetryPolicy), CompleteOutcome>,
@@ -64,6 +68,8 @@ impl TaskBatches {
     pub(super) fn start(context: Context) -> TaskBatches {
         let context = Arc::new(context);
         TaskBatches {
+            api_token: batcher(&context, "look up api tokens", api_tokens),
+            agent: batcher(&context, "get agents", agents),
             create: batcher(&context, "create tasks", create),
             claim: batcher(&context, "claim tasks", claim),
             complete: batcher(&context, "complete attempts", complete),
@@ -75,6 +81,8 @@ impl TaskBatches {
 /// The task path's batchers, by operation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TaskBatchStats {
+    pub api_token: BatchStats,
+    pub agent: BatchStats,
     pub create: BatchStats,
     pub claim: BatchStats,
     pub complete: BatchStats,
@@ -84,6 +92,8 @@ pub struct TaskBatchStats {
 impl TaskBatches {
     pub(super) fn stats(&self) -> TaskBatchStats {
         TaskBatchStats {
+            api_token: self.api_token.stats(),
+            agent: self.agent.stats(),
             create: self.create.stats(),
             claim: self.claim.stats(),
             complete: self.complete.stats(),
@@ -161,6 +171,54 @@ where
     }
 }
 
+/// Token lookups by hash, in one statement.
+async fn api_tokens(
+    _context: &Context,
+    conn: &mut PgConnection,
+    hashes: &[String],
+) -> Result<Vec<Option<Option<ApiToken>>>> {
+    let found: HashMap<String, ApiToken> = sqlx::query(
+        "SELECT token_hash, id, tenant_id, name, role, operator, created_at FROM api_tokens \
+         WHERE token_hash = ANY($1)",
+    )
+    .bind(hashes)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db_error("look up api tokens"))?
+    .iter()
+    .map(|row| Ok((row.text("token_hash")?, rows::read_api_token(row)?)))
+    .collect::<Result<_>>()?;
+    Ok(hashes.iter().map(|h| Some(found.get(h).cloned())).collect())
+}
+
+/// Agents by id, each answered only within its tenant, in one statement.
+async fn agents(
+    _context: &Context,
+    conn: &mut PgConnection,
+    keys: &[(TenantId, AgentId)],
+) -> Result<Vec<Option<Option<Agent>>>> {
+    let ids: Vec<uuid::Uuid> = keys.iter().map(|(_, a)| a.0).collect();
+    let found: HashMap<AgentId, Agent> = sqlx::query(concat!(
+        "SELECT ",
+        agent_columns!(),
+        " FROM agents WHERE id = ANY($1)"
+    ))
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db_error("get agents"))?
+    .iter()
+    .map(|row| {
+        let agent = rows::read_agent(row)?;
+        Ok((agent.id, agent))
+    })
+    .collect::<Result<_>>()?;
+    Ok(keys
+        .iter()
+        .map(|(tenant, id)| Some(found.get(id).filter(|a| a.tenant_id == *tenant).cloned()))
+        .collect())
+}
+
 /// Creations: the queue-cap locks of every capped agent, then one read of the agents'
 /// cordons and open counts, the admission decided here, and one insert of the admitted tasks
 /// with their audit entries staged. Declined: a taken idempotency key (the single call tells
@@ -198,11 +256,13 @@ async fn create(
     // KEY SHARE, as the single call: a concurrent delete_agent commits before (the agent is
     // gone here) or waits for this commit.
     let mut standing: HashMap<uuid::Uuid, (uuid::Uuid, bool, u64)> = sqlx::query(&format!(
-        "SELECT id, tenant_id, cordoned, (SELECT COUNT(*) FROM tasks t WHERE t.agent_id = a.id \
-         AND t.state IN {}) AS open FROM agents a WHERE id = ANY($1) ORDER BY id FOR KEY SHARE",
+        "SELECT id, tenant_id, cordoned, CASE WHEN id = ANY($2) THEN (SELECT COUNT(*) FROM tasks t \
+         WHERE t.agent_id = a.id AND t.state IN {}) ELSE 0 END AS open \
+         FROM agents a WHERE id = ANY($1) ORDER BY id FOR KEY SHARE",
         lifecycle::OPEN_STATES_SQL
     ))
     .bind(&agents)
+    .bind(&capped)
     .fetch_all(&mut *tx)
     .await
     .map_err(db_error(OP))?

@@ -106,6 +106,9 @@ impl TenantStore for PostgresStore {
     }
 
     async fn api_token_by_hash(&self, token_hash: &str) -> Result<Option<ApiToken>> {
+        if let Ok(found) = self.batches.api_token.run(token_hash.to_string()).await? {
+            return Ok(found);
+        }
         sqlx::query(
             "SELECT id, tenant_id, name, role, operator, created_at FROM api_tokens \
              WHERE token_hash = $1",
