@@ -272,8 +272,9 @@ impl Drop for OpenEventStream {
 
 /// `berth_database_pool_*`: the PostgreSQL pool's connections (open, idle, the most it opens),
 /// how long store operations waited for one (a histogram; a transaction's wait includes its
-/// `BEGIN`), and how many gave up after the acquire timeout. The store retries no transaction
-/// (a conflict is answered, not retried), so there is no retry count to report.
+/// `BEGIN`), and how many gave up after the acquire timeout. `berth_database_batch*`: the task
+/// path's batches by operation, and their calls decided or declined; a declined call ran again
+/// alone, the store's only retry (a conflict is answered, not retried).
 struct DatabasePool(DynStore);
 
 impl std::fmt::Debug for DatabasePool {
@@ -335,6 +336,29 @@ impl Collector for DatabasePool {
             None,
             timeouts.metric_type(),
         )?)?;
+        let mut batches = encoder.encode_descriptor(
+            "database_batches",
+            "Batches the task path ran on PostgreSQL, by store operation",
+            None,
+            MetricType::Counter,
+        )?;
+        for batch in &stats.batches {
+            ConstCounter::new(batch.batches)
+                .encode(batches.encode_family(&[("operation", batch.operation)])?)?;
+        }
+        let mut calls = encoder.encode_descriptor(
+            "database_batch_calls",
+            "Store calls a batch decided, or declined to run alone (what it could not decide, \
+             or all of a batch that failed)",
+            None,
+            MetricType::Counter,
+        )?;
+        for batch in &stats.batches {
+            for (outcome, count) in [("decided", batch.decided), ("declined", batch.declined)] {
+                let labels = [("operation", batch.operation), ("outcome", outcome)];
+                ConstCounter::new(count).encode(calls.encode_family(&labels)?)?;
+            }
+        }
         Ok(())
     }
 }

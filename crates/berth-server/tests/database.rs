@@ -53,6 +53,23 @@ async fn postgres_pool_metrics_and_a_timed_out_statement_is_a_retriable_503() {
         sample(&metrics, "berth_database_pool_acquire_timeouts_total"),
         Some(0.0)
     );
+    // An admin request: its token is looked up in a batch (of one here).
+    let listed = server
+        .raw(None)
+        .get(format!("{}/api/v1/agents", server.url))
+        .bearer_auth(&server.admin_token)
+        .send()
+        .await
+        .expect("list agents");
+    assert!(listed.status().is_success());
+    let metrics = anonymous.get_text("/metrics").await.expect("metrics");
+    let token_lookups = "berth_database_batch_calls_total{operation=\"look up api tokens\",\
+                         outcome=\"decided\"}";
+    assert!(
+        sample(&metrics, token_lookups).unwrap_or(0.0) >= 1.0,
+        "{metrics}"
+    );
+    assert!(metrics.contains("berth_database_batches_total{operation=\"create tasks\"} 0"));
 
     // A list blocked on a lock past the statement timeout.
     let mut locker = PgConnection::connect(&db.url).await.expect("connect");

@@ -32,8 +32,8 @@ pub use domain::secrets::*;
 pub use domain::ssh_targets::*;
 pub use domain::tasks::*;
 pub use domain::tenants::*;
-pub use pool::{PoolStats, PostgresPoolConfig, ACQUIRE_WAIT_BOUNDS};
-pub use postgres::{BatchStats, PostgresStore, TaskBatchStats};
+pub use pool::{BatchStats, PoolStats, PostgresPoolConfig, ACQUIRE_WAIT_BOUNDS};
+pub use postgres::{PostgresStore, TaskBatchStats};
 pub use sealed::PayloadKey;
 pub use sqlite::SqliteStore;
 

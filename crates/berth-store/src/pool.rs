@@ -61,6 +61,23 @@ pub struct PoolStats {
     pub acquire_wait_sum: Duration,
     /// Acquires that gave up after [`PostgresPoolConfig::acquire_timeout`].
     pub acquire_timeouts: u64,
+    /// The task path's batches, one entry per operation (`postgres/batch.rs`).
+    pub batches: Vec<BatchStats>,
+}
+
+/// What one operation's batcher did so far (`postgres/batch.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// The store operation, as `/metrics` labels it (`create tasks`, `complete attempts`, …).
+    pub operation: &'static str,
+    /// Batches run.
+    pub batches: u64,
+    /// Calls a batch decided.
+    pub decided: u64,
+    /// Calls a batch declined, which then ran alone in a transaction of their own: what the
+    /// batch could not decide (a taken idempotency key, a second poll of one agent, …) and
+    /// every call of a batch that failed as a whole.
+    pub declined: u64,
 }
 
 /// How long operations waited for a pooled connection; lock-free, recorded by every acquire.
@@ -96,6 +113,7 @@ impl AcquireWaits {
             acquire_wait_buckets: std::array::from_fn(|i| self.buckets[i].load(Ordering::Relaxed)),
             acquire_wait_sum: Duration::from_nanos(self.sum_nanos.load(Ordering::Relaxed)),
             acquire_timeouts: self.timeouts.load(Ordering::Relaxed),
+            batches: Vec::new(),
         }
     }
 }

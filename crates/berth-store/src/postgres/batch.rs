@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use crate::{Result, StoreError};
+use crate::{BatchStats, Result, StoreError};
 
 /// Most calls one batch takes: enough to share a round trip widely, few enough that a batch's
 /// arrays and locks stay small.
@@ -33,17 +33,6 @@ const MAX_BATCH: usize = 64;
 pub(super) type Decided<I, O> = std::result::Result<O, I>;
 
 type Job<I, O> = (I, oneshot::Sender<Decided<I, O>>);
-
-/// What a batcher did so far, for tests and benchmarks to see that calls were batched.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BatchStats {
-    /// Batches run.
-    pub batches: u64,
-    /// Calls a batch decided.
-    pub decided: u64,
-    /// Calls a batch declined, which ran alone.
-    pub declined: u64,
-}
 
 #[derive(Default)]
 struct Counters {
@@ -122,6 +111,7 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
 
     pub(super) fn stats(&self) -> BatchStats {
         BatchStats {
+            operation: self.operation,
             batches: self.counters.batches.load(Ordering::Relaxed),
             decided: self.counters.decided.load(Ordering::Relaxed),
             declined: self.counters.declined.load(Ordering::Relaxed),

@@ -40,7 +40,6 @@ mod task_batches;
 mod tasks;
 mod tenants;
 
-pub use batch::BatchStats;
 pub use task_batches::TaskBatchStats;
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
@@ -153,7 +152,12 @@ impl PostgresStore {
                 poked.notify_one();
                 Box::pin(async { Ok(true) })
             })
-            .connect_with(options)
+            // Generic plans for the pool's prepared statements: the task path's batch statements
+            // (`task_batches.rs`) take arrays, for which PostgreSQL would otherwise plan every
+            // execution anew, as the array's length changes the estimate; planning cost them
+            // more than running (pg_stat_statements `track_planning`). The sequencer's pool
+            // keeps the default: its numbering statement runs faster on a custom plan.
+            .connect_with(options.options([("plan_cache_mode", "force_generic_plan")]))
             .await
             .map_err(db_error("connect to postgres"))?;
         // LISTEN before returning, so no write after `connect` can go unnoticed.
@@ -400,11 +404,15 @@ impl Store for PostgresStore {
 
     fn pool_stats(&self) -> Option<PoolStats> {
         let idle = u32::try_from(self.pool.num_idle()).unwrap_or(u32::MAX);
-        Some(self.waits.stats(
+        let stats = self.waits.stats(
             self.pool.size(),
             idle,
             self.pool.options().get_max_connections(),
-        ))
+        );
+        Some(PoolStats {
+            batches: self.batches.stats().all(),
+            ..stats
+        })
     }
 }
 

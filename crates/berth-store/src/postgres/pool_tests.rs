@@ -80,6 +80,12 @@ async fn a_statement_past_the_statement_timeout_fails_as_a_timeout() {
         .await
         .expect("show statement_timeout");
     assert_eq!(shown, "300ms");
+    // And generic plans, for the batches' statements over arrays (`connect_with`).
+    let plans: String = sqlx::query_scalar("SHOW plan_cache_mode")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("show plan_cache_mode");
+    assert_eq!(plans, "force_generic_plan");
     let slept = sqlx::query("SELECT pg_sleep(10)")
         .execute(&mut *conn)
         .await

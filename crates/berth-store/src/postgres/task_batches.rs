@@ -1,7 +1,8 @@
 //! The task path in batches on PostgreSQL (`batch.rs`): creations (with the token and agent
-//! lookups the admin API does first), claims, results and the poll's cancellation read. A task's life on this path (created, claimed, completed, and the
-//! polls around it) was about 25 statements in 3 transactions, each its own round trip; here
-//! a batch of concurrent calls shares each statement, and each transaction's WAL flush.
+//! lookups the admin API does first), claims, results and the poll's cancellation read. A
+//! task's life on this path (created, claimed, completed, and the polls around it) was about
+//! 25 statements in 3 transactions, each its own round trip; here a batch of concurrent calls
+//! shares each statement, and each transaction's WAL flush.
 //!
 //! Every batch takes the locks the single-call transaction (`tasks.rs`) takes, for all its
 //! calls at once, in one order (agents by id, then their tasks), so batches never deadlock
@@ -17,14 +18,14 @@ use sqlx::{Connection as _, PgConnection, PgPool};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
-use super::batch::{decline_all, BatchStats, Batcher, Decided};
+use super::batch::{decline_all, Batcher, Decided};
 use crate::domain::audit::{result_event, task_created_event};
 use crate::lifecycle;
 use crate::pool::AcquireWaits;
 use crate::rows::{self, agent_columns, attempt_columns, db_error, millis, ColumnReader};
 use crate::{
-    Agent, ApiToken, Attempt, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
-    NewTask, PayloadKey, Result, RetryPolicy, StoreError, Task, TaskState,
+    Agent, ApiToken, Attempt, BatchStats, ClaimOutcome, CompleteOutcome, Completion,
+    CreateTaskOutcome, NewTask, PayloadKey, Result, RetryPolicy, StoreError, Task, TaskState,
 };
 
 /// Workers per operation: while one waits on PostgreSQL the next batch gathers. Six
@@ -89,6 +90,20 @@ pub struct TaskBatchStats {
     pub cancellations: BatchStats,
 }
 
+impl TaskBatchStats {
+    /// Every operation's, for `/metrics`.
+    pub fn all(&self) -> Vec<BatchStats> {
+        vec![
+            self.api_token,
+            self.agent,
+            self.create,
+            self.claim,
+            self.complete,
+            self.cancellations,
+        ]
+    }
+}
+
 impl TaskBatches {
     pub(super) fn stats(&self) -> TaskBatchStats {
         TaskBatchStats {
@@ -116,8 +131,11 @@ where
 }
 
 /// Runs `batch` on a pooled connection; if it fails as a whole (a statement's error, a
-/// deadlock, a lost connection), every call is declined to run alone. A commit whose outcome
-/// is unknown is safe to decide again: the single call sees what the batch committed.
+/// deadlock, a lost connection), every call is declined to run alone. When the connection was
+/// lost at the commit, the batch may have committed: the single call then sees that and
+/// answers as it would a repeat (a result as a duplicate; a creation as a conflict on its id,
+/// an error as a lost commit was before; a claim leases the next task, and the first one's
+/// lease expires as an undelivered one does).
 async fn declined_on_error<I, O, F>(
     context: &Context,
     name: &'static str,
@@ -289,6 +307,9 @@ async fn create(
             *open += 1;
             admitted.push(i);
         }
+    }
+    if admitted.is_empty() {
+        return Ok(tasks.iter().map(|_| None).collect());
     }
     let mut rows = CreateRows::default();
     for &i in &admitted {
