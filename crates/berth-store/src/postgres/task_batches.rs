@@ -19,7 +19,8 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::batch::{decline_all, Batcher, Decided};
-use crate::domain::audit::{result_event, task_created_event};
+use super::tasks::{decide_completion, Accepted};
+use crate::domain::audit::task_created_event;
 use crate::lifecycle;
 use crate::pool::AcquireWaits;
 use crate::rows::{self, agent_columns, attempt_columns, db_error, millis, ColumnReader};
@@ -720,27 +721,18 @@ async fn complete(
             .get(&assignment)
             .filter(|a| a.task_id == task.id)
             .cloned();
-        let now = millis(completion.now);
-        let attempt = match lifecycle::accept_completion(task, attempt, &completion.envelope, now) {
-            Ok(attempt) => attempt,
-            Err(refused) => {
-                decided[i] = Some(refused.outcome(task.clone()));
+        let Accepted {
+            attempt,
+            next,
+            audit: (audit_tenant, audit_draft),
+            now,
+        } = match decide_completion(task, attempt, completion, policy)? {
+            Ok(accepted) => accepted,
+            Err(answer) => {
+                decided[i] = Some(answer);
                 continue;
             }
         };
-        let next = lifecycle::completion_transition(
-            &completion.result,
-            task.attempts,
-            task.cancel_requested,
-            policy,
-            now,
-        );
-        let (audit_tenant, audit_draft) = super::sequencer::staged(result_event(
-            completion,
-            task.tenant_id,
-            task.id,
-            next.state,
-        ))?;
         writes.task.push(task.id.0);
         writes.state.push(next.state.as_str());
         writes.next_attempt_at.push(next.next_attempt_at);

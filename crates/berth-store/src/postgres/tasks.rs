@@ -536,26 +536,16 @@ impl TaskStore for PostgresStore {
         else {
             return Ok(CompleteOutcome::NotFound);
         };
-        let now = millis(completion.now);
-        let attempt = match lifecycle::accept_completion(&task, attempt, &completion.envelope, now)
-        {
-            Ok(attempt) => attempt,
-            Err(refused) => return Ok(refused.outcome(task)),
-        };
-        let next = lifecycle::completion_transition(
-            &completion.result,
-            task.attempts,
-            task.cancel_requested,
-            policy,
+        let Accepted {
+            attempt,
+            next,
+            audit: (audit_tenant, audit_draft),
             now,
-        );
+        } = match decide_completion(&task, attempt, &completion, policy)? {
+            Ok(accepted) => accepted,
+            Err(answer) => return Ok(answer),
+        };
         // The attempt, the task and the `task.result` audit entry in one statement.
-        let (audit_tenant, audit_draft) = super::sequencer::staged(result_event(
-            &completion,
-            task.tenant_id,
-            task.id,
-            next.state,
-        ))?;
         let row = sqlx::query(concat!(
             "WITH attempt AS (UPDATE task_attempts SET state = $8, finished_at = $6, \
              envelope = $9, error_code = $4 WHERE assignment_id = $10), \
@@ -933,4 +923,48 @@ async fn locked_delivery(
     .map(|row| rows::read_attempt(&row))
     .transpose()?;
     Ok(Some((task, attempt)))
+}
+
+/// A result accepted for its locked task and delivery ([`decide_completion`]).
+pub(super) struct Accepted {
+    pub(super) attempt: Attempt,
+    pub(super) next: lifecycle::Transition,
+    /// The staged `task.result` audit entry: its tenant and draft.
+    pub(super) audit: (TenantId, String),
+    /// The completion's time in whole milliseconds.
+    pub(super) now: OffsetDateTime,
+}
+
+/// What a result does to its task and delivery, both read under their locks: refused (the
+/// answer), or accepted. The single call and the batch (`task_batches.rs`) both decide by it.
+pub(super) fn decide_completion(
+    task: &Task,
+    attempt: Option<Attempt>,
+    completion: &Completion,
+    policy: &RetryPolicy,
+) -> Result<std::result::Result<Accepted, CompleteOutcome>> {
+    let now = millis(completion.now);
+    let attempt = match lifecycle::accept_completion(task, attempt, &completion.envelope, now) {
+        Ok(attempt) => attempt,
+        Err(refused) => return Ok(Err(refused.outcome(task.clone()))),
+    };
+    let next = lifecycle::completion_transition(
+        &completion.result,
+        task.attempts,
+        task.cancel_requested,
+        policy,
+        now,
+    );
+    let audit = super::sequencer::staged(result_event(
+        completion,
+        task.tenant_id,
+        task.id,
+        next.state,
+    ))?;
+    Ok(Ok(Accepted {
+        attempt,
+        next,
+        audit,
+        now,
+    }))
 }
