@@ -129,7 +129,7 @@ pub fn install_line(server: &str, ca_fingerprint: &str, token: &str) -> String {
 }
 
 /// The agent's systemd unit, as the `berth-agent` package ships it.
-const PACKAGED_UNIT: &str = include_str!("../../../packaging/systemd/berth-agent.service");
+const PACKAGED_UNIT: &str = include_str!("../../../../packaging/systemd/berth-agent.service");
 const SCRIPT: &str = include_str!("install.sh");
 
 /// `/install.sh` for this server: its URL and CA fingerprint, the sha256 of each binary on

@@ -1,0 +1,11 @@
+//! The application layer: the decisions of tasks, deployments, environments, readiness, drift,
+//! read-back, secrets, targets and notifications. `http` and `workers` call it; it calls the store
+//! and `infra`, never upward.
+
+pub mod deployments;
+pub mod drift;
+pub mod notify;
+pub mod readback;
+pub mod readiness;
+pub mod secrets;
+pub mod targets;

@@ -1,0 +1,4 @@
+//! The reconcilers: background passes that sweep the database and call the application layer.
+
+pub mod reconcile;
+pub mod retention;
