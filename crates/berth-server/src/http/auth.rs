@@ -6,62 +6,14 @@
 
 use axum::extract::{FromRequestParts, RawPathParams};
 use axum::http::request::Parts;
-use berth_proto::admin::Role;
 use berth_proto::error::codes;
 use berth_proto::{AgentId, TenantId};
-use berth_store::{Agent, ApiToken};
+use berth_store::Agent;
 
 use crate::error::{ApiError, ApiResult};
+pub use crate::services::caller::Caller;
 use crate::tls::{Peer, PeerCertificate};
 use crate::SharedState;
-
-/// An authenticated API token holder.
-pub struct Caller(pub ApiToken);
-
-impl Caller {
-    pub fn tenant(&self) -> TenantId {
-        self.0.tenant_id
-    }
-
-    /// Read access: every role.
-    pub fn can_read(&self) -> ApiResult<()> {
-        Ok(())
-    }
-
-    /// Changing agents, issuing tokens: admins only.
-    pub fn require_admin(&self) -> ApiResult<()> {
-        match self.0.role {
-            Role::Admin => Ok(()),
-            role => Err(ApiError::forbidden(
-                codes::FORBIDDEN,
-                format!("the {} role cannot do this; it needs admin", role.as_str()),
-            )),
-        }
-    }
-
-    /// Creating and steering tasks: admins and deployers.
-    pub fn require_deployer(&self) -> ApiResult<()> {
-        match self.0.role {
-            Role::Admin | Role::Deployer => Ok(()),
-            Role::Viewer => Err(ApiError::forbidden(
-                codes::FORBIDDEN,
-                "the viewer role cannot do this; it needs deployer or admin",
-            )),
-        }
-    }
-
-    /// Creating tenants: the bootstrap admin token of the `default` tenant only.
-    pub fn require_operator(&self) -> ApiResult<()> {
-        if self.0.operator {
-            Ok(())
-        } else {
-            Err(ApiError::forbidden(
-                codes::OPERATOR_ONLY,
-                "only the operator token may manage tenants",
-            ))
-        }
-    }
-}
 
 impl FromRequestParts<SharedState> for Caller {
     type Rejection = ApiError;
@@ -166,7 +118,7 @@ impl FromRequestParts<SharedState> for AgentCaller {
                 ));
             }
         };
-        crate::routes::record("agent_id", id);
+        crate::http::trace::record("agent_id", id);
         Ok(AgentCaller { id, peer })
     }
 }
@@ -184,7 +136,7 @@ impl FromRequestParts<SharedState> for FencedAgent {
             .ok_or_else(|| {
                 ApiError::conflict(codes::FENCED, "missing or malformed X-Berth-Generation")
             })?;
-        crate::routes::record("generation", generation);
+        crate::http::trace::record("generation", generation);
         Ok(FencedAgent {
             id,
             peer,
@@ -409,7 +361,7 @@ impl FromRequestParts<SharedState> for DesiredCaller {
         };
         match agent {
             Some(agent) if agent.certificate_fingerprint.as_deref() == Some(&*peer.fingerprint) => {
-                crate::routes::record("agent_id", agent.id);
+                crate::http::trace::record("agent_id", agent.id);
                 Ok(DesiredCaller::Agent(Box::new(agent)))
             }
             Some(agent)

@@ -123,18 +123,3 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
         }
     }
 }
-
-/// A list's `cursor` query parameter: the last id of the previous page. Anything else is
-/// `400 INVALID_REQUEST`, as every malformed query parameter is.
-pub fn cursor<T: std::str::FromStr>(cursor: Option<&str>) -> crate::error::ApiResult<Option<T>> {
-    cursor
-        .map(|c| {
-            c.parse().map_err(|_| {
-                crate::error::ApiError::bad_request(
-                    berth_proto::error::codes::INVALID_REQUEST,
-                    "invalid cursor",
-                )
-            })
-        })
-        .transpose()
-}

@@ -6,4 +6,5 @@ pub mod extract;
 pub mod openapi;
 pub mod routes;
 pub mod tls;
+pub mod trace;
 pub mod ui;

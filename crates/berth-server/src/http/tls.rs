@@ -233,11 +233,11 @@ pub(crate) async fn serve(
                     // Every request: the header limit, then its span around the whole answer.
                     // Here rather than as router middleware, which cost a boxed future and a
                     // service clone per request.
-                    match crate::routes::headers_too_large(req.headers()) {
+                    match crate::http::trace::headers_too_large(req.headers()) {
                         Some(refusal) => Either::Left(std::future::ready(Ok(refusal))),
                         None => {
                             let busy = InFlight::start(&in_flight);
-                            let span = crate::routes::request_span(&req);
+                            let span = crate::http::trace::request_span(&req);
                             let answer = app.clone().oneshot(req).instrument(span);
                             Either::Right(async move {
                                 answer

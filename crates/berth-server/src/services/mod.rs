@@ -2,10 +2,16 @@
 //! read-back, secrets, targets and notifications. `http` and `workers` call it; it calls the store
 //! and `infra`, never upward.
 
+pub mod agents;
+pub mod audit;
+pub mod caller;
 pub mod deployments;
 pub mod drift;
+pub mod environments;
 pub mod notify;
 pub mod readback;
 pub mod readiness;
 pub mod secrets;
 pub mod targets;
+pub mod task_views;
+pub mod validate;

@@ -14,48 +14,20 @@ use berth_proto::agent::{
 use berth_proto::error::codes;
 use berth_proto::{AgentId, ErrorBody, TaskId};
 use berth_store::{
-    AgentFilter, AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, RebindOutcome,
-    RegisterError,
+    AgentUpdate, HeartbeatOutcome, HeartbeatRecord, NewAgent, RebindOutcome, RegisterError,
 };
 use serde_json::json;
 
 use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
-use crate::routes::admin::{validate_agent_version, validate_labels, validate_name};
-use crate::routes::audit::actor;
 use crate::routes::transport::verify_signature;
+use crate::services::agents;
+use crate::services::caller::actor;
+use crate::services::validate::{validate_agent_version, validate_labels, validate_name};
 use crate::SharedState;
 
 use berth_proto::headers::REGISTRATION_TOKEN_HEADER;
-const DEFAULT_PAGE: u32 = 100;
-const MAX_PAGE: u32 = 1000;
-
-fn to_wire(a: berth_store::Agent) -> Agent {
-    Agent {
-        id: a.id,
-        name: a.name,
-        version: a.version,
-        capabilities: a.capabilities,
-        labels: a.labels,
-        status: if a.suspended {
-            AgentStatus::Blocked
-        } else {
-            a.status
-        },
-        cordoned: a.cordoned,
-        suspended: a.suspended,
-        environment: a.environment,
-        last_heartbeat: a.last_heartbeat,
-        resource_usage: a.resource_usage,
-        certificate_fingerprint: a.certificate_fingerprint,
-        certificate_expires_at: a.certificate_expires_at,
-        // Never negative: the store starts at 0 and only increments.
-        session_generation: u64::try_from(a.generation).unwrap_or(0),
-        created_at: a.created_at,
-        updated_at: a.updated_at,
-    }
-}
 
 fn validate_capabilities(capabilities: &[Capability]) -> ApiResult<()> {
     let invalid = |detail: String| ApiError::unprocessable(codes::INVALID_REQUEST, detail);
@@ -181,34 +153,7 @@ pub async fn list(
     caller: Caller,
     ApiQuery(query): ApiQuery<ListAgents>,
 ) -> ApiResult<Json<AgentList>> {
-    caller.can_read()?;
-    let label = match &query.label {
-        None => None,
-        Some(l) => match l.split_once('=') {
-            Some((k, v)) if !k.is_empty() => Some((k.to_string(), v.to_string())),
-            _ => {
-                return Err(ApiError::bad_request(
-                    codes::INVALID_REQUEST,
-                    "label must be key=value",
-                ))
-            }
-        },
-    };
-    let after: Option<AgentId> = crate::extract::cursor(query.cursor.as_deref())?;
-    let limit = query.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE);
-    let filter = AgentFilter {
-        status: query.status,
-        capability: query.capability.clone(),
-        label,
-    };
-    let page = state
-        .store
-        .list_agents(caller.tenant(), &filter, after, limit)
-        .await?;
-    Ok(Json(AgentList {
-        items: page.items.into_iter().map(to_wire).collect(),
-        next_cursor: page.next.map(|id| id.to_string()),
-    }))
+    agents::list(&state, &caller, query).await.map(Json)
 }
 
 #[utoipa::path(get, path = "/api/v1/agents/{id}", tag = "agents", security(("bearer" = [])),
@@ -219,11 +164,7 @@ pub async fn get(
     caller: Caller,
     ApiPath(id): ApiPath<AgentId>,
 ) -> ApiResult<Json<Agent>> {
-    caller.can_read()?;
-    match state.store.get_agent(caller.tenant(), id).await? {
-        Some(a) => Ok(Json(to_wire(a))),
-        None => Err(ApiError::not_found("agent")),
-    }
+    agents::get(&state, &caller, id).await.map(Json)
 }
 
 /// Replace an agent's labels and/or capabilities (admin).
@@ -255,7 +196,7 @@ pub async fn update(
         .update_agent(caller.tenant(), id, update, state.config.clock.now())
         .await?
     {
-        Some(a) => Ok(Json(to_wire(a))),
+        Some(a) => Ok(Json(agents::to_wire(a))),
         None => Err(ApiError::not_found("agent")),
     }
 }
@@ -306,7 +247,7 @@ async fn hold(
         // (A poll parked on another replica finds it when its hold ends, within 25 s.)
         state.wakeups.wake(id);
     }
-    Ok(Json(to_wire(agent)))
+    Ok(Json(agents::to_wire(agent)))
 }
 
 /// Cordon an agent (admin): no new work is routed to it. Creates naming it get `409

@@ -16,8 +16,8 @@ use berth_store::{NewWebhook, Notification, Resend, StoreError, Webhook};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
-use crate::routes::audit::actor;
 use crate::secrets as envelope;
+use crate::services::caller::actor;
 use crate::SharedState;
 
 fn invalid(detail: impl Into<String>) -> ApiError {

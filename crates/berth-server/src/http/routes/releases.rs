@@ -232,7 +232,7 @@ pub async fn create(
                 ssh: req.ssh,
                 created_at: state.config.clock.now(),
             },
-            crate::routes::audit::actor(&caller),
+            crate::services::caller::actor(&caller),
         )
         .await
         .map_err(|e| match e {
@@ -259,7 +259,7 @@ pub async fn list(
     ApiQuery(query): ApiQuery<ListReleases>,
 ) -> ApiResult<Json<ReleaseList>> {
     caller.can_read()?;
-    let after: Option<ReleaseId> = crate::extract::cursor(query.cursor.as_deref())?;
+    let after: Option<ReleaseId> = crate::services::validate::cursor(query.cursor.as_deref())?;
     let page = state
         .store
         .list_releases(

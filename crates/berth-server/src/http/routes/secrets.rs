@@ -117,7 +117,7 @@ pub async fn put_secret(
                 key: key.clone(),
                 version,
                 created_at: state.config.clock.now(),
-                created_by: crate::routes::audit::actor(&caller),
+                created_by: crate::services::caller::actor(&caller),
                 deleted_at: None,
             },
             wrapped_key: sealed.wrapped_key,
@@ -200,7 +200,7 @@ pub async fn delete_secret(
         .delete_secret(
             caller.tenant(),
             &key,
-            crate::routes::audit::actor(&caller),
+            crate::services::caller::actor(&caller),
             state.config.clock.now(),
         )
         .await?;
@@ -278,7 +278,7 @@ pub async fn kit(
     let (jti, expires_at) = (minted.grant.jti.clone(), minted.grant.expires_at);
     let superseded = state
         .store
-        .record_kit_grant(minted.grant, crate::routes::audit::actor(&caller))
+        .record_kit_grant(minted.grant, crate::services::caller::actor(&caller))
         .await?;
     // The superseded grants leave the JWKS, and OpenBao must forget their keys too; the tokens
     // they were exchanged for are revoked (berth refuses them either way).

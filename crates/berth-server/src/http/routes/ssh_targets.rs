@@ -20,8 +20,8 @@ use berth_store::{Agent, Artifact, SshTarget, StoreError};
 use crate::auth::{AgentCaller, Caller};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
-use crate::routes::admin::validate_labels;
-use crate::routes::audit::actor;
+use crate::services::caller::actor;
+use crate::services::validate::validate_labels;
 use crate::SharedState;
 
 /// Documents the bytes of an artifact.

@@ -8,17 +8,16 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use berth_proto::error::codes;
 use berth_proto::kind::TaskKind;
-use berth_proto::task::{AttemptView, CreateTask, ListTasks, TaskList, TaskView};
+use berth_proto::task::{CreateTask, ListTasks, TaskList, TaskView};
 use berth_proto::{AgentId, ErrorBody, TaskId, TenantId};
-use berth_store::{
-    Attempt, CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome, Task, TaskFilter,
-};
+use berth_store::{CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome};
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiPath, ApiQuery, LosslessJson};
-use crate::routes::admin::validate_labels;
-use crate::routes::audit::actor;
+use crate::services::caller::actor;
+use crate::services::task_views::{self, to_view};
+use crate::services::validate::validate_labels;
 use crate::SharedState;
 
 const DEFAULT_TIMEOUT_SECS: u32 = 300;
@@ -26,45 +25,6 @@ const MAX_TIMEOUT_SECS: u32 = 86_400;
 
 fn unprocessable(detail: impl Into<String>) -> ApiError {
     ApiError::unprocessable(codes::INVALID_REQUEST, detail)
-}
-
-pub fn to_view(task: Task, attempts: Vec<Attempt>) -> TaskView {
-    TaskView {
-        id: task.id,
-        task_type: task.task_type,
-        state: task.state,
-        agent_id: task.agent_id,
-        read_back: task.read_back,
-        side_effects: task.side_effects,
-        priority: task.priority,
-        timeout_seconds: task.timeout_seconds,
-        attempt_count: task.attempts,
-        attempts: attempts
-            .into_iter()
-            .map(|a| AttemptView {
-                assignment_id: a.assignment_id,
-                agent_id: a.agent_id,
-                state: a.state,
-                generation: a.generation,
-                assigned_at: a.assigned_at,
-                lease_expires_at: a.lease_expires_at,
-                started_at: a.started_at,
-                phase: a.phase,
-                finished_at: a.finished_at,
-                error_code: a.error_code,
-                result: a.envelope,
-            })
-            .collect(),
-        result: task.result,
-        error_code: task.error_code,
-        cancel_requested: task.cancel_requested,
-        idempotency_key: task.idempotency_key,
-        read_back_of: task.read_back_of,
-        next_attempt_at: task.next_attempt_at,
-        created_at: task.created_at,
-        updated_at: task.updated_at,
-        finished_at: task.finished_at,
-    }
 }
 
 /// A task's credentials as its row keeps them: sealed under the master key for that task's id
@@ -348,27 +308,7 @@ pub async fn list(
     caller: Caller,
     ApiQuery(query): ApiQuery<ListTasks>,
 ) -> ApiResult<Json<TaskList>> {
-    caller.can_read()?;
-    let after: Option<TaskId> = crate::extract::cursor(query.cursor.as_deref())?;
-    let filter = TaskFilter {
-        state: query.state,
-        agent_id: query.agent_id,
-        task_type: query.task_type.clone(),
-        order: query.order.unwrap_or_default(),
-    };
-    let page = state
-        .store
-        .list_tasks(
-            caller.tenant(),
-            &filter,
-            after,
-            query.limit.unwrap_or(100).clamp(1, 1000),
-        )
-        .await?;
-    Ok(Json(TaskList {
-        items: page.items.into_iter().map(|t| to_view(t, vec![])).collect(),
-        next_cursor: page.next.map(|id| id.to_string()),
-    }))
+    task_views::list(&state, &caller, query).await.map(Json)
 }
 
 /// One task with its attempts and the verified, signed results.
@@ -380,11 +320,7 @@ pub async fn get(
     caller: Caller,
     ApiPath(id): ApiPath<TaskId>,
 ) -> ApiResult<Json<TaskView>> {
-    caller.can_read()?;
-    match state.store.get_task(caller.tenant(), id).await? {
-        Some((task, attempts)) => Ok(Json(to_view(task, attempts))),
-        None => Err(ApiError::not_found("task")),
-    }
+    task_views::get(&state, &caller, id).await.map(Json)
 }
 
 /// Cancel: a queued task at once; a running one is signalled to its agent, which reports

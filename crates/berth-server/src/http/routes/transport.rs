@@ -32,7 +32,7 @@ use berth_crypto::hpke::{self, RecipientKey, RecipientPublicKey};
 use crate::auth::{binding_refused, AgentCaller, FencedAgent};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
-use crate::routes::admin::validate_agent_version;
+use crate::services::validate::validate_agent_version;
 use crate::tls::PeerCertificate;
 use crate::SharedState;
 
@@ -239,8 +239,8 @@ pub async fn poll(
             ClaimOutcome::Revoked => return Err(binding_refused(&state, id, &peer).await),
             ClaimOutcome::Claimed(task, attempt) => {
                 state.metrics.task_assigned();
-                crate::routes::record("task_id", task.id);
-                crate::routes::record("assignment_id", attempt.assignment_id);
+                crate::http::trace::record("task_id", task.id);
+                crate::http::trace::record("assignment_id", attempt.assignment_id);
                 tracing::info!(
                     agent_id = %id, generation, task_id = %task.id,
                     assignment_id = %attempt.assignment_id, task_type = %task.task_type,
@@ -613,8 +613,8 @@ pub async fn start_task(
     ApiPath((_, task_id)): ApiPath<(AgentId, TaskId)>,
     ApiJson(req): ApiJson<StartTask>,
 ) -> ApiResult<Json<TaskStarted>> {
-    crate::routes::record("task_id", task_id);
-    crate::routes::record("assignment_id", req.assignment_id);
+    crate::http::trace::record("task_id", task_id);
+    crate::http::trace::record("assignment_id", req.assignment_id);
     transport_enabled(&state)?;
     let outcome = state
         .store
@@ -720,7 +720,7 @@ pub async fn submit_result(
     ApiPath((agent_id, task_id)): ApiPath<(AgentId, TaskId)>,
     ApiJson(raw): ApiJson<serde_json::Value>,
 ) -> ApiResult<Json<ResultAck>> {
-    crate::routes::record("task_id", task_id);
+    crate::http::trace::record("task_id", task_id);
     transport_enabled(&state)?;
     let FencedAgent {
         peer, generation, ..
@@ -754,7 +754,7 @@ pub async fn submit_result(
     })?;
     let verified_assignment = verified.envelope.assignment_id;
     if let Some(assignment) = verified_assignment {
-        crate::routes::record("assignment_id", assignment);
+        crate::http::trace::record("assignment_id", assignment);
     }
     let outcome = state
         .store

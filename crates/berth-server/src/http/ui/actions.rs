@@ -6,7 +6,7 @@
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::{Form, Json};
+use axum::Form;
 use berth_proto::deploy::CreateDeployment;
 use berth_proto::DeploymentId;
 use serde::Deserialize;
@@ -15,8 +15,7 @@ use super::pages::{caller, deployment_page, environment_page, percent};
 use super::session::UiCaller;
 use super::{error_page, page_response};
 use crate::error::ApiError;
-use crate::extract::{ApiJson, ApiPath};
-use crate::routes::{deployments, readiness};
+use crate::services;
 use crate::SharedState;
 
 #[derive(Deserialize)]
@@ -58,8 +57,8 @@ pub async fn plan(
         return error_page(&e);
     }
     let request = deployment_request(&name, &form);
-    match deployments::plan(State(state.clone()), caller(&ui), ApiJson(request)).await {
-        Ok(Json(plan)) => match environment_page(&state, &ui, &name, Some(&plan), None).await {
+    match services::environments::plan(&state, &caller(&ui), request).await {
+        Ok(plan) => match environment_page(&state, &ui, &name, Some(&plan), None).await {
             Ok(markup) => page_response(StatusCode::OK, markup),
             Err(e) => error_page(&e),
         },
@@ -78,8 +77,8 @@ pub async fn deploy(
         return error_page(&e);
     }
     let request = deployment_request(&name, &form);
-    match deployments::create(State(state.clone()), caller(&ui), ApiJson(request)).await {
-        Ok((_, Json(view))) => Redirect::to(&format!("/deployments/{}", view.id)).into_response(),
+    match services::environments::create(&state, &caller(&ui), request).await {
+        Ok((_, view)) => Redirect::to(&format!("/deployments/{}", view.id)).into_response(),
         Err(e) => environment_refused(&state, &ui, &name, e).await,
     }
 }
@@ -94,14 +93,8 @@ pub async fn rollback(
     if let Err(e) = ui.check_csrf(&form.csrf) {
         return error_page(&e);
     }
-    match deployments::rollback_environment(
-        State(state.clone()),
-        caller(&ui),
-        ApiPath(name.clone()),
-    )
-    .await
-    {
-        Ok((_, Json(view))) => Redirect::to(&format!("/deployments/{}", view.id)).into_response(),
+    match services::environments::rollback_environment(&state, &caller(&ui), name.clone()).await {
+        Ok((_, view)) => Redirect::to(&format!("/deployments/{}", view.id)).into_response(),
         Err(e) => environment_refused(&state, &ui, &name, e).await,
     }
 }
@@ -117,7 +110,7 @@ pub async fn verify(
     if let Err(e) = ui.check_csrf(&form.csrf) {
         return error_page(&e);
     }
-    match readiness::verify(State(state.clone()), caller(&ui), ApiPath(name.clone())).await {
+    match services::environments::verify(&state, &caller(&ui), name.clone()).await {
         Ok(_) => {
             Redirect::to(&format!("/environments/{}#readiness", percent(&name))).into_response()
         }
@@ -138,7 +131,7 @@ pub async fn approve(
     let Ok(deployment) = id.parse::<DeploymentId>() else {
         return error_page(&ApiError::not_found("deployment"));
     };
-    match deployments::approve(State(state.clone()), caller(&ui), ApiPath(deployment)).await {
+    match services::environments::approve(&state, &caller(&ui), deployment).await {
         Ok(_) => Redirect::to(&format!("/deployments/{deployment}")).into_response(),
         Err(e) => match deployment_page(&state, &ui, &id, Some(&e)).await {
             Ok(markup) => page_response(e.status, markup),

@@ -9,7 +9,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::header;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use berth_proto::agent::{Agent, AgentStatus, ListAgents, ResourceUsage};
 use berth_proto::audit::{hash_input, AuditActor, AuditEntry, ListAudit, GENESIS_HASH};
 use berth_proto::deploy::{
@@ -29,12 +28,11 @@ use serde::Deserialize;
 use time::OffsetDateTime;
 
 use super::layout::{self, badge, labels, page, status_badge, time, Live, Nav};
-use super::session::{ReadCaller, UiCaller};
+use super::session::UiCaller;
 use super::{error_page, page_response};
 use crate::auth::Caller;
 use crate::error::ApiResult;
-use crate::extract::{ApiPath, ApiQuery};
-use crate::routes::{agents, audit, deployments, readiness, tasks};
+use crate::services;
 use crate::SharedState;
 
 /// Rows per list page.
@@ -99,7 +97,7 @@ async fn count_agents(
         limit: Some(1000),
         ..Default::default()
     };
-    let Json(list) = agents::list(State(state.clone()), caller(ui), ApiQuery(query)).await?;
+    let list = services::agents::list(&state, &caller(ui), query).await?;
     Ok(count_text(list.items.len(), list.next_cursor.is_some()))
 }
 
@@ -108,15 +106,15 @@ async fn count_tasks(
     ui: &UiCaller,
     task_state: TaskState,
 ) -> ApiResult<String> {
-    let Json(list) = tasks::list(
-        State(state.clone()),
-        caller(ui),
-        ApiQuery(ListTasks {
+    let list = services::task_views::list(
+        &state,
+        &caller(ui),
+        ListTasks {
             order: Some(ListOrder::Newest),
             state: Some(task_state),
             limit: Some(1000),
             ..Default::default()
-        }),
+        },
     )
     .await?;
     Ok(count_text(list.items.len(), list.next_cursor.is_some()))
@@ -146,15 +144,15 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
     }
     let dead = count_tasks(state, ui, TaskState::DeadLetter).await?;
     let unknown = count_tasks(state, ui, TaskState::Unknown).await?;
-    let Json(envs) = deployments::list_environments(State(state.clone()), caller(ui)).await?;
-    let Json(recent) = deployments::list(
-        State(state.clone()),
-        caller(ui),
-        ApiQuery(ListDeployments {
+    let envs = services::environments::list_environments(&state, &caller(ui)).await?;
+    let recent = services::environments::list(
+        &state,
+        &caller(ui),
+        ListDeployments {
             order: Some(ListOrder::Newest),
             limit: Some(50),
             ..Default::default()
-        }),
+        },
     )
     .await?;
     let running: Vec<DeploymentView> = recent
@@ -162,15 +160,15 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
         .into_iter()
         .filter(|d| d.state.is_active())
         .collect();
-    let Json(failed) = tasks::list(
-        State(state.clone()),
-        caller(ui),
-        ApiQuery(ListTasks {
+    let failed = services::task_views::list(
+        &state,
+        &caller(ui),
+        ListTasks {
             order: Some(ListOrder::Newest),
             state: Some(TaskState::Failed),
             limit: Some(10),
             ..Default::default()
-        }),
+        },
     )
     .await?;
     Ok(page(
@@ -277,9 +275,9 @@ pub async fn agents(
         Err(e) => return error_page(&e),
     };
     render(
-        agents::list(State(state), caller(&ui), ApiQuery(query))
+        services::agents::list(&state, &caller(&ui), query)
             .await
-            .map(|Json(list)| {
+            .map(|list| {
                 let next = list.next_cursor.map(|c| {
                     let mut params = vec![("cursor", c)];
                     if let Some(s) = status {
@@ -376,16 +374,16 @@ pub async fn agent(
 async fn agent_page(state: &SharedState, ui: &UiCaller, id: &str) -> ApiResult<Markup> {
     let id: AgentId = parse_id(id)?;
     let live = live(state, ui, format!("agent={id}")).await?;
-    let Json(a) = agents::get(State(state.clone()), caller(ui), ApiPath(id)).await?;
-    let Json(recent) = tasks::list(
-        State(state.clone()),
-        caller(ui),
-        ApiQuery(ListTasks {
+    let a = services::agents::get(&state, &caller(ui), id).await?;
+    let recent = services::task_views::list(
+        &state,
+        &caller(ui),
+        ListTasks {
             order: Some(ListOrder::Newest),
             agent_id: Some(id),
             limit: Some(20),
             ..Default::default()
-        }),
+        },
     )
     .await?;
     let stickers = last_stickers(state, ui, id).await?;
@@ -441,17 +439,17 @@ async fn last_stickers(
     ui: &UiCaller,
     agent: AgentId,
 ) -> ApiResult<Option<(TaskView, Vec<Sticker>)>> {
-    let Json(list) = tasks::list(
-        State(state.clone()),
-        caller(ui),
-        ApiQuery(ListTasks {
+    let list = services::task_views::list(
+        &state,
+        &caller(ui),
+        ListTasks {
             order: Some(ListOrder::Newest),
             agent_id: Some(agent),
             task_type: Some(TaskKind::Inspect.spec().name.to_string()),
             state: Some(TaskState::Succeeded),
             limit: Some(1),
             ..Default::default()
-        }),
+        },
     )
     .await?;
     Ok(list.items.into_iter().next().map(|task| {
@@ -585,9 +583,9 @@ pub async fn tasks(
         Err(e) => return error_page(&e),
     };
     render(
-        tasks::list(State(state), caller(&ui), ApiQuery(query))
+        services::task_views::list(&state, &caller(&ui), query)
             .await
-            .map(|Json(list)| {
+            .map(|list| {
                 let next = list.next_cursor.map(|c| {
                     let mut params = vec![("cursor", c)];
                     if let Some(s) = task_state {
@@ -665,9 +663,9 @@ pub async fn task(
         Err(e) => return error_page(&e),
     };
     render(
-        tasks::get(State(state), caller(&ui), ApiPath(id))
+        services::task_views::get(&state, &caller(&ui), id)
             .await
-            .map(|Json(t)| task_page(&ui, &t, live)),
+            .map(|t| task_page(&ui, &t, live)),
     )
 }
 
@@ -743,9 +741,9 @@ pub async fn audit(
         limit: Some(PAGE),
     };
     render(
-        audit::list(State(state), ReadCaller(caller(&ui)), ApiQuery(query))
+        services::audit::list(&state, &caller(&ui), query)
             .await
-            .map(|Json(page_)| {
+            .map(|page_| {
                 let chain = verify_chain(&page_.items, after);
                 page(
                     &ui,
@@ -792,7 +790,7 @@ pub async fn audit_export(State(state): State<SharedState>, ui: UiCaller) -> Res
                 after,
                 limit: Some(1000),
             };
-            let Json(page) = audit::list(State(state), ReadCaller(caller), ApiQuery(query)).await?;
+            let page = services::audit::list(&state, &caller, query).await?;
             let mut lines = Vec::new();
             for entry in &page.items {
                 serde_json::to_writer(&mut lines, entry)
@@ -864,9 +862,9 @@ fn verify_chain(items: &[AuditEntry], after: u64) -> Result<usize, String> {
 
 pub async fn environments(State(state): State<SharedState>, ui: UiCaller) -> Response {
     render(
-        deployments::list_environments(State(state), caller(&ui))
+        services::environments::list_environments(&state, &caller(&ui))
             .await
-            .map(|Json(list)| {
+            .map(|list| {
                 page(
                     &ui,
                     Nav::Environments,
@@ -912,26 +910,21 @@ pub(super) async fn environment_page(
     notice: Option<&crate::error::ApiError>,
 ) -> ApiResult<Markup> {
     let cursor = state.store.latest_event_id(ui.caller.tenant()).await?;
-    let Json(status) = deployments::environment_status(
-        State(state.clone()),
-        caller(ui),
-        ApiPath(name.to_string()),
-    )
-    .await?;
-    let Json(history) = deployments::list(
-        State(state.clone()),
-        caller(ui),
-        ApiQuery(ListDeployments {
+    let status =
+        services::environments::environment_status(&state, &caller(ui), name.to_string()).await?;
+    let history = services::environments::list(
+        &state,
+        &caller(ui),
+        ListDeployments {
             order: Some(ListOrder::Newest),
             environment: Some(name.to_string()),
             limit: Some(10),
             ..Default::default()
-        }),
+        },
     )
     .await?;
-    let Json(readiness) =
-        readiness::get_readiness(State(state.clone()), caller(ui), ApiPath(name.to_string()))
-            .await?;
+    let readiness =
+        services::environments::get_readiness(&state, &caller(ui), name.to_string()).await?;
     let env = &status.environment;
     let can_deploy = ui.caller.require_deployer().is_ok();
     let live = Live {
@@ -1087,7 +1080,7 @@ pub(super) async fn deployment_page(
 ) -> ApiResult<Markup> {
     let id: DeploymentId = parse_id(id)?;
     let live = live(state, ui, format!("deployment={id}")).await?;
-    let Json(d) = deployments::get(State(state.clone()), caller(ui), ApiPath(id)).await?;
+    let d = services::environments::get(&state, &caller(ui), id).await?;
     // The requester cannot approve its own deployment (the API's SELF_APPROVAL), nor can a
     // token approve twice: neither sees the button.
     let token = ui.caller.0.id.0;
@@ -1187,7 +1180,7 @@ async fn failed_tasks(
             .into_iter()
             .flatten()
         {
-            let Json(task) = tasks::get(State(state.clone()), caller(ui), ApiPath(*id)).await?;
+            let task = services::task_views::get(&state, &caller(ui), *id).await?;
             if task.state != TaskState::Failed {
                 continue;
             }
