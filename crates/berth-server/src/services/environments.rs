@@ -17,9 +17,9 @@ use berth_store::{
     ApproveOutcome, DeploymentDetail, Environment, Release, StoreError, TargetObservation,
 };
 
-use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
+use crate::services::caller::Caller;
 use crate::services::validate::validate_labels;
 use crate::targets::{Target, TargetKind};
 use crate::SharedState;

@@ -6,6 +6,7 @@ pub mod agents;
 pub mod audit;
 pub mod caller;
 pub mod deployments;
+pub mod desired;
 pub mod drift;
 pub mod environments;
 pub mod notify;

@@ -27,7 +27,6 @@ use time::OffsetDateTime;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::routes::notify::secret_key;
 use crate::secrets::{self as envelope, Envelope};
 use crate::SharedState;
 
@@ -249,6 +248,12 @@ async fn deliver(state: &SharedState, client: &reqwest::Client, delivery: Delive
             tracing::warn!(notification = n.id, error = %ErrorChain(&e), "recording a send failed");
         }
     }
+}
+
+/// Where a webhook's secret is sealed: its name within the tenant, version 1 (a webhook is
+/// never edited; delete and create it again).
+pub fn secret_key(name: &str) -> String {
+    format!("webhook/{name}")
 }
 
 #[cfg(test)]

@@ -26,7 +26,8 @@ use berth_store::{
 use crate::auth::{Caller, DesiredCaller};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath};
-use crate::rate::{self, Bucket};
+use crate::rate::{self};
+use crate::services::desired::agent_environment;
 use crate::SharedState;
 
 /// A bundle's tar, as the OpenAPI document describes a push's body and a fetch's answer.
@@ -88,32 +89,6 @@ fn vault_info(state: &SharedState, env: &DesiredEnvironment) -> VaultInfo {
     }
 }
 
-/// The caller's environment named `env_id`, counted against `bucket` when it has one.
-pub(crate) async fn agent_environment(
-    state: &SharedState,
-    caller: &DesiredCaller,
-    env_id: &str,
-    bucket: Option<Bucket>,
-) -> ApiResult<DesiredEnvironment> {
-    let env = state
-        .store
-        .desired_environment(caller.tenant(), env_id)
-        .await?
-        .filter(|env| caller.may_use(env))
-        .ok_or_else(|| {
-            ApiError::forbidden(
-                codes::AGENT_ENV_MISMATCH,
-                format!("this agent may not act for environment {env_id:?}"),
-            )
-        })?;
-    if let Some(bucket) = bucket {
-        state
-            .rate
-            .admit(env.tenant_id, env.id, bucket, state.config.clock.now())?;
-    }
-    Ok(env)
-}
-
 /// A report's text with every value of every version of the environment's `builtin` secrets
 /// masked by the one rule (`berth_proto::redact`). OpenBao's values never reach berth; the
 /// agent redacts those before it reports.
@@ -122,7 +97,7 @@ async fn redact_report(
     env: &DesiredEnvironment,
     texts: [&str; 2],
 ) -> ApiResult<[String; 2]> {
-    let values = crate::routes::secrets::environment_values(state, env).await?;
+    let values = crate::services::desired::environment_values(state, env).await?;
     Ok(texts.map(|t| berth_proto::redact::redact(t, values.iter())))
 }
 

@@ -18,16 +18,11 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::secrets as envelope;
 use crate::services::caller::actor;
+use crate::services::notify::secret_key;
 use crate::SharedState;
 
 fn invalid(detail: impl Into<String>) -> ApiError {
     ApiError::unprocessable(codes::INVALID_REQUEST, detail)
-}
-
-/// Where a webhook's secret is sealed: its name within the tenant, version 1 (a webhook is
-/// never edited; delete and create it again).
-pub(crate) fn secret_key(name: &str) -> String {
-    format!("webhook/{name}")
 }
 
 fn webhook_view(w: Webhook) -> WebhookView {

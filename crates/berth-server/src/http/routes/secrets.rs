@@ -24,8 +24,8 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::grants::{self, LeaseRefusal};
 use crate::rate;
-use crate::routes::desired::agent_environment;
 use crate::secrets as envelope;
+use crate::services::desired::agent_environment;
 use crate::SharedState;
 
 /// The largest value a secret may hold.
@@ -296,35 +296,6 @@ pub async fn kit(
         jti,
         expires_at,
     }))
-}
-
-/// Every value of every live version of the environment's `builtin` secrets: what a report
-/// from it must never carry.
-pub(crate) async fn environment_values(
-    state: &SharedState,
-    env: &DesiredEnvironment,
-) -> ApiResult<Vec<String>> {
-    let mut values = Vec::new();
-    let prefix = format!("{}/", env.name);
-    for latest in state.store.list_secrets(env.tenant_id, &prefix).await? {
-        for meta in state
-            .store
-            .secret_versions(env.tenant_id, &latest.key)
-            .await?
-        {
-            let Some(sealed) = state
-                .store
-                .get_secret(env.tenant_id, &meta.key, Some(meta.version))
-                .await?
-            else {
-                continue;
-            };
-            let value = envelope::open_sealed(&state.master_key, sealed)
-                .map_err(|e| ApiError::internal(&e))?;
-            values.push(String::from_utf8_lossy(&value).into_owned());
-        }
-    }
-    Ok(values)
 }
 
 /// The lease of an agent already known to be in `env`: a new `lease` grant (recorded; it

@@ -11,9 +11,9 @@ use berth_proto::deploy::CreateDeployment;
 use berth_proto::DeploymentId;
 use serde::Deserialize;
 
+use super::layout::{error_page, page_response};
 use super::pages::{caller, deployment_page, environment_page, percent};
 use super::session::UiCaller;
-use super::{error_page, page_response};
 use crate::error::ApiError;
 use crate::services;
 use crate::SharedState;

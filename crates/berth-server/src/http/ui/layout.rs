@@ -1,12 +1,15 @@
 //! The page shell (head, navigation, sign-out form) and the small pieces every page uses.
 //! Everything is interpolated through maud, which escapes it.
 
+use std::sync::LazyLock;
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use berth_proto::agent::AgentStatus;
 use maud::{html, Markup, DOCTYPE};
 use time::OffsetDateTime;
 
 use super::session::UiCaller;
-use super::{SCRIPT_ASSET, STYLE_ASSET};
 use crate::error::ApiError;
 
 /// Which navigation entry a page belongs to.
@@ -168,4 +171,62 @@ pub fn labels(labels: &std::collections::BTreeMap<String, String>) -> Markup {
 /// A hidden CSRF field for a form of this session.
 pub fn csrf(ui: &UiCaller) -> Markup {
     html! { input type="hidden" name="csrf" value=(ui.csrf); }
+}
+
+const SCRIPT: &str = include_str!("assets/app.js");
+const STYLE: &str = include_str!("assets/app.css");
+
+/// An embedded asset under its content-hashed name: the name changes when the bytes do, so it
+/// can be cached for a year.
+pub struct Asset {
+    pub path: String,
+    pub(super) body: &'static str,
+    pub(super) content_type: &'static str,
+}
+
+fn asset(stem: &str, ext: &str, body: &'static str, content_type: &'static str) -> Asset {
+    let hash = berth_crypto::sha256_hex(body.as_bytes());
+    Asset {
+        path: format!("/assets/{stem}.{}.{ext}", &hash[..16]),
+        body,
+        content_type,
+    }
+}
+
+pub static SCRIPT_ASSET: LazyLock<Asset> =
+    LazyLock::new(|| asset("app", "js", SCRIPT, "text/javascript; charset=utf-8"));
+pub static STYLE_ASSET: LazyLock<Asset> =
+    LazyLock::new(|| asset("app", "css", STYLE, "text/css; charset=utf-8"));
+
+/// An HTML page with its status.
+pub(crate) fn page_response(status: StatusCode, markup: Markup) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        markup.into_string(),
+    )
+        .into_response()
+}
+
+/// A refusal as a page: the API's status, code and detail.
+pub(crate) fn error_page(refusal: &ApiError) -> Response {
+    page_response(refusal.status, error(refusal))
+}
+
+pub fn login(csrf: &str, refused: Option<&str>) -> Markup {
+    bare(
+        "Sign in",
+        html! {
+            @if let Some(why) = refused {
+                p.error role="alert" { (why) }
+            }
+            form.card method="post" action="/login" {
+                input type="hidden" name="csrf" value=(csrf);
+                label for="token" { "API token" }
+                input #token type="password" name="token" autocomplete="off" required autofocus;
+                p.hint { "A token from " code { "berth token create" } "; the session acts with its tenant and role for 12 hours." }
+                button type="submit" { "Sign in" }
+            }
+        },
+    )
 }

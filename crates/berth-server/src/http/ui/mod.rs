@@ -11,21 +11,18 @@
 //! the API's (`session.rs`). These routes are not part of the JSON API: they are merged into the
 //! router outside `routes::declared`, so the OpenAPI document does not list them.
 
-use std::sync::LazyLock;
-
 use axum::extract::Path;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue};
 use axum::middleware::map_response;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use maud::Markup;
 
 use crate::error::ApiError;
 use crate::SharedState;
 
 mod actions;
-mod layout;
+pub(crate) mod layout;
 mod pages;
 pub mod session;
 
@@ -33,31 +30,6 @@ pub mod session;
 pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
     img-src 'self' data:; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; \
     base-uri 'none'";
-
-const SCRIPT: &str = include_str!("assets/app.js");
-const STYLE: &str = include_str!("assets/app.css");
-
-/// An embedded asset under its content-hashed name: the name changes when the bytes do, so it
-/// can be cached for a year.
-pub struct Asset {
-    pub path: String,
-    body: &'static str,
-    content_type: &'static str,
-}
-
-fn asset(stem: &str, ext: &str, body: &'static str, content_type: &'static str) -> Asset {
-    let hash = berth_crypto::sha256_hex(body.as_bytes());
-    Asset {
-        path: format!("/assets/{stem}.{}.{ext}", &hash[..16]),
-        body,
-        content_type,
-    }
-}
-
-pub static SCRIPT_ASSET: LazyLock<Asset> =
-    LazyLock::new(|| asset("app", "js", SCRIPT, "text/javascript; charset=utf-8"));
-pub static STYLE_ASSET: LazyLock<Asset> =
-    LazyLock::new(|| asset("app", "css", STYLE, "text/css; charset=utf-8"));
 
 pub(crate) fn router() -> Router<SharedState> {
     Router::new()
@@ -105,7 +77,7 @@ async fn security_headers(mut response: Response) -> Response {
 }
 
 async fn serve_asset(Path(file): Path<String>) -> Response {
-    for asset in [&*SCRIPT_ASSET, &*STYLE_ASSET] {
+    for asset in [&*layout::SCRIPT_ASSET, &*layout::STYLE_ASSET] {
         if asset.path.strip_prefix("/assets/") == Some(file.as_str()) {
             return (
                 [
@@ -117,20 +89,5 @@ async fn serve_asset(Path(file): Path<String>) -> Response {
                 .into_response();
         }
     }
-    error_page(&ApiError::not_found("asset"))
-}
-
-/// An HTML page with its status.
-pub(crate) fn page_response(status: StatusCode, markup: Markup) -> Response {
-    (
-        status,
-        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
-        markup.into_string(),
-    )
-        .into_response()
-}
-
-/// A refusal as a page: the API's status, code and detail.
-pub(crate) fn error_page(error: &ApiError) -> Response {
-    page_response(error.status, layout::error(error))
+    layout::error_page(&ApiError::not_found("asset"))
 }

@@ -28,8 +28,8 @@ use serde::Deserialize;
 use time::OffsetDateTime;
 
 use super::layout::{self, badge, labels, page, status_badge, time, Live, Nav};
+use super::layout::{error_page, page_response};
 use super::session::UiCaller;
-use super::{error_page, page_response};
 use crate::auth::Caller;
 use crate::error::ApiResult;
 use crate::services;
@@ -67,24 +67,6 @@ fn nonempty(v: &Option<String>) -> Option<String> {
 /// A wire enum from its string form (`online`, `dead_letter`, …).
 fn parse<T: DeserializeOwned>(v: &Option<String>) -> Option<T> {
     nonempty(v).and_then(|s| serde_json::from_value(serde_json::Value::String(s)).ok())
-}
-
-pub fn login(csrf: &str, refused: Option<&str>) -> Markup {
-    layout::bare(
-        "Sign in",
-        html! {
-            @if let Some(why) = refused {
-                p.error role="alert" { (why) }
-            }
-            form.card method="post" action="/login" {
-                input type="hidden" name="csrf" value=(csrf);
-                label for="token" { "API token" }
-                input #token type="password" name="token" autocomplete="off" required autofocus;
-                p.hint { "A token from " code { "berth token create" } "; the session acts with its tenant and role for 12 hours." }
-                button type="submit" { "Sign in" }
-            }
-        },
-    )
 }
 
 async fn count_agents(

@@ -48,7 +48,7 @@ impl IntoResponse for NoSession {
         if self.get {
             Redirect::to("/login").into_response()
         } else {
-            super::error_page(&ApiError::unauthenticated(
+            super::layout::error_page(&ApiError::unauthenticated(
                 codes::SESSION_REQUIRED,
                 "sign in again: the session has ended",
             ))
@@ -160,7 +160,8 @@ fn set_cookie(name: &str, value: &str, max_age: i64) -> HeaderValue {
 /// `GET /login`: the sign-in form, with a fresh pre-session token in a cookie and the form.
 pub async fn login_page() -> Response {
     let token = berth_crypto::random_token("");
-    let mut response = super::page_response(StatusCode::OK, super::pages::login(&token, None));
+    let mut response =
+        super::layout::page_response(StatusCode::OK, super::layout::login(&token, None));
     response.headers_mut().append(
         header::SET_COOKIE,
         set_cookie(LOGIN_COOKIE, &token, LOGIN_LIFETIME_SECS),
@@ -185,15 +186,15 @@ pub async fn login(
 ) -> Response {
     let expected = cookie(&headers, LOGIN_COOKIE).unwrap_or_default();
     if expected.is_empty() || !constant_time_eq(expected.as_bytes(), form.csrf.as_bytes()) {
-        return super::error_page(&ApiError::forbidden(
+        return super::layout::error_page(&ApiError::forbidden(
             codes::CSRF_INVALID,
             "the sign-in form expired or came from another site; open it again",
         ));
     }
     let refused = |detail: &str| {
-        super::page_response(
+        super::layout::page_response(
             StatusCode::UNAUTHORIZED,
-            super::pages::login(&expected, Some(detail)),
+            super::layout::login(&expected, Some(detail)),
         )
     };
     let token = match state
@@ -203,7 +204,7 @@ pub async fn login(
     {
         Ok(Some(token)) => token,
         Ok(None) => return refused("That token is not valid."),
-        Err(e) => return super::error_page(&ApiError::from(e)),
+        Err(e) => return super::layout::error_page(&ApiError::from(e)),
     };
     let id = berth_crypto::random_token("");
     let now = state.config.clock.now();
@@ -217,7 +218,7 @@ pub async fn login(
         })
         .await;
     if let Err(e) = created {
-        return super::error_page(&ApiError::from(e));
+        return super::layout::error_page(&ApiError::from(e));
     }
     tracing::info!(token_id = %token.id.0, "web UI session started");
     let mut response = Redirect::to("/").into_response();
@@ -243,10 +244,10 @@ pub async fn logout(
     Form(form): Form<CsrfForm>,
 ) -> Response {
     if let Err(e) = ui.check_csrf(&form.csrf) {
-        return super::error_page(&e);
+        return super::layout::error_page(&e);
     }
     if let Err(e) = state.store.delete_ui_session(&ui.id_hash).await {
-        return super::error_page(&ApiError::from(e));
+        return super::layout::error_page(&ApiError::from(e));
     }
     let mut response = Redirect::to("/login").into_response();
     response
