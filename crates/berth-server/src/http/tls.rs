@@ -159,17 +159,25 @@ pub(crate) async fn serve(
     config: &ServerConfig,
     metrics: Metrics,
 ) -> Result<(), ServerError> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(Semaphore::new(config.max_connections));
     let sources = Arc::new(Sources {
         cap: config.max_connections_per_source,
         open: Mutex::new(HashMap::new()),
     });
     let (stop, stopping) = watch::channel(false);
-    let header_timeout = config.header_read_timeout;
-    let body_timeout = config.body_read_timeout;
-    // An agent with no request for three heartbeat intervals is offline: nothing to keep for it.
-    let keep_alive = header_timeout.max(config.heartbeat_interval * 3);
+    let connections = Connections {
+        acceptor: tokio_rustls::TlsAcceptor::from(tls),
+        app,
+        stopping,
+        metrics: metrics.clone(),
+        header_timeout: config.header_read_timeout,
+        body_timeout: config.body_read_timeout,
+        // An agent with no request for three heartbeat intervals is offline: nothing to keep
+        // for it.
+        keep_alive: config
+            .header_read_timeout
+            .max(config.heartbeat_interval * 3),
+    };
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -194,100 +202,9 @@ pub(crate) async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        let stopping = stopping.clone();
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            // Held by the connection, and by an upgraded WebSocket that outlives it.
-            let slots = ConnectionHold(Arc::new((permit, source)));
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(e)) => {
-                    tracing::debug!(%remote, error = %ErrorChain(&e), "TLS handshake refused");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%remote, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let peer = Peer(
-                stream
-                    .get_ref()
-                    .1
-                    .peer_certificates()
-                    .and_then(|chain| chain.first())
-                    .map(|der| PeerCertificate::new(der)),
-            );
-            let (in_flight, watch_in_flight) = watch::channel(0usize);
-            let in_flight = Arc::new(in_flight);
-            let service = hyper::service::service_fn(
-                move |mut req: hyper::Request<hyper::body::Incoming>| {
-                    req.extensions_mut().insert(peer.clone());
-                    req.extensions_mut().insert(slots.clone());
-                    // A body must arrive in time, and one the handler leaves unread (a 413, a
-                    // refusal before the body) is read to its end after the answer; see
-                    // `RequestBody`.
-                    let req = req.map(|body| RequestBody::wrap(body, body_timeout));
-                    // Every request: the header limit, then its span around the whole answer.
-                    // Here rather than as router middleware, which cost a boxed future and a
-                    // service clone per request.
-                    match crate::http::trace::headers_too_large(req.headers()) {
-                        Some(refusal) => Either::Left(std::future::ready(Ok(refusal))),
-                        None => {
-                            let busy = InFlight::start(&in_flight);
-                            let span = crate::http::trace::request_span(&req);
-                            let answer = app.clone().oneshot(req).instrument(span);
-                            Either::Right(async move {
-                                answer
-                                    .await
-                                    .map(|response| busy_while_streaming(response, busy))
-                            })
-                        }
-                    }
-                },
-            );
-            let mut builder = auto::Builder::new(TokioExecutor::new());
-            // hyper's own header limits answer a bare 431 with no body and no hook to give it
-            // one; set them well above `routes::MAX_HEADER_BYTES`, which answers with
-            // `{code, detail}`, so only requests past these reach hyper's bare answer.
-            builder
-                .http1()
-                .max_buf_size(HYPER_HEADER_BYTES)
-                .max_headers(HYPER_MAX_HEADERS)
-                // Exact for a slow HTTP/1.1 head, and hyper's bound on an idle HTTP/1.1
-                // keep-alive; `closing` below covers HTTP/2 and a client silent before its
-                // first bytes tell hyper the protocol.
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout);
-            builder
-                .http2()
-                .max_header_list_size(HYPER_HEADER_BYTES as u32);
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            let ended = tokio::select! {
-                ended = conn.as_mut() => ended,
-                reason = closing(watch_in_flight, header_timeout, keep_alive, stopping) => {
-                    let grace = match reason {
-                        Close::Idle => {
-                            tracing::debug!(%remote, "closing a connection with no request in flight");
-                            metrics.connection_closed("idle");
-                            IDLE_CLOSE_GRACE
-                        }
-                        Close::Shutdown => DRAIN_TIMEOUT,
-                    };
-                    // HTTP/2: GOAWAY, so a client's request in transit is retried elsewhere.
-                    conn.as_mut().graceful_shutdown();
-                    tokio::time::timeout(grace, conn.as_mut())
-                        .await
-                        .unwrap_or(Ok(()))
-                }
-            };
-            if let Err(e) = ended {
-                tracing::debug!(%remote, error = %ErrorChain(&*e), "connection ended with an error");
-            }
-        });
+        // Held by the connection, and by an upgraded WebSocket that outlives it.
+        let hold = ConnectionHold(Arc::new((permit, source)));
+        tokio::spawn(connections.clone().serve(tcp, remote, hold));
     }
     drop(listener);
     let _ = stop.send(true);
@@ -300,6 +217,147 @@ pub(crate) async fn serve(
         tracing::warn!("connections still open after drain timeout");
     }
     Ok(())
+}
+
+/// What every connection of one listener shares.
+#[derive(Clone)]
+struct Connections {
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: Router,
+    stopping: watch::Receiver<bool>,
+    metrics: Metrics,
+    header_timeout: Duration,
+    body_timeout: Duration,
+    keep_alive: Duration,
+}
+
+impl Connections {
+    /// One connection: the TLS handshake, then HTTP/1.1 or HTTP/2 until the client leaves, the
+    /// connection idles out, or the server stops.
+    async fn serve(
+        self,
+        tcp: tokio::net::TcpStream,
+        remote: std::net::SocketAddr,
+        slots: ConnectionHold,
+    ) {
+        let Connections {
+            acceptor,
+            app,
+            stopping,
+            metrics,
+            header_timeout,
+            body_timeout,
+            keep_alive,
+        } = self;
+        let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                tracing::debug!(%remote, error = %ErrorChain(&e), "TLS handshake refused");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%remote, "TLS handshake timed out");
+                return;
+            }
+        };
+        let peer = Peer(
+            stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .map(|der| PeerCertificate::new(der)),
+        );
+        let (in_flight, watch_in_flight) = watch::channel(0usize);
+        let service = request_service(app, peer, slots, body_timeout, Arc::new(in_flight));
+        let builder = http_builder(header_timeout);
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        tokio::pin!(conn);
+        let ended = tokio::select! {
+            ended = conn.as_mut() => ended,
+            reason = closing(watch_in_flight, header_timeout, keep_alive, stopping) => {
+                let grace = match reason {
+                    Close::Idle => {
+                        tracing::debug!(%remote, "closing a connection with no request in flight");
+                        metrics.connection_closed("idle");
+                        IDLE_CLOSE_GRACE
+                    }
+                    Close::Shutdown => DRAIN_TIMEOUT,
+                };
+                // HTTP/2: GOAWAY, so a client's request in transit is retried elsewhere.
+                conn.as_mut().graceful_shutdown();
+                tokio::time::timeout(grace, conn.as_mut())
+                    .await
+                    .unwrap_or(Ok(()))
+            }
+        };
+        if let Err(e) = ended {
+            tracing::debug!(%remote, error = %ErrorChain(&*e), "connection ended with an error");
+        }
+    }
+}
+
+/// The per-request service of one connection: the header budget, the request's span, and the
+/// peer's certificate and connection hold for the handlers.
+fn request_service(
+    app: Router,
+    peer: Peer,
+    slots: ConnectionHold,
+    body_timeout: Duration,
+    in_flight: Arc<watch::Sender<usize>>,
+) -> impl hyper::service::Service<
+    hyper::Request<hyper::body::Incoming>,
+    Response = axum::response::Response,
+    Error = std::convert::Infallible,
+    Future = impl Future<Output = Result<axum::response::Response, std::convert::Infallible>>
+                 + Send
+                 + 'static,
+> + Clone {
+    hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+        req.extensions_mut().insert(peer.clone());
+        req.extensions_mut().insert(slots.clone());
+        // A body must arrive in time, and one the handler leaves unread (a 413, a
+        // refusal before the body) is read to its end after the answer; see
+        // `RequestBody`.
+        let req = req.map(|body| RequestBody::wrap(body, body_timeout));
+        // Every request: the header limit, then its span around the whole answer.
+        // Here rather than as router middleware, which cost a boxed future and a
+        // service clone per request.
+        match crate::http::trace::headers_too_large(req.headers()) {
+            Some(refusal) => Either::Left(std::future::ready(Ok(refusal))),
+            None => {
+                let busy = InFlight::start(&in_flight);
+                let span = crate::http::trace::request_span(&req);
+                let answer = app.clone().oneshot(req).instrument(span);
+                Either::Right(async move {
+                    answer
+                        .await
+                        .map(|response| busy_while_streaming(response, busy))
+                })
+            }
+        }
+    })
+}
+
+/// hyper's settings for both protocols.
+fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // hyper's own header limits answer a bare 431 with no body and no hook to give it
+    // one; set them well above `routes::MAX_HEADER_BYTES`, which answers with
+    // `{code, detail}`, so only requests past these reach hyper's bare answer.
+    builder
+        .http1()
+        .max_buf_size(HYPER_HEADER_BYTES)
+        .max_headers(HYPER_MAX_HEADERS)
+        // Exact for a slow HTTP/1.1 head, and hyper's bound on an idle HTTP/1.1
+        // keep-alive; `closing` below covers HTTP/2 and a client silent before its
+        // first bytes tell hyper the protocol.
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    builder
+        .http2()
+        .max_header_list_size(HYPER_HEADER_BYTES as u32);
+    builder
 }
 
 /// A connection's slots in the connection budget and its source's count. An upgraded
