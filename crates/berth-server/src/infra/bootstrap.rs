@@ -11,7 +11,7 @@ use crate::error::{Context, ServerError};
 use berth_crypto::hpke::RecipientKey;
 use berth_crypto::{Ca, JwtSigner, MasterKey, RegistryTokenKey};
 use berth_proto::admin::Role;
-use berth_proto::TokenId;
+use berth_proto::{TenantId, TokenId};
 use berth_store::{DynStore, NewApiToken};
 use time::OffsetDateTime;
 
@@ -114,22 +114,7 @@ pub(crate) async fn bootstrap(
         .with_context(|| format!("restricting data dir {}", dir.0.display()))?;
     let now = config.clock.now();
 
-    let ca = match (read_opt(&dir.ca_cert())?, read_opt(&dir.ca_key())?) {
-        (Some(cert), Some(key)) => Ca::from_pem(&cert, &key).context("loading the CA")?,
-        (None, None) => {
-            let ca = Ca::generate("berth CA", now).context("generating the CA")?;
-            write_secret(&dir.ca_key(), ca.key_pem().as_bytes())?;
-            write_public(&dir.ca_cert(), ca.cert_pem().as_bytes())?;
-            ca
-        }
-        _ => {
-            return Err(ServerError::new(format!(
-                "{} and {} must both exist or both be absent",
-                dir.ca_cert().display(),
-                dir.ca_key().display()
-            )))
-        }
-    };
+    let ca = load_or_create_ca(&dir, now)?;
 
     let mut names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
     for h in &config.hostnames {
@@ -139,53 +124,10 @@ pub(crate) async fn bootstrap(
     }
     let (server_cert_pem, server_key_pem) = server_certificate(&dir, &ca, &names, now)?;
 
-    let jwt = match read_opt(&dir.jwt_key())? {
-        Some(pem) => JwtSigner::from_pem(&pem).context("loading the JWT key")?,
-        None => {
-            let signer = JwtSigner::generate().context("generating the JWT key")?;
-            write_secret(&dir.jwt_key(), signer.to_pem().as_bytes())?;
-            signer
-        }
-    };
-
-    // Its own key, not the JWT key: a registry that trusts it trusts nothing else berth signs.
-    let registry_token_key = match (
-        read_opt(&dir.registry_token_key())?,
-        read_opt(&dir.registry_token_cert())?,
-    ) {
-        (Some(key), Some(cert)) => {
-            RegistryTokenKey::from_pem(&key, &cert).context("loading the registry token key")?
-        }
-        (None, None) => {
-            let key = RegistryTokenKey::generate("berth registry tokens", now)
-                .context("generating the registry token key")?;
-            write_secret(&dir.registry_token_key(), key.key_pem().as_bytes())?;
-            write_public(&dir.registry_token_cert(), key.cert_pem().as_bytes())?;
-            key
-        }
-        _ => {
-            return Err(ServerError::new(format!(
-                "{} and {} must both exist or both be absent",
-                dir.registry_token_key().display(),
-                dir.registry_token_cert().display()
-            )))
-        }
-    };
-
-    let sealing_key = match read_opt(&dir.sealing_key())? {
-        Some(pem) => RecipientKey::from_pkcs8_pem(&pem).context("loading the sealing key")?,
-        None => {
-            let key = RecipientKey::generate().context("generating the sealing key")?;
-            let pem = key.to_pkcs8_pem().context("encoding the sealing key")?;
-            write_secret(&dir.sealing_key(), pem.as_bytes())?;
-            key
-        }
-    };
-
-    if !dir.master_key().exists() {
-        write_secret(&dir.master_key(), MasterKey::generate().as_bytes())?;
-    }
-    let master = std::fs::read(dir.master_key()).context("reading the master key")?;
+    let jwt = load_or_create_jwt(&dir)?;
+    let registry_token_key = load_or_create_registry_token_key(&dir, now)?;
+    let sealing_key = load_or_create_sealing_key(&dir)?;
+    let master = load_or_create_master(&dir)?;
     let master_key =
         MasterKey::from_bytes(&master).context("the master key file is not 32 bytes")?;
 
@@ -207,31 +149,7 @@ pub(crate) async fn bootstrap(
         .ensure_tenant(DEFAULT_TENANT, now)
         .await
         .context("creating the default tenant")?;
-    let new_admin_token = if store
-        .has_operator_token(tenant.id)
-        .await
-        .context("looking up the operator token")?
-    {
-        None
-    } else {
-        let token = berth_crypto::random_token("bat_");
-        store
-            .create_api_token(NewApiToken {
-                id: TokenId::new(),
-                tenant_id: tenant.id,
-                name: "bootstrap-admin".into(),
-                role: Role::Admin,
-                operator: true,
-                token_hash: berth_crypto::hash_token(&token),
-                created_at: now,
-                // Nobody issued it: it exists before any token that could.
-                created_by: None,
-            })
-            .await
-            .context("creating the operator token")?;
-        write_secret(&dir.admin_token(), format!("{token}\n").as_bytes())?;
-        Some(token)
-    };
+    let new_admin_token = ensure_operator_token(&store, &dir, tenant.id, now).await?;
 
     Ok((
         Bootstrapped {
@@ -250,6 +168,129 @@ pub(crate) async fn bootstrap(
             server_key_pem,
         },
     ))
+}
+
+/// The CA: loaded, or generated on first start.
+fn load_or_create_ca(dir: &DataDir, now: time::OffsetDateTime) -> Result<Ca, ServerError> {
+    Ok(
+        match (read_opt(&dir.ca_cert())?, read_opt(&dir.ca_key())?) {
+            (Some(cert), Some(key)) => Ca::from_pem(&cert, &key).context("loading the CA")?,
+            (None, None) => {
+                let ca = Ca::generate("berth CA", now).context("generating the CA")?;
+                write_secret(&dir.ca_key(), ca.key_pem().as_bytes())?;
+                write_public(&dir.ca_cert(), ca.cert_pem().as_bytes())?;
+                ca
+            }
+            _ => {
+                return Err(ServerError::new(format!(
+                    "{} and {} must both exist or both be absent",
+                    dir.ca_cert().display(),
+                    dir.ca_key().display()
+                )))
+            }
+        },
+    )
+}
+
+/// The key that signs agent JWTs and deploy grants.
+fn load_or_create_jwt(dir: &DataDir) -> Result<JwtSigner, ServerError> {
+    Ok(match read_opt(&dir.jwt_key())? {
+        Some(pem) => JwtSigner::from_pem(&pem).context("loading the JWT key")?,
+        None => {
+            let signer = JwtSigner::generate().context("generating the JWT key")?;
+            write_secret(&dir.jwt_key(), signer.to_pem().as_bytes())?;
+            signer
+        }
+    })
+}
+
+/// Its own key, not the JWT key: a registry that trusts it trusts nothing else berth signs.
+fn load_or_create_registry_token_key(
+    dir: &DataDir,
+    now: time::OffsetDateTime,
+) -> Result<RegistryTokenKey, ServerError> {
+    Ok(
+        match (
+            read_opt(&dir.registry_token_key())?,
+            read_opt(&dir.registry_token_cert())?,
+        ) {
+            (Some(key), Some(cert)) => {
+                RegistryTokenKey::from_pem(&key, &cert).context("loading the registry token key")?
+            }
+            (None, None) => {
+                let key = RegistryTokenKey::generate("berth registry tokens", now)
+                    .context("generating the registry token key")?;
+                write_secret(&dir.registry_token_key(), key.key_pem().as_bytes())?;
+                write_public(&dir.registry_token_cert(), key.cert_pem().as_bytes())?;
+                key
+            }
+            _ => {
+                return Err(ServerError::new(format!(
+                    "{} and {} must both exist or both be absent",
+                    dir.registry_token_key().display(),
+                    dir.registry_token_cert().display()
+                )))
+            }
+        },
+    )
+}
+
+/// The key agents seal their result logs to.
+fn load_or_create_sealing_key(dir: &DataDir) -> Result<RecipientKey, ServerError> {
+    Ok(match read_opt(&dir.sealing_key())? {
+        Some(pem) => RecipientKey::from_pkcs8_pem(&pem).context("loading the sealing key")?,
+        None => {
+            let key = RecipientKey::generate().context("generating the sealing key")?;
+            let pem = key.to_pkcs8_pem().context("encoding the sealing key")?;
+            write_secret(&dir.sealing_key(), pem.as_bytes())?;
+            key
+        }
+    })
+}
+
+/// The master key's bytes (32), generated on first start.
+fn load_or_create_master(dir: &DataDir) -> Result<Vec<u8>, ServerError> {
+    if !dir.master_key().exists() {
+        write_secret(&dir.master_key(), MasterKey::generate().as_bytes())?;
+    }
+    std::fs::read(dir.master_key()).context("reading the master key")
+}
+
+/// The operator token of the default tenant: created (and written to `admin.token`) on first
+/// start, when it is returned so it can be shown once.
+async fn ensure_operator_token(
+    store: &DynStore,
+    dir: &DataDir,
+    tenant: TenantId,
+    now: time::OffsetDateTime,
+) -> Result<Option<String>, ServerError> {
+    Ok(
+        if store
+            .has_operator_token(tenant)
+            .await
+            .context("looking up the operator token")?
+        {
+            None
+        } else {
+            let token = berth_crypto::random_token("bat_");
+            store
+                .create_api_token(NewApiToken {
+                    id: TokenId::new(),
+                    tenant_id: tenant,
+                    name: "bootstrap-admin".into(),
+                    role: Role::Admin,
+                    operator: true,
+                    token_hash: berth_crypto::hash_token(&token),
+                    created_at: now,
+                    // Nobody issued it: it exists before any token that could.
+                    created_by: None,
+                })
+                .await
+                .context("creating the operator token")?;
+            write_secret(&dir.admin_token(), format!("{token}\n").as_bytes())?;
+            Some(token)
+        },
+    )
 }
 
 /// Reuses the server certificate while it covers `names`, was issued by this CA and is not

@@ -192,11 +192,11 @@ pub async fn create_environment(
         current_release: None,
         previous_release: None,
         pinned_release: None,
-        created_by: actor(&caller),
+        created_by: actor(caller),
         created_at: now,
         updated_at: now,
     };
-    match state.store.create_environment(env, actor(&caller)).await {
+    match state.store.create_environment(env, actor(caller)).await {
         Ok(env) => Ok((StatusCode::CREATED, env_view(env))),
         Err(StoreError::Conflict {
             constraint: "environment_name",
@@ -224,7 +224,7 @@ pub async fn get_environment(
     name: String,
 ) -> ApiResult<EnvironmentView> {
     caller.can_read()?;
-    Ok(env_view(environment(&state, &caller, &name).await?))
+    Ok(env_view(environment(state, caller, &name).await?))
 }
 
 /// Each target's desired release against what its last verified read-back found, and when.
@@ -234,8 +234,8 @@ pub async fn environment_status(
     name: String,
 ) -> ApiResult<EnvironmentStatus> {
     caller.can_read()?;
-    let env = environment(&state, &caller, &name).await?;
-    let targets = crate::targets::matching(&state, &env).await?;
+    let env = environment(state, caller, &name).await?;
+    let targets = crate::targets::matching(state, &env).await?;
     let observations = state.store.target_observations(env.id).await?;
     let desired = env.current_release.as_ref().map(|r| r.name.clone());
     let targets = targets
@@ -283,11 +283,11 @@ pub async fn unpin_environment(
         .unpin_environment(
             caller.tenant(),
             &name,
-            actor(&caller),
+            actor(caller),
             state.config.clock.now(),
         )
         .await?;
-    env.map(|env| env_view(env))
+    env.map(env_view)
         .ok_or_else(|| environment_not_found(&name))
 }
 
@@ -300,21 +300,21 @@ pub async fn rollback_environment(
     name: String,
 ) -> ApiResult<(StatusCode, DeploymentView)> {
     caller.require_deployer()?;
-    let env = environment(&state, &caller, &name).await?;
+    let env = environment(state, caller, &name).await?;
     let previous = env.previous_release.clone().ok_or_else(|| {
         ApiError::conflict(
             codes::NO_PREVIOUS_RELEASE,
             format!("environment {name:?} has no earlier successful release to return to"),
         )
     })?;
-    let release = release(&state, &caller, &previous.name).await?;
-    let (targets, _) = targets(&state, &env, &release).await?;
+    let release = release(state, caller, &previous.name).await?;
+    let (targets, _) = targets(state, &env, &release).await?;
     start(
-        &state,
+        state,
         &env,
         &release,
         DeploymentKind::Rollback,
-        &caller,
+        caller,
         &targets,
     )
     .await
@@ -519,9 +519,9 @@ pub async fn create(
     req: CreateDeployment,
 ) -> ApiResult<(StatusCode, DeploymentView)> {
     caller.require_deployer()?;
-    let (env, release, targets, _) = prepare(&state, &caller, &req).await?;
+    let (env, release, targets, _) = prepare(state, caller, &req).await?;
     if env.policy.require_ready {
-        let readiness = readiness_view(&state, &env).await?;
+        let readiness = readiness_view(state, &env).await?;
         if !readiness.operational_ready {
             let why = readiness.not_true();
             return Err(ApiError::conflict(
@@ -542,11 +542,11 @@ pub async fn create(
         }
     }
     start(
-        &state,
+        state,
         &env,
         &release,
         DeploymentKind::Deploy,
-        &caller,
+        caller,
         &targets,
     )
     .await
@@ -561,7 +561,7 @@ pub async fn plan(
     req: CreateDeployment,
 ) -> ApiResult<DeploymentPlan> {
     caller.can_read()?;
-    let (env, release, targets, skipped) = prepare(&state, &caller, &req).await?;
+    let (env, release, targets, skipped) = prepare(state, caller, &req).await?;
     let observations = state.store.target_observations(env.id).await?;
     let waves = crate::deploy::waves(&targets, &env.policy)
         .map(|(wave, chunk)| PlanWave {
@@ -613,7 +613,7 @@ pub async fn list(
 ) -> ApiResult<DeploymentList> {
     caller.can_read()?;
     let environment_id = match &query.environment {
-        Some(name) => Some(environment(&state, &caller, name).await?.id),
+        Some(name) => Some(environment(state, caller, name).await?.id),
         None => None,
     };
     let after: Option<DeploymentId> = crate::services::validate::cursor(query.cursor.as_deref())?;
@@ -667,7 +667,7 @@ pub async fn get(
     id: DeploymentId,
 ) -> ApiResult<DeploymentView> {
     caller.can_read()?;
-    Ok(deployment_view(deployment(&state, &caller, id).await?))
+    Ok(deployment_view(deployment(state, caller, id).await?))
 }
 
 /// Approve a deployment that awaits approval. The requester's own token cannot; once enough
@@ -678,7 +678,7 @@ pub async fn approve(
     id: DeploymentId,
 ) -> ApiResult<DeploymentView> {
     caller.require_deployer()?;
-    let current = deployment(&state, &caller, id).await?;
+    let current = deployment(state, caller, id).await?;
     if let berth_proto::audit::AuditActor::Token { id: requester, .. } =
         &current.deployment.requested_by
     {
@@ -691,12 +691,7 @@ pub async fn approve(
     }
     match state
         .store
-        .approve_deployment(
-            caller.tenant(),
-            id,
-            actor(&caller),
-            state.config.clock.now(),
-        )
+        .approve_deployment(caller.tenant(), id, actor(caller), state.config.clock.now())
         .await?
     {
         Some(ApproveOutcome::Approved(d)) => Ok(deployment_view(d)),
@@ -721,14 +716,9 @@ pub async fn cancel(
     caller.require_deployer()?;
     state
         .store
-        .cancel_deployment(
-            caller.tenant(),
-            id,
-            actor(&caller),
-            state.config.clock.now(),
-        )
+        .cancel_deployment(caller.tenant(), id, actor(caller), state.config.clock.now())
         .await?
-        .map(|d| deployment_view(d))
+        .map(deployment_view)
         .ok_or_else(|| not_found(id))
 }
 
@@ -778,11 +768,11 @@ pub async fn verify(
     name: String,
 ) -> ApiResult<(StatusCode, VerifyResponse)> {
     caller.require_deployer()?;
-    let env = environment(state, &caller, &name).await?;
+    let env = environment(state, caller, &name).await?;
     let nonce = uuid::Uuid::new_v4().simple().to_string();
     state
         .store
-        .request_verify(&env, &nonce, actor(&caller), state.config.clock.now())
+        .request_verify(&env, &nonce, actor(caller), state.config.clock.now())
         .await?;
     Ok((StatusCode::ACCEPTED, VerifyResponse { nonce }))
 }

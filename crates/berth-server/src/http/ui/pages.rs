@@ -79,7 +79,7 @@ async fn count_agents(
         limit: Some(1000),
         ..Default::default()
     };
-    let list = services::agents::list(&state, &caller(ui), query).await?;
+    let list = services::agents::list(state, &caller(ui), query).await?;
     Ok(count_text(list.items.len(), list.next_cursor.is_some()))
 }
 
@@ -89,7 +89,7 @@ async fn count_tasks(
     task_state: TaskState,
 ) -> ApiResult<String> {
     let list = services::task_views::list(
-        &state,
+        state,
         &caller(ui),
         ListTasks {
             order: Some(ListOrder::Newest),
@@ -126,9 +126,9 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
     }
     let dead = count_tasks(state, ui, TaskState::DeadLetter).await?;
     let unknown = count_tasks(state, ui, TaskState::Unknown).await?;
-    let envs = services::environments::list_environments(&state, &caller(ui)).await?;
+    let envs = services::environments::list_environments(state, &caller(ui)).await?;
     let recent = services::environments::list(
-        &state,
+        state,
         &caller(ui),
         ListDeployments {
             order: Some(ListOrder::Newest),
@@ -143,7 +143,7 @@ async fn overview_page(state: &SharedState, ui: &UiCaller) -> ApiResult<Markup> 
         .filter(|d| d.state.is_active())
         .collect();
     let failed = services::task_views::list(
-        &state,
+        state,
         &caller(ui),
         ListTasks {
             order: Some(ListOrder::Newest),
@@ -356,9 +356,9 @@ pub async fn agent(
 async fn agent_page(state: &SharedState, ui: &UiCaller, id: &str) -> ApiResult<Markup> {
     let id: AgentId = parse_id(id)?;
     let live = live(state, ui, format!("agent={id}")).await?;
-    let a = services::agents::get(&state, &caller(ui), id).await?;
+    let a = services::agents::get(state, &caller(ui), id).await?;
     let recent = services::task_views::list(
-        &state,
+        state,
         &caller(ui),
         ListTasks {
             order: Some(ListOrder::Newest),
@@ -422,7 +422,7 @@ async fn last_stickers(
     agent: AgentId,
 ) -> ApiResult<Option<(TaskView, Vec<Sticker>)>> {
     let list = services::task_views::list(
-        &state,
+        state,
         &caller(ui),
         ListTasks {
             order: Some(ListOrder::Newest),
@@ -893,9 +893,9 @@ pub(super) async fn environment_page(
 ) -> ApiResult<Markup> {
     let cursor = state.store.latest_event_id(ui.caller.tenant()).await?;
     let status =
-        services::environments::environment_status(&state, &caller(ui), name.to_string()).await?;
+        services::environments::environment_status(state, &caller(ui), name.to_string()).await?;
     let history = services::environments::list(
-        &state,
+        state,
         &caller(ui),
         ListDeployments {
             order: Some(ListOrder::Newest),
@@ -906,7 +906,7 @@ pub(super) async fn environment_page(
     )
     .await?;
     let readiness =
-        services::environments::get_readiness(&state, &caller(ui), name.to_string()).await?;
+        services::environments::get_readiness(state, &caller(ui), name.to_string()).await?;
     let env = &status.environment;
     let can_deploy = ui.caller.require_deployer().is_ok();
     let live = Live {
@@ -1062,7 +1062,7 @@ pub(super) async fn deployment_page(
 ) -> ApiResult<Markup> {
     let id: DeploymentId = parse_id(id)?;
     let live = live(state, ui, format!("deployment={id}")).await?;
-    let d = services::environments::get(&state, &caller(ui), id).await?;
+    let d = services::environments::get(state, &caller(ui), id).await?;
     // The requester cannot approve its own deployment (the API's SELF_APPROVAL), nor can a
     // token approve twice: neither sees the button.
     let token = ui.caller.0.id.0;
@@ -1162,7 +1162,7 @@ async fn failed_tasks(
             .into_iter()
             .flatten()
         {
-            let task = services::task_views::get(&state, &caller(ui), *id).await?;
+            let task = services::task_views::get(state, &caller(ui), *id).await?;
             if task.state != TaskState::Failed {
                 continue;
             }

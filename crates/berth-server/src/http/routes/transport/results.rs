@@ -357,6 +357,7 @@ mod tests {
     use super::*;
     use berth_crypto::{AgentKey, Ca, ResultVerifier};
     use berth_proto::result::TaskResult;
+    use berth_proto::transport::SealedBox;
     use serde_json::Value;
     use time::OffsetDateTime;
 
