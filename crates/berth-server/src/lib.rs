@@ -13,12 +13,13 @@ mod workers;
 
 // Transitional aliases, removed once the branches in flight have landed on the new layout.
 use http::{auth, extract, openapi, routes, tls, ui};
+use infra::envelope as secrets;
 pub use infra::openbao;
 use infra::{
     bootstrap, clock, config, error, fault, grants, heartbeat, install, metrics, rate, registry,
     registry_token, wake,
 };
-use services::{deployments as deploy, drift, notify, readback, readiness, secrets, targets};
+use services::{deployments as deploy, drift, notify, readback, readiness, targets};
 use workers::{reconcile, retention};
 
 use std::future::Future;

@@ -5,6 +5,7 @@
 pub mod bootstrap;
 pub mod clock;
 pub mod config;
+pub mod envelope;
 pub mod error;
 pub mod fault;
 pub mod grants;

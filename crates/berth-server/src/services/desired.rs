@@ -5,9 +5,9 @@ use berth_proto::error::codes;
 use berth_store::DesiredEnvironment;
 
 use crate::error::{ApiError, ApiResult};
+use crate::infra::envelope;
 use crate::rate::Bucket;
 use crate::services::caller::DesiredCaller;
-use crate::services::secrets as envelope;
 use crate::SharedState;
 
 /// The caller's environment named `env_id`, counted against `bucket` when it has one.

@@ -1,25 +1,18 @@
 //! Admin API: tenants (operator only), API tokens and one-time agent registration tokens.
 
+use crate::auth::Caller;
+use crate::error::ApiResult;
+use crate::extract::ApiJson;
+use crate::services::tokens;
+use crate::SharedState;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use berth_proto::admin::{
     CreateAgentToken, CreateAgentTokenResponse, CreateApiToken, CreateApiTokenResponse,
-    CreateTenant, CreateTenantResponse, Role,
+    CreateTenant, CreateTenantResponse,
 };
-use berth_proto::error::codes;
-use berth_proto::{ErrorBody, TenantId, TokenId};
-use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
-
-use crate::auth::Caller;
-use crate::error::{ApiError, ApiResult};
-use crate::extract::ApiJson;
-use crate::services::caller::actor;
-use crate::services::validate::{validate_labels, validate_name};
-use crate::SharedState;
-
-const DEFAULT_REGISTRATION_TTL_SECS: u64 = 3600;
-const MAX_REGISTRATION_TTL_SECS: u64 = 30 * 24 * 3600;
+use berth_proto::ErrorBody;
 
 /// Create a tenant and its first admin token (operator token only).
 #[utoipa::path(post, path = "/api/v1/admin/tenants", tag = "admin", request_body = CreateTenant,
@@ -34,38 +27,9 @@ pub async fn create_tenant(
     caller: Caller,
     ApiJson(req): ApiJson<CreateTenant>,
 ) -> ApiResult<(StatusCode, Json<CreateTenantResponse>)> {
-    caller.require_operator()?;
-    validate_name("tenant name", &req.name)?;
-    let now = state.config.clock.now();
-    let tenant = match state
-        .store
-        .create_tenant(TenantId::new(), &req.name, actor(&caller), now)
+    tokens::create_tenant(&state, &caller, req)
         .await
-    {
-        Ok(t) => t,
-        Err(StoreError::Conflict { .. }) => {
-            return Err(ApiError::conflict(
-                codes::TENANT_NAME_TAKEN,
-                format!("a tenant named {:?} exists", req.name),
-            ))
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let admin_token = issue_api_token(
-        &state,
-        &caller,
-        tenant.id,
-        "tenant-admin".into(),
-        Role::Admin,
-    )
-    .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(CreateTenantResponse {
-            tenant_id: tenant.id,
-            admin_token,
-        }),
-    ))
+        .map(|(status, body)| (status, Json(body)))
 }
 
 /// Create an API token in the caller's tenant.
@@ -80,47 +44,9 @@ pub async fn create_api_token(
     caller: Caller,
     ApiJson(req): ApiJson<CreateApiToken>,
 ) -> ApiResult<(StatusCode, Json<CreateApiTokenResponse>)> {
-    caller.require_admin()?;
-    let name = match req.name {
-        Some(name) => {
-            validate_name("token name", &name)?;
-            name
-        }
-        None => format!("{}-token", req.role.as_str()),
-    };
-    let token = issue_api_token(&state, &caller, caller.tenant(), name, req.role).await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(CreateApiTokenResponse {
-            token,
-            role: req.role,
-        }),
-    ))
-}
-
-/// A new API token of `tenant`, issued by `caller` (recorded in the tenant's audit chain).
-async fn issue_api_token(
-    state: &SharedState,
-    caller: &Caller,
-    tenant: TenantId,
-    name: String,
-    role: Role,
-) -> ApiResult<String> {
-    let token = berth_crypto::random_token("bat_");
-    state
-        .store
-        .create_api_token(NewApiToken {
-            id: TokenId::new(),
-            tenant_id: tenant,
-            name,
-            role,
-            operator: false,
-            token_hash: berth_crypto::hash_token(&token),
-            created_at: state.config.clock.now(),
-            created_by: Some(actor(caller)),
-        })
-        .await?;
-    Ok(token)
+    tokens::create_api_token(&state, &caller, req)
+        .await
+        .map(|(status, body)| (status, Json(body)))
 }
 
 /// Create a one-time agent registration token.
@@ -137,48 +63,7 @@ pub async fn create_agent_token(
     caller: Caller,
     ApiJson(req): ApiJson<CreateAgentToken>,
 ) -> ApiResult<(StatusCode, Json<CreateAgentTokenResponse>)> {
-    caller.require_admin()?;
-    let ttl = req
-        .expires_in_seconds
-        .unwrap_or(DEFAULT_REGISTRATION_TTL_SECS);
-    if ttl == 0 || ttl > MAX_REGISTRATION_TTL_SECS {
-        return Err(ApiError::bad_request(
-            codes::INVALID_REQUEST,
-            format!("expiresInSeconds must be between 1 and {MAX_REGISTRATION_TTL_SECS}"),
-        ));
-    }
-    let labels = req.labels.unwrap_or_default();
-    validate_labels(&labels)?;
-    if let Some(env) = &req.environment {
-        validate_name("environment", env)?;
-    }
-    let now = state.config.clock.now();
-    let expires_at = now + time::Duration::seconds(ttl as i64);
-    let token = berth_crypto::random_token("reg_");
-    state
-        .store
-        .create_registration_token(NewRegistrationToken {
-            id: TokenId::new(),
-            tenant_id: caller.tenant(),
-            token_hash: berth_crypto::hash_token(&token),
-            labels,
-            environment: req.environment,
-            expires_at,
-            created_at: now,
-            created_by: Some(actor(&caller)),
-        })
-        .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(CreateAgentTokenResponse {
-            install_command: crate::install::install_line(
-                &state.config.public_url(),
-                &state.ca.fingerprint(),
-                &token,
-            ),
-            token,
-            expires_at,
-            ca_fingerprint: state.ca.fingerprint(),
-        }),
-    ))
+    tokens::create_agent_token(&state, &caller, req)
+        .await
+        .map(|(status, body)| (status, Json(body)))
 }
