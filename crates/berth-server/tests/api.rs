@@ -1477,3 +1477,41 @@ async fn release_create_refuses_with_codes() {
         .is_empty());
     server.stop().await;
 }
+
+/// Every HTTPS answer carries `Strict-Transport-Security` (at least a year), whatever produced
+/// it: a route, an unknown path, a refusal, and the header budget's 431 before routing.
+#[tokio::test]
+async fn every_answer_carries_strict_transport_security() {
+    let server = start().await;
+    let raw = server.raw(None);
+    let url = |p: &str| format!("{}{p}", server.url);
+    let bearer = format!("Bearer {}", server.admin_token);
+    let answers = vec![
+        raw.get(url("/healthz")).send().await.expect("healthz"),
+        raw.get(url("/api/v1/agents"))
+            .header("authorization", &bearer)
+            .send()
+            .await
+            .expect("agents"),
+        raw.get(url("/api/v1/agents")).send().await.expect("401"),
+        raw.get(url("/no/such/route")).send().await.expect("404"),
+        raw.get(url("/healthz"))
+            .header("x-big", "a".repeat(40 * 1024))
+            .send()
+            .await
+            .expect("431"),
+    ];
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status().as_u16()).collect();
+    assert_eq!(statuses, [200, 200, 401, 404, 431]);
+    for answer in &answers {
+        let hsts = answer.headers()["strict-transport-security"]
+            .to_str()
+            .expect("ascii");
+        let max_age: u64 = hsts
+            .split(';')
+            .find_map(|p| p.trim().strip_prefix("max-age="))
+            .and_then(|v| v.parse().ok())
+            .expect("max-age");
+        assert!(max_age >= 31_536_000, "{hsts} on {}", answer.status());
+    }
+}

@@ -30,6 +30,10 @@ fn assert_security_headers(response: &Response) {
     assert_eq!(h[CONTENT_SECURITY_POLICY], CSP, "{}", response.url());
     assert_eq!(h["x-content-type-options"], "nosniff");
     assert_eq!(h["referrer-policy"], "no-referrer");
+    assert_eq!(
+        h["strict-transport-security"],
+        "max-age=63072000; includeSubDomains"
+    );
 }
 
 /// `name=value` of a `Set-Cookie` the response sets, with its attributes.

@@ -324,7 +324,7 @@ fn request_service(
         // Here rather than as router middleware, which cost a boxed future and a
         // service clone per request.
         match crate::http::trace::headers_too_large(req.headers()) {
-            Some(refusal) => Either::Left(std::future::ready(Ok(refusal))),
+            Some(refusal) => Either::Left(std::future::ready(Ok(strict_transport(refusal)))),
             None => {
                 let busy = InFlight::start(&in_flight);
                 let span = crate::http::trace::request_span(&req);
@@ -332,7 +332,7 @@ fn request_service(
                 Either::Right(async move {
                     answer
                         .await
-                        .map(|response| busy_while_streaming(response, busy))
+                        .map(|response| busy_while_streaming(strict_transport(response), busy))
                 })
             }
         }
@@ -467,6 +467,18 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n -= 1);
     }
+}
+
+/// `Strict-Transport-Security` on every answer: this listener speaks only HTTPS, so a browser
+/// that once reached it must never try plain HTTP for it again (two years).
+const HSTS: axum::http::HeaderValue =
+    axum::http::HeaderValue::from_static("max-age=63072000; includeSubDomains");
+
+fn strict_transport(mut response: axum::response::Response) -> axum::response::Response {
+    response
+        .headers_mut()
+        .insert(axum::http::header::STRICT_TRANSPORT_SECURITY, HSTS);
+    response
 }
 
 /// A request is in flight until its answer is sent, which for a stream (Server-Sent Events,

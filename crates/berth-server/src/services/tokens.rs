@@ -41,14 +41,8 @@ pub async fn create_tenant(
         }
         Err(e) => return Err(e.into()),
     };
-    let admin_token = issue_api_token(
-        state,
-        caller,
-        tenant.id,
-        "tenant-admin".into(),
-        Role::Admin,
-    )
-    .await?;
+    let admin_token =
+        issue_api_token(state, caller, tenant.id, "tenant-admin".into(), Role::Admin).await?;
     Ok((
         StatusCode::CREATED,
         CreateTenantResponse {

@@ -187,12 +187,7 @@ pub async fn resend(state: &SharedState, caller: &Caller, id: i64) -> ApiResult<
     caller.require_admin()?;
     match state
         .store
-        .resend_notification(
-            caller.tenant(),
-            id,
-            actor(caller),
-            state.config.clock.now(),
-        )
+        .resend_notification(caller.tenant(), id, actor(caller), state.config.clock.now())
         .await?
     {
         Resend::Queued(n) => {
