@@ -9,10 +9,10 @@ use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 
 use super::audit::append;
-use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE};
+use super::{check_binding, fetch_page, PostgresStore, BINDING_EXCLUSIVE};
 use crate::domain::agents::hold_change;
 use crate::domain::audit::admin_event;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::rows::{self, agent_columns, db_error, millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentHold, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord,
@@ -317,9 +317,9 @@ impl AgentStore for PostgresStore {
         let mut tx = self.begin(OP).await?;
         // The row lock holds the generation and the binding until the rebind commits.
         match check_binding(&mut tx, BINDING_EXCLUSIVE, id, old_fingerprint, generation).await? {
-            Binding::Current { .. } => {}
-            Binding::Fenced => return Ok(RebindOutcome::Fenced),
-            Binding::Revoked => return Ok(RebindOutcome::Revoked),
+            (Binding::Current, _) => {}
+            (Binding::Fenced, _) => return Ok(RebindOutcome::Fenced),
+            (Binding::Revoked, _) => return Ok(RebindOutcome::Revoked),
         }
         sqlx::query(
             "UPDATE agents SET certificate_fingerprint = $1, certificate_expires_at = $2, \
@@ -381,10 +381,15 @@ impl AgentStore for PostgresStore {
                 .fetch_optional(&mut *tx)
                 .await
                 .map_err(db_error(OP))?;
-                match generation {
-                    None => HeartbeatOutcome::Revoked,
-                    Some(g) if g != record.generation => HeartbeatOutcome::Fenced,
-                    Some(_) => HeartbeatOutcome::Replayed,
+                let bound = Some(record.certificate_fingerprint.as_str());
+                match lifecycle::binding(
+                    generation.map(|g| (bound, g)),
+                    &record.certificate_fingerprint,
+                    record.generation,
+                ) {
+                    Binding::Revoked => HeartbeatOutcome::Revoked,
+                    Binding::Fenced => HeartbeatOutcome::Fenced,
+                    Binding::Current => HeartbeatOutcome::Replayed,
                 }
             };
         }

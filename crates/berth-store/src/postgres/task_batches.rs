@@ -19,9 +19,9 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::batch::{decline_all, Batcher, Decided};
-use super::tasks::{decide_completion, Accepted};
+use super::completion::{decide_completion, Accepted};
 use crate::domain::audit::task_created_event;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::pool::AcquireWaits;
 use crate::rows::{self, agent_columns, attempt_columns, db_error, millis, ColumnReader};
 use crate::{
@@ -51,6 +51,13 @@ pub(super) struct ClaimRequest {
     pub(super) start_handshake: bool,
     pub(super) now: OffsetDateTime,
     pub(super) lease_grace: std::time::Duration,
+}
+
+impl ClaimRequest {
+    /// The fencing decision for this poll against its agent's row (`None`: no such agent).
+    fn binding(&self, stored: Option<(Option<&str>, i64)>) -> Binding {
+        lifecycle::binding(stored, &self.certificate_fingerprint, self.generation)
+    }
 }
 
 type Cancellations = Vec<(TaskId, AssignmentId)>;
@@ -474,8 +481,8 @@ async fn claim(
         let claim = &claims[i];
         match probed.get(&claim.agent.0) {
             Some((generation, fingerprint, suspended, claimable))
-                if fingerprint.as_deref() == Some(&*claim.certificate_fingerprint)
-                    && *generation == claim.generation
+                if claim.binding(Some((fingerprint.as_deref(), *generation)))
+                    == Binding::Current
                     && (*suspended || !*claimable) =>
             {
                 decided[i] = Some(ClaimOutcome::Empty)
@@ -512,20 +519,13 @@ async fn claim(
     let mut current = Vec::new();
     for &i in &locking {
         let claim = &claims[i];
-        decided[i] = match bindings.get(&claim.agent.0) {
-            Some((_, fingerprint, _))
-                if fingerprint.as_deref() != Some(&*claim.certificate_fingerprint) =>
-            {
-                Some(ClaimOutcome::Revoked)
-            }
-            None => Some(ClaimOutcome::Revoked),
-            Some((generation, _, _)) if *generation != claim.generation => {
-                Some(ClaimOutcome::Fenced)
-            }
-            Some((_, _, suspended)) if !lifecycle::may_claim(*suspended) => {
-                Some(ClaimOutcome::Empty)
-            }
-            Some(_) => {
+        let row = bindings.get(&claim.agent.0);
+        let suspended = row.is_some_and(|(_, _, suspended)| *suspended);
+        decided[i] = match claim.binding(row.map(|(g, f, _)| (f.as_deref(), *g))) {
+            Binding::Revoked => Some(ClaimOutcome::Revoked),
+            Binding::Fenced => Some(ClaimOutcome::Fenced),
+            Binding::Current if !lifecycle::may_claim(suspended) => Some(ClaimOutcome::Empty),
+            Binding::Current => {
                 current.push(i);
                 None
             }
@@ -709,13 +709,20 @@ async fn complete(
     for (i, assignment) in named {
         let (completion, policy) = &completions[i];
         let (generation, fingerprint, task) = &found[&completion.task_id];
-        if fingerprint.as_deref() != Some(&*completion.certificate_fingerprint) {
-            decided[i] = Some(CompleteOutcome::Revoked);
-            continue;
-        }
-        if *generation != completion.generation {
-            decided[i] = Some(CompleteOutcome::Fenced);
-            continue;
+        match lifecycle::binding(
+            Some((fingerprint.as_deref(), *generation)),
+            &completion.certificate_fingerprint,
+            completion.generation,
+        ) {
+            Binding::Current => {}
+            Binding::Fenced => {
+                decided[i] = Some(CompleteOutcome::Fenced);
+                continue;
+            }
+            Binding::Revoked => {
+                decided[i] = Some(CompleteOutcome::Revoked);
+                continue;
+            }
         }
         let attempt = attempts
             .get(&assignment)
