@@ -77,12 +77,17 @@ impl TaskBatches {
     pub(super) fn start(context: Context) -> TaskBatches {
         let context = Arc::new(context);
         TaskBatches {
-            api_token: batcher(&context, "look up api tokens", api_tokens),
-            agent: batcher(&context, "get agents", agents),
-            create: batcher(&context, "create tasks", create),
-            claim: batcher(&context, "claim tasks", claim),
-            complete: batcher(&context, "complete attempts", complete),
-            cancellations: batcher(&context, "pending cancellations", cancellations),
+            api_token: batcher(&context, "look up api tokens", api_tokens, drop),
+            agent: batcher(&context, "get agents", agents, drop),
+            create: batcher(&context, "create tasks", create, drop),
+            claim: batcher(
+                &context,
+                "claim tasks",
+                claim,
+                release_undelivered(&context),
+            ),
+            complete: batcher(&context, "complete attempts", complete, drop),
+            cancellations: batcher(&context, "pending cancellations", cancellations, drop),
         }
     }
 }
@@ -125,17 +130,81 @@ impl TaskBatches {
     }
 }
 
-fn batcher<I, O, F>(context: &Arc<Context>, name: &'static str, batch: F) -> Batcher<I, O>
+/// `undelivered` takes the answers decided for callers that went away while their batch ran
+/// ([`Batcher::start`]): `drop` where an answer nobody reads harms nothing (a lookup; a
+/// creation or a result, which commit as a request whose client went away would).
+fn batcher<I, O, F, U>(
+    context: &Arc<Context>,
+    name: &'static str,
+    batch: F,
+    undelivered: U,
+) -> Batcher<I, O>
 where
     I: Send + Sync + 'static,
     O: Send + 'static,
     F: for<'a> AsyncBatch<'a, I, O> + Send + Sync + 'static,
+    U: Fn(O) + Send + Sync + 'static,
 {
     let context = context.clone();
-    Batcher::start(name, WORKERS, move |inputs| {
+    Batcher::start(
+        name,
+        WORKERS,
+        move |inputs| {
+            let context = context.clone();
+            async move { declined_on_error(&context, name, inputs, batch).await }
+        },
+        undelivered,
+    )
+}
+
+/// A claim whose poll went away while its batch ran holds a lease nobody will ever use: left
+/// alone, its task would wait for the lease to run out (the task's timeout plus the grace).
+/// Released at once instead, off the batch's worker.
+fn release_undelivered(context: &Arc<Context>) -> impl Fn(ClaimOutcome) + Send + Sync + 'static {
+    let context = context.clone();
+    move |outcome| {
+        let ClaimOutcome::Claimed(_, attempt) = outcome else {
+            return;
+        };
         let context = context.clone();
-        async move { declined_on_error(&context, name, inputs, batch).await }
-    })
+        tokio::spawn(async move {
+            if let Err(e) = release(&context, &attempt).await {
+                tracing::warn!(task = %attempt.task_id, assignment = %attempt.assignment_id,
+                    error = %ErrorChain(&e),
+                    "an undelivered claim was not released; its lease runs out instead");
+            }
+        });
+    }
+}
+
+/// Undoes an undelivered claim in one statement (its own transaction): the task goes back to
+/// the state it was claimed from (`pending` if this was its first delivery, else `retry_wait`,
+/// due at once: it was due when claimed) without spending an attempt, and the delivery, which no
+/// agent ever saw (so never started), is deleted. Only while it is still the task's current
+/// delivery: nothing else can have touched it, since nobody knows its assignment id, but a
+/// cancellation or the lease sweep may have, and then there is nothing to undo.
+async fn release(context: &Context, attempt: &Attempt) -> Result<()> {
+    const OP: &str = "release an undelivered claim";
+    let mut conn = super::acquire(&context.pool, &context.waits, OP).await?;
+    let released = sqlx::query(
+        "WITH released AS (UPDATE tasks SET \
+             state = CASE WHEN attempts > 1 THEN 'retry_wait' ELSE 'pending' END, \
+             attempts = attempts - 1, current_assignment = NULL, lease_expires_at = NULL, \
+             next_attempt_at = CASE WHEN attempts > 1 THEN updated_at END \
+           WHERE id = $2 AND state = 'leased' AND current_assignment = $1 RETURNING id) \
+         DELETE FROM task_attempts a USING released \
+         WHERE a.assignment_id = $1 AND a.task_id = released.id",
+    )
+    .bind(attempt.assignment_id.0)
+    .bind(attempt.task_id.0)
+    .execute(&mut *conn)
+    .await
+    .map_err(db_error(OP))?;
+    if released.rows_affected() > 0 {
+        // Its agent's other polls may claim it now.
+        let _ = context.events.send(attempt.agent_id);
+    }
+    Ok(())
 }
 
 /// Runs `batch` on a pooled connection; if it fails as a whole (a statement's error, a
