@@ -1,12 +1,16 @@
-//! The task path's races that only PostgreSQL has (issue 29 item 4's abandoned claim), on a
-//! real server: a throwaway database on `BERTH_TEST_POSTGRES_URL`'s server, stores of this
-//! crate on it, and a raw connection that holds row locks to make a batch
+//! The task path's races that only PostgreSQL has (issue 29 item 2's cordon race, item 4's
+//! abandoned claim), on a real server: a throwaway database on `BERTH_TEST_POSTGRES_URL`'s
+//! server, stores of this crate on it, and a raw connection that holds row locks to make a batch
 //! busy exactly when the test needs it. Without the variable they skip, except where services
 //! are required (`CI=true`, `BERTH_REQUIRE_SERVICES=1`), where they fail.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_proto::admin::Role;
+use berth_proto::agent::AgentHold;
+use berth_proto::audit::AuditActor;
 use berth_proto::AgentId;
 use berth_store::conformance::{agent_in_session, task_for};
 use berth_store::{
@@ -87,6 +91,15 @@ async fn created(store: &DynStore, agent: &Agent) -> Task {
         CreateTaskOutcome::Created(task) => task,
         other => panic!("expected a new task, got {other:?}"),
     }
+}
+
+/// The agent's tasks, counted in a statement of its own (a fresh snapshot).
+async fn tasks_of(reader: &mut PgConnection, agent: AgentId) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tasks WHERE agent_id = $1")
+        .bind(agent.0)
+        .fetch_one(reader)
+        .await
+        .expect("count tasks")
 }
 
 /// The states the task went through, from its `task.state` events.
@@ -224,5 +237,88 @@ async fn an_abandoned_claim_leaves_its_task_claimable_at_once() {
         "leased by the batch, released, leased again"
     );
     drop(store);
+    drop(database);
+}
+
+/// A cordon and a stream of creates for its agent on two replicas of one database: once the
+/// cordon's call has returned, no create that starts later lands on the agent, and no create
+/// commits after the cordon did (a snapshot taken just after the cordon's answer sees every
+/// task the agent will ever get). Several rounds, as the race is a window of milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cordon_admits_no_create_that_commits_after_it() {
+    const ROUNDS: usize = 8;
+    const CREATORS_PER_REPLICA: usize = 8;
+    let Some(admin) = admin_url("postgres cordon race") else {
+        return;
+    };
+    let database = TestDatabase::create(&admin);
+    let replicas = [replica(&database).await, replica(&database).await];
+    let mut reader = PgConnection::connect(&database.url).await.expect("reader");
+    let actor = AuditActor::Token {
+        id: uuid::Uuid::nil(),
+        name: "operator".to_string(),
+        role: Role::Admin,
+    };
+    let mut late = Vec::new();
+    for round in 0..ROUNDS {
+        let (agent, _) = agent_in_session(&replicas[0], &format!("cordoned-{round}")).await;
+        let answered = Arc::new(AtomicBool::new(false));
+        let created = Arc::new(AtomicUsize::new(0));
+        let mut creators = Vec::new();
+        for i in 0..2 * CREATORS_PER_REPLICA {
+            let store = replicas[i % 2].clone();
+            let (agent, answered, created) = (agent.clone(), answered.clone(), created.clone());
+            creators.push(tokio::spawn(async move {
+                loop {
+                    let after_cordon = answered.load(Ordering::SeqCst);
+                    match store.create_task(task_for(&agent)).await.expect("create") {
+                        CreateTaskOutcome::Created(task) => {
+                            assert!(
+                                !after_cordon,
+                                "a create that started after the cordon's answer landed: {}",
+                                task.id
+                            );
+                            created.fetch_add(1, Ordering::SeqCst);
+                        }
+                        CreateTaskOutcome::AgentCordoned if after_cordon => return,
+                        CreateTaskOutcome::AgentCordoned => {}
+                        other => panic!("unexpected create outcome {other:?}"),
+                    }
+                }
+            }));
+        }
+        let deadline = Deadline::start();
+        while created.load(Ordering::SeqCst) < 10 {
+            deadline.tick("creates under way").await;
+        }
+        let cordoned = replicas[round % 2]
+            .set_agent_hold(
+                agent.tenant_id,
+                agent.id,
+                AgentHold::Cordon,
+                actor.clone(),
+                OffsetDateTime::now_utc(),
+            )
+            .await
+            .expect("cordon")
+            .expect("agent");
+        assert!(cordoned.cordoned);
+        // A statement of its own: its snapshot is taken after the cordon committed.
+        let at_cordon = tasks_of(&mut reader, agent.id).await;
+        answered.store(true, Ordering::SeqCst);
+        for creator in creators {
+            creator.await.expect("creator");
+        }
+        let in_the_end = tasks_of(&mut reader, agent.id).await;
+        if in_the_end != at_cordon {
+            late.push((round, in_the_end - at_cordon));
+        }
+    }
+    assert_eq!(
+        late,
+        vec![],
+        "(round, creates committed after the cordon's commit)"
+    );
+    drop(replicas);
     drop(database);
 }

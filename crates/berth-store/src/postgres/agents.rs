@@ -211,6 +211,19 @@ impl AgentStore for PostgresStore {
         const OP: &str = "set agent hold";
         let (column, value, action) = hold_change(hold);
         let mut tx = self.begin(OP).await?;
+        // FOR UPDATE, a key lock, not only the update's own NO KEY UPDATE: it conflicts with the
+        // KEY SHARE a task creation holds on the agent from its read of `cordoned` to its commit
+        // (`tasks.rs`, `task_batches.rs`). A creation that read the agent first commits before
+        // this hold does; a later one waits for this commit, then reads the row's new version
+        // (a locking read in READ COMMITTED follows the row's update). So once a cordon has
+        // answered, no task lands on its agent. Heartbeats (NO KEY UPDATE) still never wait on
+        // creations; holds are rare.
+        sqlx::query("SELECT 1 FROM agents WHERE tenant_id = $1 AND id = $2 FOR UPDATE")
+            .bind(tenant.0)
+            .bind(id.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
         let changed = sqlx::query(&format!(
             "UPDATE agents SET {column} = $1, updated_at = $2 \
              WHERE tenant_id = $3 AND id = $4 AND {column} <> $1 RETURNING {}",

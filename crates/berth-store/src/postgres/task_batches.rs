@@ -348,8 +348,9 @@ async fn create(
     let mut agents: Vec<uuid::Uuid> = tasks.iter().map(|t| t.agent_id.0).collect();
     agents.sort_unstable();
     agents.dedup();
-    // KEY SHARE, as the single call: a concurrent delete_agent commits before (the agent is
-    // gone here) or waits for this commit.
+    // KEY SHARE, as the single call: a concurrent delete_agent or hold (`set_agent_hold`
+    // locks FOR UPDATE) commits before (the agent is gone here, or its `cordoned` is the new
+    // one) or waits for this commit.
     let mut standing: HashMap<uuid::Uuid, (uuid::Uuid, bool, u64)> = sqlx::query(&format!(
         "SELECT id, tenant_id, cordoned, CASE WHEN id = ANY($2) THEN (SELECT COUNT(*) FROM tasks t \
          WHERE t.agent_id = a.id AND t.state IN {}) ELSE 0 END AS open \

@@ -32,10 +32,10 @@ impl TaskStore for PostgresStore {
         };
         const OP: &str = "create task";
         let mut tx = self.begin(OP).await?;
-        // KEY SHARE conflicts only with deleting the agent: a concurrent delete_agent either
-        // commits first (we see no agent) or waits for us (and then expires this task).
-        // A cordon racing this create is not serialised with it (it takes no key lock): the
-        // task may land just before the cordon commits, as if created a moment earlier.
+        // KEY SHARE conflicts with deleting the agent and with a hold (`set_agent_hold` locks
+        // the row FOR UPDATE), never with heartbeats: a concurrent delete_agent or cordon
+        // either commits first (we see no agent, or `cordoned` already set: the locking read
+        // returns the row's newest version) or waits for this create to commit.
         let cordoned = sqlx::query(
             "SELECT cordoned FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE",
         )
