@@ -1,10 +1,10 @@
 //! The conformance suite every [`Store`](crate::Store) backend must pass: one public function
 //! per behaviour, each panicking on failure, in a module per domain (`tenants.rs`, `agents.rs`,
-//! `tasks.rs`, `releases.rs`, `deployments.rs`, …; this file holds the fixtures and the cases
-//! that span domains). Each case makes its own tenant with a unique name, so cases can share one
-//! database; none may assume an empty database or depend on another case. [`conformance_cases!`](crate::conformance_cases) lists
-//! them all. Compiled only with the `conformance` feature: the shipping library carries none
-//! of it.
+//! `tasks.rs`, `releases.rs`, `deployments.rs`, …; `support.rs` holds the fixtures they all
+//! import, this file the cases that span domains). Each case makes its own tenant with a unique
+//! name, so cases can share one database; none may assume an empty database or depend on
+//! another case. [`conformance_cases!`](crate::conformance_cases) lists them all. Compiled only
+//! with the `conformance` feature: the shipping library carries none of it.
 
 use support::*;
 
