@@ -3,7 +3,8 @@
 //! ([`completion_transition`]) or with its lease running out ([`expiry_transition`]), and the
 //! deadline of a delivery; and the operator's holds on an agent: whether a new task is admitted
 //! to its queue ([`admit`]: cordon, queue cap) and whether it may claim ([`may_claim`]:
-//! suspension). Pure functions of a task's state: no SQL, no connection, no clock.
+//! suspension); and the fencing of every agent-runtime write ([`binding`]: current, fenced or
+//! revoked). Pure functions of the rows read: no SQL, no connection, no clock.
 
 use time::OffsetDateTime;
 
@@ -61,15 +62,52 @@ fn requeue(
     }
 }
 
+/// How an agent-runtime call stands against its agent's row: the fencing decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Binding {
+    /// The caller's certificate is the agent's binding and its generation the session's.
+    Current,
+    /// The agent's certificate, but another session's generation (older or newer): a process
+    /// that lost its session, or one that never held this one.
+    Fenced,
+    /// The agent is gone, or bound to another certificate: nothing the caller says counts.
+    Revoked,
+}
+
+/// The one fencing decision every agent-runtime write takes (claims, starts, results,
+/// heartbeats, a certificate's rebind), on both backends and in the batches. `stored` is the
+/// agent's row read in the write's transaction, `(certificate_fingerprint, generation)`, or
+/// `None` when there is no such agent. The certificate is checked first: a caller that is not
+/// the agent's binding is revoked whatever generation it names.
+pub(crate) fn binding(
+    stored: Option<(Option<&str>, i64)>,
+    certificate_fingerprint: &str,
+    generation: i64,
+) -> Binding {
+    match stored {
+        Some((Some(bound), current)) if bound == certificate_fingerprint => {
+            if current == generation {
+                Binding::Current
+            } else {
+                Binding::Fenced
+            }
+        }
+        _ => Binding::Revoked,
+    }
+}
+
 /// The delivery a result may complete, or the answer when it may not: no such attempt, or one
 /// already finished (the identical envelope again is a duplicate, answered idempotently; any
 /// other is fenced), or a delivery that is no longer current. The lease is the proof window:
 /// a result after its deadline is refused even before the sweep has moved the task, so "on
-/// time" never depends on the sweeper's pace. `now` is in whole milliseconds.
+/// time" never depends on the sweeper's pace. A delivery belongs to the session that claimed
+/// it: a result sent under any other `generation` (a later session of the same agent included)
+/// is fenced, as [`is_live_lease`] says. `now` is in whole milliseconds.
 pub(crate) fn accept_completion(
     task: &Task,
     attempt: Option<Attempt>,
     envelope: &serde_json::Value,
+    generation: i64,
     now: OffsetDateTime,
 ) -> Result<Attempt, Refused> {
     let Some(attempt) = attempt else {
@@ -82,16 +120,26 @@ pub(crate) fn accept_completion(
             Refused::Fenced
         });
     }
-    if !is_live_lease(task, &attempt, now) {
+    if !is_live_lease(task, &attempt, generation, now) {
         return Err(Refused::Fenced);
     }
     Ok(attempt)
 }
 
-/// Whether `attempt` is `task`'s current delivery and its lease holds at `now`: what a result
-/// and a start must both find.
-pub(crate) fn is_live_lease(task: &Task, attempt: &Attempt, now: OffsetDateTime) -> bool {
+/// Whether `attempt` is `task`'s current delivery, claimed by the session of `generation`, and
+/// its lease holds at `now`: what a result and a start must both find. The generation is the
+/// session's own, not merely the agent's current one (which [`binding`] checks): when a process
+/// acquires a new session, the deliveries of the old one are not handed over to it; they end as
+/// lost leases do (seed 003: a lease is held by one generation, and every write is fenced
+/// against it), so a newer process can never complete or start what an older one may be running.
+pub(crate) fn is_live_lease(
+    task: &Task,
+    attempt: &Attempt,
+    generation: i64,
+    now: OffsetDateTime,
+) -> bool {
     attempt.state == AttemptState::Leased
+        && attempt.generation == generation
         && task.state == TaskState::Leased
         && task.current_assignment == Some(attempt.assignment_id)
         && attempt.lease_expires_at >= now
@@ -515,11 +563,13 @@ mod tests {
         }
     }
 
-    /// (case, task, the attempt the result names, now) => accepted, or why not.
+    /// (case, task, the attempt the result names, the result's generation, now) => accepted,
+    /// or why not.
     type AcceptCase = (
         &'static str,
         Task,
         Option<Attempt>,
+        i64,
         OffsetDateTime,
         Result<(), Refused>,
     );
@@ -529,6 +579,7 @@ mod tests {
         use Refused::{Duplicate, Fenced};
         let envelope = serde_json::json!({ "e": "this" });
         let task = leased_task(AssignmentId::new());
+        // Claimed by the session of generation 1 (`attempt_of`).
         let live = attempt_of(&task, A::Leased, None);
         let later = NOW_MS + Duration::milliseconds(1);
         let earlier = NOW_MS - Duration::milliseconds(1);
@@ -539,29 +590,90 @@ mod tests {
         };
         #[rustfmt::skip]
         let table: Vec<AcceptCase> = vec![
-            ("the live delivery, before its deadline", task.clone(), Some(live.clone()), earlier, Ok(())),
-            ("the live delivery, at its deadline", task.clone(), Some(live.clone()), NOW_MS, Ok(())),
-            ("the live delivery, after its deadline", task.clone(), Some(live.clone()), later, Err(Fenced)),
-            ("no such delivery", task.clone(), None, earlier, Err(Fenced)),
+            ("the live delivery, before its deadline", task.clone(), Some(live.clone()), 1, earlier, Ok(())),
+            ("the live delivery, at its deadline", task.clone(), Some(live.clone()), 1, NOW_MS, Ok(())),
+            ("the live delivery, after its deadline", task.clone(), Some(live.clone()), 1, later, Err(Fenced)),
+            ("no such delivery", task.clone(), None, 1, earlier, Err(Fenced)),
+            // A delivery belongs to the session that claimed it: a later session of the same
+            // agent (or an earlier one) cannot complete it, even with its lease live.
+            ("the live delivery, from a newer session", task.clone(), Some(live.clone()), 2, earlier, Err(Fenced)),
+            ("the live delivery, from an older session", task.clone(), Some(live.clone()), 0, earlier, Err(Fenced)),
             // An ended delivery: the same envelope again is a duplicate, anything else fenced.
-            ("succeeded, same envelope", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), earlier, Err(Duplicate)),
-            ("failed, same envelope", task.clone(), Some(attempt_of(&task, A::Failed, Some("this"))), earlier, Err(Duplicate)),
-            ("cancelled, same envelope", task.clone(), Some(attempt_of(&task, A::Cancelled, Some("this"))), earlier, Err(Duplicate)),
-            ("same envelope, after the deadline", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), later, Err(Duplicate)),
-            ("succeeded, other envelope", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("other"))), earlier, Err(Fenced)),
-            ("expired, no envelope", task.clone(), Some(attempt_of(&task, A::Expired, None)), earlier, Err(Fenced)),
+            ("succeeded, same envelope", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), 1, earlier, Err(Duplicate)),
+            ("failed, same envelope", task.clone(), Some(attempt_of(&task, A::Failed, Some("this"))), 1, earlier, Err(Duplicate)),
+            ("cancelled, same envelope", task.clone(), Some(attempt_of(&task, A::Cancelled, Some("this"))), 1, earlier, Err(Duplicate)),
+            ("same envelope, after the deadline", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), 1, later, Err(Duplicate)),
+            // Answering a duplicate writes nothing, so it needs no session of its own.
+            ("same envelope, from a newer session", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("this"))), 2, earlier, Err(Duplicate)),
+            ("succeeded, other envelope", task.clone(), Some(attempt_of(&task, A::Succeeded, Some("other"))), 1, earlier, Err(Fenced)),
+            ("expired, no envelope", task.clone(), Some(attempt_of(&task, A::Expired, None)), 1, earlier, Err(Fenced)),
             // A live attempt row, but the task moved on.
-            ("task no longer leased", with(|t| t.state = T::RetryWait), Some(live.clone()), earlier, Err(Fenced)),
-            ("task unknown", with(|t| t.state = T::Unknown), Some(live.clone()), earlier, Err(Fenced)),
-            ("task leased under another assignment", with(|t| t.current_assignment = Some(AssignmentId::new())), Some(live.clone()), earlier, Err(Fenced)),
-            ("task without an assignment", with(|t| t.current_assignment = None), Some(live.clone()), earlier, Err(Fenced)),
+            ("task no longer leased", with(|t| t.state = T::RetryWait), Some(live.clone()), 1, earlier, Err(Fenced)),
+            ("task unknown", with(|t| t.state = T::Unknown), Some(live.clone()), 1, earlier, Err(Fenced)),
+            ("task leased under another assignment", with(|t| t.current_assignment = Some(AssignmentId::new())), Some(live.clone()), 1, earlier, Err(Fenced)),
+            ("task without an assignment", with(|t| t.current_assignment = None), Some(live.clone()), 1, earlier, Err(Fenced)),
         ];
-        for (case, task, attempt, now, expected) in table {
-            let got = accept_completion(&task, attempt.clone(), &envelope, now);
+        for (case, task, attempt, generation, now, expected) in table {
+            let got = accept_completion(&task, attempt.clone(), &envelope, generation, now);
             match (got, expected) {
                 (Ok(accepted), Ok(())) => assert_eq!(Some(accepted), attempt, "{case}"),
                 (got, expected) => assert_eq!(got.map(|_| ()), expected, "{case}"),
             }
+        }
+    }
+
+    #[test]
+    fn is_live_lease_table() {
+        let task = leased_task(AssignmentId::new());
+        let live = attempt_of(&task, A::Leased, None);
+        let later = NOW_MS + Duration::milliseconds(1);
+        #[rustfmt::skip]
+        let table: Vec<(&str, Attempt, i64, OffsetDateTime, bool)> = vec![
+            // (case, attempt, the caller's generation, now) => live
+            ("its own session, in time", live.clone(), 1, NOW_MS, true),
+            ("its own session, too late", live.clone(), 1, later, false),
+            ("a newer session", live.clone(), 2, NOW_MS, false),
+            ("an older session", live.clone(), 0, NOW_MS, false),
+            ("an ended delivery", attempt_of(&task, A::Succeeded, None), 1, NOW_MS, false),
+        ];
+        for (case, attempt, generation, now, expected) in table {
+            assert_eq!(
+                is_live_lease(&task, &attempt, generation, now),
+                expected,
+                "{case}"
+            );
+        }
+    }
+
+    /// (case, the agent's row (fingerprint, generation), the caller's fingerprint and
+    /// generation) => decision.
+    type BindingCase = (
+        &'static str,
+        Option<(Option<&'static str>, i64)>,
+        &'static str,
+        i64,
+        Binding,
+    );
+
+    #[test]
+    fn binding_table() {
+        use Binding::{Current, Fenced, Revoked};
+        #[rustfmt::skip]
+        let table: Vec<BindingCase> = vec![
+            ("bound, same generation", Some((Some("fp"), 3)), "fp", 3, Current),
+            ("bound, older generation", Some((Some("fp"), 3)), "fp", 2, Fenced),
+            ("bound, newer generation", Some((Some("fp"), 3)), "fp", 4, Fenced),
+            ("bound, generation 0 never acquired", Some((Some("fp"), 0)), "fp", 0, Current),
+            ("another certificate, same generation", Some((Some("other"), 3)), "fp", 3, Revoked),
+            // The certificate is checked first: a stale generation of a revoked caller is
+            // still revoked, so it never learns it only needs a new session.
+            ("another certificate, stale generation", Some((Some("other"), 3)), "fp", 2, Revoked),
+            ("unbound agent", Some((None, 3)), "fp", 3, Revoked),
+            ("no such agent", None, "fp", 3, Revoked),
+            ("an empty fingerprint is not a match for unbound", Some((None, 3)), "", 3, Revoked),
+        ];
+        for (case, stored, fingerprint, generation, expected) in table {
+            assert_eq!(binding(stored, fingerprint, generation), expected, "{case}");
         }
     }
 

@@ -1,7 +1,7 @@
 //! Conformance cases of agents: registration, listing, updates, the certificate binding,
 //! heartbeats, staleness and session leases (fencing).
 
-use super::*;
+use super::support::*;
 
 pub async fn registration_succeeds(store: &DynStore) {
     let tenant = tenant(store).await;

@@ -5,7 +5,7 @@ use berth_proto::audit::{
     actions, hash_input, AuditActor, AuditEntry, ResultEvidence, GENESIS_HASH,
 };
 
-use super::*;
+use super::support::*;
 use crate::NewAuditEvent;
 
 fn event(tenant: TenantId, action: &'static str, subject: &str) -> NewAuditEvent {

@@ -10,7 +10,7 @@ use berth_proto::deploy::{
 use berth_proto::task::ListOrder;
 use berth_proto::{DeploymentId, EnvironmentId, ReleaseId};
 
-use super::*;
+use super::support::*;
 use crate::{
     ApproveOutcome, Deployment, DeploymentDetail, DeploymentStep, DeploymentTarget, Environment,
     Event, EventFilter, NewDeployment, Release, ReleaseRef, TargetObservation,

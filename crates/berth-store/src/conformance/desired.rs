@@ -7,7 +7,7 @@ use berth_proto::deploy::{RolloutPolicy, Tier};
 use berth_proto::desired::{ContainerState, HostFacts, ReportResult};
 use berth_proto::EnvironmentId;
 
-use super::*;
+use super::support::*;
 use crate::{
     CheckinRecord, DesiredEnvironment, Environment, NewBundle, ReportRecord, SetDesiredOutcome,
 };

@@ -2,7 +2,7 @@
 //! in id order after a cursor, per tenant, with filters; writers wake readers; concurrent
 //! writers never let a reader's cursor pass an event it has not seen.
 
-use super::*;
+use super::support::*;
 use crate::{Event, EventFilter};
 
 async fn events(

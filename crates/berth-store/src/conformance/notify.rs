@@ -10,7 +10,7 @@ use berth_proto::notify::{NotificationState, WebhookFormat};
 use super::deployments::{
     audit_actions, create_environment, deploy, new_deployment, release, token,
 };
-use super::*;
+use super::support::*;
 use crate::{ApproveOutcome, EventFilter, NewWebhook, Resend, SendOutcome, Webhook};
 
 fn new_webhook(tenant: TenantId, name: &str, events: &[&str]) -> NewWebhook {

@@ -6,7 +6,7 @@ use berth_proto::audit::actions;
 use berth_proto::readiness::{Condition, ConditionStatus, ConditionType};
 
 use super::deployments::{audit_actions, create_environment};
-use super::*;
+use super::support::*;
 use crate::{EventFilter, Readiness, ReadinessPass};
 
 fn conditions(status: ConditionStatus, at: OffsetDateTime, generation: i64) -> Vec<Condition> {

@@ -3,7 +3,7 @@
 use berth_proto::release::Component;
 use berth_proto::ReleaseId;
 
-use super::*;
+use super::support::*;
 use crate::Release;
 
 fn component(name: &str) -> Component {

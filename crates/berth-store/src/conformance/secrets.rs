@@ -6,7 +6,7 @@
 use berth_proto::audit::actions;
 
 use super::deployments::{audit_actions, create_environment};
-use super::*;
+use super::support::*;
 use crate::{Grant, GrantKind, GrantUse, SealedSecret, SecretMeta};
 
 fn sealed(tenant: TenantId, key: &str, version: u32, marker: u8) -> SealedSecret {

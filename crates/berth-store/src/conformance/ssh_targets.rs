@@ -7,7 +7,7 @@ use berth_proto::release::SshRelease;
 use berth_proto::{ReleaseId, SshTargetId};
 
 use super::deployments::audit_actions;
-use super::*;
+use super::support::*;
 use crate::{Artifact, Release, SshTarget};
 
 fn ssh_target(tenant: TenantId, name: &str) -> SshTarget {

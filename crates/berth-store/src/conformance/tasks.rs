@@ -1,8 +1,22 @@
 //! Conformance cases of tasks: idempotent creation, claim order, fencing, results, cancellation,
 //! retry, lease expiry, the read-back sweep, deleted agents, tenant isolation, listing and wake-ups.
 
-use super::*;
+use super::support::*;
 use berth_proto::task::ListOrder;
+
+/// For a backend's own tests that drive the task path themselves (`tests/postgres_races.rs`):
+/// an agent of a fresh tenant with its session acquired, and that session's generation.
+pub async fn agent_in_session(store: &DynStore, name: &str) -> (Agent, i64) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent(name)).await;
+    let generation = session(store, &agent, now()).await;
+    (agent, generation)
+}
+
+/// A read-only task for `agent`, to be created: see [`agent_in_session`].
+pub fn task_for(agent: &Agent) -> NewTask {
+    new_task(agent.tenant_id, agent.id, now())
+}
 
 /// An operator's task (so with its `task.create` audit entry) whose payload holds `marker`, for
 /// each backend's check that a payload is sealed at rest: that check reads the raw rows itself.
@@ -305,6 +319,70 @@ pub async fn task_claim_fencing(store: &DynStore) {
     assert_eq!(attempt.generation, newer);
 }
 
+/// A delivery belongs to the session that claimed it (seed 003: a lease is held by one
+/// generation). A later session of the same agent, current as it is, can neither start nor
+/// complete what the earlier one was handed, even while that lease is live: the earlier process
+/// may still be running it. The delivery ends as a lost lease does.
+pub async fn task_result_from_a_newer_session(store: &DynStore) {
+    let tenant = tenant(store).await;
+    let agent = register(store, tenant.id, new_agent("newer-session")).await;
+    let t = now();
+    let older = session(store, &agent, t).await;
+    let task = create(store, deploy_task(tenant.id, agent.id, t)).await;
+    let (_, attempt) = claimed(store, &agent, older, t).await;
+    assert_eq!(attempt.generation, older);
+    let newer = session(store, &agent, t).await;
+    assert!(newer > older);
+
+    let start = StartAttempt {
+        agent_id: agent.id,
+        generation: newer,
+        certificate_fingerprint: bound(&agent),
+        task_id: attempt.task_id,
+        assignment_id: attempt.assignment_id,
+        phase: None,
+        now: t,
+    };
+    assert_eq!(
+        store.start_attempt(start).await.expect("start"),
+        StartOutcome::Fenced,
+        "a newer session may not start an older session's delivery"
+    );
+    for result in [AttemptResult::Succeeded, failed(true), failed(false)] {
+        assert_eq!(
+            complete(store, completion(&agent, newer, &attempt, result, t)).await,
+            CompleteOutcome::Fenced,
+            "a newer session's result for an older session's lease"
+        );
+    }
+    // Not naming the delivery changes nothing: the task's current one is still the older's.
+    let unnamed = Completion {
+        assignment_id: None,
+        ..completion(&agent, newer, &attempt, AttemptResult::Succeeded, t)
+    };
+    assert_eq!(complete(store, unnamed).await, CompleteOutcome::Fenced);
+    // The older session is fenced as before.
+    assert_eq!(
+        complete(
+            store,
+            completion(&agent, older, &attempt, AttemptResult::Succeeded, t)
+        )
+        .await,
+        CompleteOutcome::Fenced
+    );
+    let (still, attempts) = task_now(store, &task).await;
+    assert_eq!(
+        still.state,
+        TaskState::Leased,
+        "the refused results changed nothing"
+    );
+    assert_eq!(still.current_assignment, Some(attempt.assignment_id));
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].state, AttemptState::Leased);
+    assert_eq!(attempts[0].started_at, None);
+    assert_eq!(attempts[0].envelope, None);
+}
+
 /// A result that arrives after its lease ran out is refused even though no sweep has moved the
 /// task yet: being on time must not depend on the sweeper's pace.
 pub async fn task_result_after_lease_deadline(store: &DynStore) {
@@ -551,10 +629,12 @@ pub async fn task_complete_transitions(store: &DynStore) {
         TaskState::Leased,
         "fenced changes nothing"
     );
-    // The current generation may finish the delivery that is still current.
+    // Nor may the newer session finish it: the delivery is the older session's (see
+    // `task_result_from_a_newer_session`).
     let mut current = ok;
     current.generation = newer;
-    assert_eq!(recorded(store, current).await.state, TaskState::Succeeded);
+    assert_eq!(complete(store, current).await, CompleteOutcome::Fenced);
+    assert_eq!(task_now(store, &task).await.0.state, TaskState::Leased);
 }
 
 pub async fn task_stale_assignment(store: &DynStore) {

@@ -1,6 +1,6 @@
 //! Conformance cases of tenants and their API tokens.
 
-use super::*;
+use super::support::*;
 
 pub async fn tenants(store: &DynStore) {
     let name = unique("tenant");

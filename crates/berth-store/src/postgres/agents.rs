@@ -9,10 +9,10 @@ use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 
 use super::audit::append;
-use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE};
+use super::{check_binding, fetch_page, PostgresStore, BINDING_EXCLUSIVE};
 use crate::domain::agents::hold_change;
 use crate::domain::audit::admin_event;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::rows::{self, agent_columns, db_error, millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentHold, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord,
@@ -211,6 +211,19 @@ impl AgentStore for PostgresStore {
         const OP: &str = "set agent hold";
         let (column, value, action) = hold_change(hold);
         let mut tx = self.begin(OP).await?;
+        // FOR UPDATE, a key lock, not only the update's own NO KEY UPDATE: it conflicts with the
+        // KEY SHARE a task creation holds on the agent from its read of `cordoned` to its commit
+        // (`tasks.rs`, `task_batches.rs`). A creation that read the agent first commits before
+        // this hold does; a later one waits for this commit, then reads the row's new version
+        // (a locking read in READ COMMITTED follows the row's update). So once a cordon has
+        // answered, no task lands on its agent. Heartbeats (NO KEY UPDATE) still never wait on
+        // creations; holds are rare.
+        sqlx::query("SELECT 1 FROM agents WHERE tenant_id = $1 AND id = $2 FOR UPDATE")
+            .bind(tenant.0)
+            .bind(id.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error(OP))?;
         let changed = sqlx::query(&format!(
             "UPDATE agents SET {column} = $1, updated_at = $2 \
              WHERE tenant_id = $3 AND id = $4 AND {column} <> $1 RETURNING {}",
@@ -317,9 +330,9 @@ impl AgentStore for PostgresStore {
         let mut tx = self.begin(OP).await?;
         // The row lock holds the generation and the binding until the rebind commits.
         match check_binding(&mut tx, BINDING_EXCLUSIVE, id, old_fingerprint, generation).await? {
-            Binding::Current { .. } => {}
-            Binding::Fenced => return Ok(RebindOutcome::Fenced),
-            Binding::Revoked => return Ok(RebindOutcome::Revoked),
+            (Binding::Current, _) => {}
+            (Binding::Fenced, _) => return Ok(RebindOutcome::Fenced),
+            (Binding::Revoked, _) => return Ok(RebindOutcome::Revoked),
         }
         sqlx::query(
             "UPDATE agents SET certificate_fingerprint = $1, certificate_expires_at = $2, \
@@ -381,10 +394,15 @@ impl AgentStore for PostgresStore {
                 .fetch_optional(&mut *tx)
                 .await
                 .map_err(db_error(OP))?;
-                match generation {
-                    None => HeartbeatOutcome::Revoked,
-                    Some(g) if g != record.generation => HeartbeatOutcome::Fenced,
-                    Some(_) => HeartbeatOutcome::Replayed,
+                let bound = Some(record.certificate_fingerprint.as_str());
+                match lifecycle::binding(
+                    generation.map(|g| (bound, g)),
+                    &record.certificate_fingerprint,
+                    record.generation,
+                ) {
+                    Binding::Revoked => HeartbeatOutcome::Revoked,
+                    Binding::Fenced => HeartbeatOutcome::Fenced,
+                    Binding::Current => HeartbeatOutcome::Replayed,
                 }
             };
         }

@@ -14,8 +14,11 @@
 //! unrunnable head) and any call of a batch that failed as a whole. Both paths read and write
 //! the same rows under the same locks, so a call decided either way is decided the same.
 //!
-//! A call is queued whole: dropping its future does not take it back, the batch still runs it
-//! (as a request whose client went away after its transaction committed would have).
+//! A call whose caller has gone (its future dropped while it queued) is withdrawn: the next
+//! batch leaves it out, as a request that never arrived. One that goes while its batch runs is
+//! decided all the same, as a request whose client went away mid-transaction would be; its
+//! answer, undeliverable, goes to the operation's `undelivered` hook, which undoes what must
+//! not outlive the caller (a claim's lease: `task_batches.rs`).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,24 +53,28 @@ pub(super) struct Batcher<I, O> {
 
 impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     /// Starts `workers` tasks running `run_batch` over whatever is queued. `run_batch` answers
-    /// every input, in order. The workers stop once the batcher is dropped and the queue is
-    /// drained.
-    pub(super) fn start<F, Fut>(
+    /// every input, in order; a decided answer whose caller has gone meanwhile is handed to
+    /// `undelivered`. The workers stop once the batcher is dropped and the queue is drained.
+    pub(super) fn start<F, Fut, U>(
         operation: &'static str,
         workers: usize,
         run_batch: F,
+        undelivered: U,
     ) -> Batcher<I, O>
     where
         F: Fn(Vec<I>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<Decided<I, O>>> + Send,
+        U: Fn(O) + Send + Sync + 'static,
     {
         let (queue, received) = mpsc::unbounded_channel::<Job<I, O>>();
         let received = Arc::new(Mutex::new(received));
         let run_batch = Arc::new(run_batch);
+        let undelivered = Arc::new(undelivered);
         let counters = Arc::new(Counters::default());
         for _ in 0..workers {
             let received = received.clone();
             let run_batch = run_batch.clone();
+            let undelivered = undelivered.clone();
             let counters = counters.clone();
             tokio::spawn(async move {
                 loop {
@@ -87,6 +94,14 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                         }
                         jobs
                     };
+                    // Withdrawn: nobody waits for these answers, and nothing was done yet.
+                    let jobs: Vec<Job<I, O>> = jobs
+                        .into_iter()
+                        .filter(|(_, reply)| !reply.is_closed())
+                        .collect();
+                    if jobs.is_empty() {
+                        continue;
+                    }
                     let (inputs, replies): (Vec<I>, Vec<_>) = jobs.into_iter().unzip();
                     let answers = run_batch(inputs).await;
                     debug_assert_eq!(answers.len(), replies.len());
@@ -96,8 +111,11 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                     let declined = answers.len() as u64 - decided;
                     counters.declined.fetch_add(declined, Ordering::Relaxed);
                     for (reply, answer) in replies.into_iter().zip(answers) {
-                        // A caller that went away does not want its answer.
-                        let _ = reply.send(answer);
+                        // A caller that went away does not want its answer; a decided one may
+                        // need undoing. (A declined input just drops: nothing was done for it.)
+                        if let Err(Ok(decided)) = reply.send(answer) {
+                            undelivered(decided);
+                        }
                     }
                 }
             });

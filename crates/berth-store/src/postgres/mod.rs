@@ -18,6 +18,7 @@ use time::OffsetDateTime;
 use tokio::sync::{broadcast, oneshot, watch, Notify};
 use uuid::Uuid;
 
+use crate::lifecycle::{self, Binding};
 use crate::pool::AcquireWaits;
 use crate::rows::{self, db_error, get, ColumnReader, PageRequest};
 use crate::{Page, PayloadKey, PoolStats, PostgresPoolConfig, Result, Store};
@@ -25,6 +26,7 @@ use crate::{Page, PayloadKey, PoolStats, PostgresPoolConfig, Result, Store};
 mod agents;
 mod audit;
 mod batch;
+mod completion;
 mod deployments;
 mod desired;
 mod events;
@@ -416,45 +418,39 @@ impl Store for PostgresStore {
     }
 }
 
-/// How an agent-runtime write stands against the agent's row.
-enum Binding {
-    /// With the agent's `suspended` flag, read under the same lock.
-    Current {
-        suspended: bool,
-    },
-    Fenced,
-    Revoked,
-}
-
 /// Checks the certificate binding and the session generation under a row lock held until the
-/// transaction ends, so neither can change before the write that depends on them commits.
-/// `query` locks `FOR SHARE` (excludes generation bumps) or `FOR NO KEY UPDATE` (also
-/// serialises the callers with each other).
+/// transaction ends, so neither can change before the write that depends on them commits, and
+/// decides by [`lifecycle::binding`]. Also answers the agent's `suspended` flag, read under the
+/// same lock (false for an agent that is gone). `query` locks `FOR SHARE` (excludes generation
+/// bumps) or `FOR NO KEY UPDATE` (also serialises the callers with each other).
 async fn check_binding(
     conn: &mut PgConnection,
     query: &'static str,
     agent: AgentId,
     certificate_fingerprint: &str,
     generation: i64,
-) -> Result<Binding> {
+) -> Result<(Binding, bool)> {
     let row = sqlx::query(query)
         .bind(agent.0)
         .fetch_optional(conn)
         .await
         .map_err(db_error("check agent binding"))?;
-    let Some(row) = row else {
-        return Ok(Binding::Revoked);
+    let stored = match &row {
+        Some(row) => Some((
+            row.text_opt("certificate_fingerprint")?,
+            row.int("generation")?,
+            row.flag("suspended")?,
+        )),
+        None => None,
     };
-    if row.text_opt("certificate_fingerprint")?.as_deref() != Some(certificate_fingerprint) {
-        return Ok(Binding::Revoked);
-    }
-    Ok(if row.int("generation")? == generation {
-        Binding::Current {
-            suspended: row.flag("suspended")?,
-        }
-    } else {
-        Binding::Fenced
-    })
+    let decided = lifecycle::binding(
+        stored
+            .as_ref()
+            .map(|(bound, current, _)| (bound.as_deref(), *current)),
+        certificate_fingerprint,
+        generation,
+    );
+    Ok((decided, stored.is_some_and(|(_, _, suspended)| suspended)))
 }
 
 const BINDING_SHARE: &str =

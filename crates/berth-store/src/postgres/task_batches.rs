@@ -19,9 +19,9 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::batch::{decline_all, Batcher, Decided};
-use super::tasks::{decide_completion, Accepted};
+use super::completion::{decide_completion, Accepted};
 use crate::domain::audit::task_created_event;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::pool::AcquireWaits;
 use crate::rows::{self, agent_columns, attempt_columns, db_error, millis, ColumnReader};
 use crate::{
@@ -53,6 +53,13 @@ pub(super) struct ClaimRequest {
     pub(super) lease_grace: std::time::Duration,
 }
 
+impl ClaimRequest {
+    /// The fencing decision for this poll against its agent's row (`None`: no such agent).
+    fn binding(&self, stored: Option<(Option<&str>, i64)>) -> Binding {
+        lifecycle::binding(stored, &self.certificate_fingerprint, self.generation)
+    }
+}
+
 type Cancellations = Vec<(TaskId, AssignmentId)>;
 
 pub(super) struct TaskBatches {
@@ -70,12 +77,17 @@ impl TaskBatches {
     pub(super) fn start(context: Context) -> TaskBatches {
         let context = Arc::new(context);
         TaskBatches {
-            api_token: batcher(&context, "look up api tokens", api_tokens),
-            agent: batcher(&context, "get agents", agents),
-            create: batcher(&context, "create tasks", create),
-            claim: batcher(&context, "claim tasks", claim),
-            complete: batcher(&context, "complete attempts", complete),
-            cancellations: batcher(&context, "pending cancellations", cancellations),
+            api_token: batcher(&context, "look up api tokens", api_tokens, drop),
+            agent: batcher(&context, "get agents", agents, drop),
+            create: batcher(&context, "create tasks", create, drop),
+            claim: batcher(
+                &context,
+                "claim tasks",
+                claim,
+                release_undelivered(&context),
+            ),
+            complete: batcher(&context, "complete attempts", complete, drop),
+            cancellations: batcher(&context, "pending cancellations", cancellations, drop),
         }
     }
 }
@@ -118,17 +130,81 @@ impl TaskBatches {
     }
 }
 
-fn batcher<I, O, F>(context: &Arc<Context>, name: &'static str, batch: F) -> Batcher<I, O>
+/// `undelivered` takes the answers decided for callers that went away while their batch ran
+/// ([`Batcher::start`]): `drop` where an answer nobody reads harms nothing (a lookup; a
+/// creation or a result, which commit as a request whose client went away would).
+fn batcher<I, O, F, U>(
+    context: &Arc<Context>,
+    name: &'static str,
+    batch: F,
+    undelivered: U,
+) -> Batcher<I, O>
 where
     I: Send + Sync + 'static,
     O: Send + 'static,
     F: for<'a> AsyncBatch<'a, I, O> + Send + Sync + 'static,
+    U: Fn(O) + Send + Sync + 'static,
 {
     let context = context.clone();
-    Batcher::start(name, WORKERS, move |inputs| {
+    Batcher::start(
+        name,
+        WORKERS,
+        move |inputs| {
+            let context = context.clone();
+            async move { declined_on_error(&context, name, inputs, batch).await }
+        },
+        undelivered,
+    )
+}
+
+/// A claim whose poll went away while its batch ran holds a lease nobody will ever use: left
+/// alone, its task would wait for the lease to run out (the task's timeout plus the grace).
+/// Released at once instead, off the batch's worker.
+fn release_undelivered(context: &Arc<Context>) -> impl Fn(ClaimOutcome) + Send + Sync + 'static {
+    let context = context.clone();
+    move |outcome| {
+        let ClaimOutcome::Claimed(_, attempt) = outcome else {
+            return;
+        };
         let context = context.clone();
-        async move { declined_on_error(&context, name, inputs, batch).await }
-    })
+        tokio::spawn(async move {
+            if let Err(e) = release(&context, &attempt).await {
+                tracing::warn!(task = %attempt.task_id, assignment = %attempt.assignment_id,
+                    error = %ErrorChain(&e),
+                    "an undelivered claim was not released; its lease runs out instead");
+            }
+        });
+    }
+}
+
+/// Undoes an undelivered claim in one statement (its own transaction): the task goes back to
+/// the state it was claimed from (`pending` if this was its first delivery, else `retry_wait`,
+/// due at once: it was due when claimed) without spending an attempt, and the delivery, which no
+/// agent ever saw (so never started), is deleted. Only while it is still the task's current
+/// delivery: nothing else can have touched it, since nobody knows its assignment id, but a
+/// cancellation or the lease sweep may have, and then there is nothing to undo.
+async fn release(context: &Context, attempt: &Attempt) -> Result<()> {
+    const OP: &str = "release an undelivered claim";
+    let mut conn = super::acquire(&context.pool, &context.waits, OP).await?;
+    let released = sqlx::query(
+        "WITH released AS (UPDATE tasks SET \
+             state = CASE WHEN attempts > 1 THEN 'retry_wait' ELSE 'pending' END, \
+             attempts = attempts - 1, current_assignment = NULL, lease_expires_at = NULL, \
+             next_attempt_at = CASE WHEN attempts > 1 THEN updated_at END \
+           WHERE id = $2 AND state = 'leased' AND current_assignment = $1 RETURNING id) \
+         DELETE FROM task_attempts a USING released \
+         WHERE a.assignment_id = $1 AND a.task_id = released.id",
+    )
+    .bind(attempt.assignment_id.0)
+    .bind(attempt.task_id.0)
+    .execute(&mut *conn)
+    .await
+    .map_err(db_error(OP))?;
+    if released.rows_affected() > 0 {
+        // Its agent's other polls may claim it now.
+        let _ = context.events.send(attempt.agent_id);
+    }
+    Ok(())
 }
 
 /// Runs `batch` on a pooled connection; if it fails as a whole (a statement's error, a
@@ -272,8 +348,9 @@ async fn create(
     let mut agents: Vec<uuid::Uuid> = tasks.iter().map(|t| t.agent_id.0).collect();
     agents.sort_unstable();
     agents.dedup();
-    // KEY SHARE, as the single call: a concurrent delete_agent commits before (the agent is
-    // gone here) or waits for this commit.
+    // KEY SHARE, as the single call: a concurrent delete_agent or hold (`set_agent_hold`
+    // locks FOR UPDATE) commits before (the agent is gone here, or its `cordoned` is the new
+    // one) or waits for this commit.
     let mut standing: HashMap<uuid::Uuid, (uuid::Uuid, bool, u64)> = sqlx::query(&format!(
         "SELECT id, tenant_id, cordoned, CASE WHEN id = ANY($2) THEN (SELECT COUNT(*) FROM tasks t \
          WHERE t.agent_id = a.id AND t.state IN {}) ELSE 0 END AS open \
@@ -474,8 +551,8 @@ async fn claim(
         let claim = &claims[i];
         match probed.get(&claim.agent.0) {
             Some((generation, fingerprint, suspended, claimable))
-                if fingerprint.as_deref() == Some(&*claim.certificate_fingerprint)
-                    && *generation == claim.generation
+                if claim.binding(Some((fingerprint.as_deref(), *generation)))
+                    == Binding::Current
                     && (*suspended || !*claimable) =>
             {
                 decided[i] = Some(ClaimOutcome::Empty)
@@ -512,20 +589,13 @@ async fn claim(
     let mut current = Vec::new();
     for &i in &locking {
         let claim = &claims[i];
-        decided[i] = match bindings.get(&claim.agent.0) {
-            Some((_, fingerprint, _))
-                if fingerprint.as_deref() != Some(&*claim.certificate_fingerprint) =>
-            {
-                Some(ClaimOutcome::Revoked)
-            }
-            None => Some(ClaimOutcome::Revoked),
-            Some((generation, _, _)) if *generation != claim.generation => {
-                Some(ClaimOutcome::Fenced)
-            }
-            Some((_, _, suspended)) if !lifecycle::may_claim(*suspended) => {
-                Some(ClaimOutcome::Empty)
-            }
-            Some(_) => {
+        let row = bindings.get(&claim.agent.0);
+        let suspended = row.is_some_and(|(_, _, suspended)| *suspended);
+        decided[i] = match claim.binding(row.map(|(g, f, _)| (f.as_deref(), *g))) {
+            Binding::Revoked => Some(ClaimOutcome::Revoked),
+            Binding::Fenced => Some(ClaimOutcome::Fenced),
+            Binding::Current if !lifecycle::may_claim(suspended) => Some(ClaimOutcome::Empty),
+            Binding::Current => {
                 current.push(i);
                 None
             }
@@ -709,13 +779,20 @@ async fn complete(
     for (i, assignment) in named {
         let (completion, policy) = &completions[i];
         let (generation, fingerprint, task) = &found[&completion.task_id];
-        if fingerprint.as_deref() != Some(&*completion.certificate_fingerprint) {
-            decided[i] = Some(CompleteOutcome::Revoked);
-            continue;
-        }
-        if *generation != completion.generation {
-            decided[i] = Some(CompleteOutcome::Fenced);
-            continue;
+        match lifecycle::binding(
+            Some((fingerprint.as_deref(), *generation)),
+            &completion.certificate_fingerprint,
+            completion.generation,
+        ) {
+            Binding::Current => {}
+            Binding::Fenced => {
+                decided[i] = Some(CompleteOutcome::Fenced);
+                continue;
+            }
+            Binding::Revoked => {
+                decided[i] = Some(CompleteOutcome::Revoked);
+                continue;
+            }
         }
         let attempt = attempts
             .get(&assignment)

@@ -6,11 +6,12 @@ use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
+use super::completion::{decide_completion, Accepted};
 use super::task_batches::ClaimRequest;
-use super::{check_binding, fetch_page, Binding, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE};
-use crate::domain::audit::{result_event, task_created_event, task_event};
+use super::{check_binding, fetch_page, PostgresStore, BINDING_EXCLUSIVE, BINDING_SHARE};
+use crate::domain::audit::{task_created_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::rows::{self, attempt_columns, db_error, millis, task_columns, ColumnReader};
 use crate::{
     Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
@@ -31,10 +32,10 @@ impl TaskStore for PostgresStore {
         };
         const OP: &str = "create task";
         let mut tx = self.begin(OP).await?;
-        // KEY SHARE conflicts only with deleting the agent: a concurrent delete_agent either
-        // commits first (we see no agent) or waits for us (and then expires this task).
-        // A cordon racing this create is not serialised with it (it takes no key lock): the
-        // task may land just before the cordon commits, as if created a moment earlier.
+        // KEY SHARE conflicts with deleting the agent and with a hold (`set_agent_hold` locks
+        // the row FOR UPDATE), never with heartbeats: a concurrent delete_agent or cordon
+        // either commits first (we see no agent, or `cordoned` already set: the locking read
+        // returns the row's newest version) or waits for this create to commit.
         let cordoned = sqlx::query(
             "SELECT cordoned FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE",
         )
@@ -259,9 +260,12 @@ impl TaskStore for PostgresStore {
         .await
         .map_err(db_error(OP))?;
         if let Some(row) = &probe {
-            let current = row.text_opt("certificate_fingerprint")?.as_deref()
-                == Some(certificate_fingerprint)
-                && row.int("generation")? == generation;
+            let bound = row.text_opt("certificate_fingerprint")?;
+            let current = lifecycle::binding(
+                Some((bound.as_deref(), row.int("generation")?)),
+                certificate_fingerprint,
+                generation,
+            ) == Binding::Current;
             if current && (row.flag("suspended")? || !row.flag("claimable")?) {
                 return Ok(ClaimOutcome::Empty);
             }
@@ -281,9 +285,9 @@ impl TaskStore for PostgresStore {
         )
         .await?
         {
-            Binding::Current { suspended } => suspended,
-            Binding::Fenced => return Ok(ClaimOutcome::Fenced),
-            Binding::Revoked => return Ok(ClaimOutcome::Revoked),
+            (Binding::Current, suspended) => suspended,
+            (Binding::Fenced, _) => return Ok(ClaimOutcome::Fenced),
+            (Binding::Revoked, _) => return Ok(ClaimOutcome::Revoked),
         };
         if !lifecycle::may_claim(suspended) {
             return Ok(ClaimOutcome::Empty);
@@ -455,9 +459,9 @@ impl TaskStore for PostgresStore {
         )
         .await?
         {
-            Binding::Current { .. } => {}
-            Binding::Fenced => return Ok(StartOutcome::Fenced),
-            Binding::Revoked => return Ok(StartOutcome::Revoked),
+            (Binding::Current, _) => {}
+            (Binding::Fenced, _) => return Ok(StartOutcome::Fenced),
+            (Binding::Revoked, _) => return Ok(StartOutcome::Revoked),
         }
         // The task row locked: the lease sweep locks it too, so a start and an expiry of one
         // delivery never interleave; whichever waits sees the other's outcome.
@@ -475,7 +479,9 @@ impl TaskStore for PostgresStore {
         };
         let now = millis(start.now);
         let attempt = match attempt {
-            Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => attempt,
+            Some(attempt) if lifecycle::is_live_lease(&task, &attempt, start.generation, now) => {
+                attempt
+            }
             _ => return Ok(StartOutcome::Fenced),
         };
         let row = sqlx::query(concat!(
@@ -520,9 +526,9 @@ impl TaskStore for PostgresStore {
         )
         .await?
         {
-            Binding::Current { .. } => {}
-            Binding::Fenced => return Ok(CompleteOutcome::Fenced),
-            Binding::Revoked => return Ok(CompleteOutcome::Revoked),
+            (Binding::Current, _) => {}
+            (Binding::Fenced, _) => return Ok(CompleteOutcome::Fenced),
+            (Binding::Revoked, _) => return Ok(CompleteOutcome::Revoked),
         }
         let Some((task, attempt)) = locked_delivery(
             &mut tx,
@@ -923,48 +929,4 @@ async fn locked_delivery(
     .map(|row| rows::read_attempt(&row))
     .transpose()?;
     Ok(Some((task, attempt)))
-}
-
-/// A result accepted for its locked task and delivery ([`decide_completion`]).
-pub(super) struct Accepted {
-    pub(super) attempt: Attempt,
-    pub(super) next: lifecycle::Transition,
-    /// The staged `task.result` audit entry: its tenant and draft.
-    pub(super) audit: (TenantId, String),
-    /// The completion's time in whole milliseconds.
-    pub(super) now: OffsetDateTime,
-}
-
-/// What a result does to its task and delivery, both read under their locks: refused (the
-/// answer), or accepted. The single call and the batch (`task_batches.rs`) both decide by it.
-pub(super) fn decide_completion(
-    task: &Task,
-    attempt: Option<Attempt>,
-    completion: &Completion,
-    policy: &RetryPolicy,
-) -> Result<std::result::Result<Accepted, CompleteOutcome>> {
-    let now = millis(completion.now);
-    let attempt = match lifecycle::accept_completion(task, attempt, &completion.envelope, now) {
-        Ok(attempt) => attempt,
-        Err(refused) => return Ok(Err(refused.outcome(task.clone()))),
-    };
-    let next = lifecycle::completion_transition(
-        &completion.result,
-        task.attempts,
-        task.cancel_requested,
-        policy,
-        now,
-    );
-    let audit = super::sequencer::staged(result_event(
-        completion,
-        task.tenant_id,
-        task.id,
-        next.state,
-    ))?;
-    Ok(Ok(Accepted {
-        attempt,
-        next,
-        audit,
-        now,
-    }))
 }

@@ -6,10 +6,10 @@ use rusqlite::params;
 use time::OffsetDateTime;
 
 use super::audit::append;
-use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use super::{binding, id_text, json_text, Query, SqliteStore};
 use crate::domain::agents::hold_change;
 use crate::domain::audit::admin_event;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::rows::{self, agent_columns, millis, unix_millis, ColumnReader};
 use crate::{
     Agent, AgentFilter, AgentHold, AgentStore, AgentUpdate, HeartbeatOutcome, HeartbeatRecord,
@@ -408,10 +408,14 @@ impl AgentStore for SqliteStore {
                             params![agent, fingerprint],
                             |row| row.int("generation"),
                         )?;
-                        match current {
-                            None => HeartbeatOutcome::Revoked,
-                            Some(g) if g != generation => HeartbeatOutcome::Fenced,
-                            Some(_) => HeartbeatOutcome::Replayed,
+                        match lifecycle::binding(
+                            current.map(|g| (Some(fingerprint.as_str()), g)),
+                            &fingerprint,
+                            generation,
+                        ) {
+                            Binding::Revoked => HeartbeatOutcome::Revoked,
+                            Binding::Fenced => HeartbeatOutcome::Fenced,
+                            Binding::Current => HeartbeatOutcome::Replayed,
                         }
                     };
                 }

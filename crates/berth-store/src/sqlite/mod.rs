@@ -20,6 +20,7 @@ use time::OffsetDateTime;
 use tokio::sync::{broadcast, watch};
 use uuid::Uuid;
 
+use crate::lifecycle::{self, Binding};
 use crate::rows::{self, db_error, ColumnReader, PageRequest};
 use crate::{Page, PayloadKey, Result, Store, StoreError};
 
@@ -340,16 +341,10 @@ impl Store for SqliteStore {
     }
 }
 
-/// How an agent-runtime write stands against the agent's row.
-enum Binding {
-    Current,
-    Fenced,
-    Revoked,
-}
-
-/// Reads the certificate binding and the session generation. Inside the writer's transaction
-/// neither can change before the write that depends on them commits; on a reader it is only a
-/// hint for skipping the writer, which checks again.
+/// Reads the certificate binding and the session generation, and decides by
+/// [`lifecycle::binding`]. Inside the writer's transaction neither can change before the write
+/// that depends on them commits; on a reader it is only a hint for skipping the writer, which
+/// checks again.
 fn binding(
     db: &threads::Db<'_>,
     agent: AgentId,
@@ -366,14 +361,11 @@ fn binding(
             ))
         },
     )?;
-    Ok(match stored {
-        Some((Some(bound), current)) if bound == fingerprint => {
-            if current == generation {
-                Binding::Current
-            } else {
-                Binding::Fenced
-            }
-        }
-        _ => Binding::Revoked,
-    })
+    Ok(lifecycle::binding(
+        stored
+            .as_ref()
+            .map(|(bound, current)| (bound.as_deref(), *current)),
+        fingerprint,
+        generation,
+    ))
 }

@@ -8,10 +8,10 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::threads::Db;
-use super::{binding, id_text, json_text, Binding, Query, SqliteStore};
+use super::{binding, id_text, json_text, Query, SqliteStore};
 use crate::domain::audit::{result_event, task_created_event, task_event};
 use crate::domain::tasks::READ_BACK_KEY_PREFIX;
-use crate::lifecycle;
+use crate::lifecycle::{self, Binding};
 use crate::rows::{self, attempt_columns, millis, task_columns, unix_millis, ColumnReader};
 use crate::{
     Attempt, CancelOutcome, ClaimOutcome, CompleteOutcome, Completion, CreateTaskOutcome,
@@ -500,8 +500,10 @@ impl TaskStore for SqliteStore {
                 };
                 let now = millis(start.now);
                 match attempt {
-                    Some(attempt) if lifecycle::is_live_lease(&task, &attempt, now) => tx
-                        .one(
+                    Some(attempt)
+                        if lifecycle::is_live_lease(&task, &attempt, start.generation, now) =>
+                    {
+                        tx.one(
                             concat!(
                                 "UPDATE task_attempts SET started_at = COALESCE(started_at, ?2), \
                                  phase = COALESCE(?3, phase) WHERE assignment_id = ?1 RETURNING ",
@@ -514,7 +516,8 @@ impl TaskStore for SqliteStore {
                             ],
                             |row| rows::read_attempt(row),
                         )
-                        .map(StartOutcome::Started),
+                        .map(StartOutcome::Started)
+                    }
                     _ => Ok(StartOutcome::Fenced),
                 }
             })
@@ -560,11 +563,16 @@ impl TaskStore for SqliteStore {
                     return Ok(CompleteOutcome::NotFound);
                 };
                 let now = millis(completion.now);
-                let attempt =
-                    match lifecycle::accept_completion(&task, attempt, &completion.envelope, now) {
-                        Ok(attempt) => attempt,
-                        Err(refused) => return Ok(refused.outcome(task)),
-                    };
+                let attempt = match lifecycle::accept_completion(
+                    &task,
+                    attempt,
+                    &completion.envelope,
+                    completion.generation,
+                    now,
+                ) {
+                    Ok(attempt) => attempt,
+                    Err(refused) => return Ok(refused.outcome(task)),
+                };
                 let next = lifecycle::completion_transition(
                     &completion.result,
                     task.attempts,
