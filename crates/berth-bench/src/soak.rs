@@ -445,3 +445,58 @@ async fn figures(pool: &sqlx::PgPool, writes: &StickerWrites) -> anyhow::Result<
     });
     Ok(rows)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A state dir with a sticker history, in a fresh directory under the system's temp dir.
+    fn state_with_history(lines: &[&str]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("berth-soak-check-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("stickers")).unwrap();
+        std::fs::write(dir.join("stickers/history.log"), lines.join("\n") + "\n").unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_task_written_twice_on_a_host_is_a_violation() {
+        let once = r#"{"name":"a","taskId":"t1","writtenAt":"2026-01-01T00:00:00Z"}"#;
+        let again = r#"{"name":"a","taskId":"t1","writtenAt":"2026-01-01T00:00:09Z"}"#;
+        let other = r#"{"name":"b","taskId":"t2","writtenAt":"2026-01-01T00:00:01Z"}"#;
+        // A line a kill -9 cut short is skipped, not counted and not fatal.
+        let cut = r#"{"name":"c","taskId":"t"#;
+        let dir = state_with_history(&[once, other, again, cut]);
+        let writes = sticker_writes(std::slice::from_ref(&dir)).unwrap();
+        let row = twice_on_hosts(&writes);
+        assert_eq!(row.count, Some(1), "{}", row.detail);
+        assert!(row.detail.contains("t1"), "{}", row.detail);
+        assert!(print(&[row]));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_same_task_on_two_hosts_and_a_missing_history_are_not() {
+        let line = r#"{"name":"a","taskId":"t1","writtenAt":"2026-01-01T00:00:00Z"}"#;
+        let a = state_with_history(&[line]);
+        let b = state_with_history(&[line]);
+        let never_wrote = std::env::temp_dir().join(format!("berth-soak-check-{}", Uuid::new_v4()));
+        let writes = sticker_writes(&[a.clone(), b.clone(), never_wrote]).unwrap();
+        let row = twice_on_hosts(&writes);
+        assert_eq!(row.count, Some(0), "{}", row.detail);
+        assert!(!print(&[row]));
+        std::fs::remove_dir_all(a).unwrap();
+        std::fs::remove_dir_all(b).unwrap();
+    }
+
+    #[test]
+    fn a_row_without_a_count_never_passes_for_zero() {
+        let row = Line {
+            name: "duplicate reconciler units",
+            count: None,
+            gate: true,
+            detail: String::new(),
+        };
+        // Not measurable is shown as such ("n/a"); it neither fails nor counts as 0.
+        assert!(!print(&[row]));
+    }
+}
