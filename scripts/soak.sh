@@ -311,50 +311,72 @@ write_loop &
 LOAD_PIDS+=($!)
 
 # Deployments: r1, r2, r1… each followed to its end. A target whose task went `unknown` holds
-# its deployment until an operator acts (DESIGN.md, "Lost lease with side effects"): after
-# DEPLOY_WAIT s the loop acts as that operator, retries each unknown task once, and cancels the
-# deployment if it still has not ended after another DEPLOY_WAIT s. Every step is logged.
+# its deployment until an operator acts (DESIGN.md, "Lost lease with side effects"), and so
+# does the environment: its next deployment is refused (DEPLOYMENT_IN_PROGRESS). The loop acts
+# as that operator on whichever deployment holds the environment (its own, or a drift heal):
+# after DEPLOY_WAIT s it retries each unknown task once, and after another DEPLOY_WAIT s it
+# cancels the deployment. Every step is logged.
 DEPLOY_WAIT=${DEPLOY_WAIT:-120}
-deploy_wait() {
-    run_child timeout "$DEPLOY_WAIT" "$BIN/berth" --server "${REPLICA_URL[a]}" \
-        --server "${REPLICA_URL[b]}" deployment wait "$1" >"$WORK/deploy.out" 2>&1
+deployment_state() {
+    cli -o json deployment show "$1" 2>/dev/null | jq -r '.state // "?"'
+}
+is_over() {
+    case "$1" in succeeded | failed | rolled_back | cancelled) return 0 ;; esac
+    return 1
+}
+# follow ID SECS: waits until the deployment is over or SECS have passed (a `deployment wait`
+# cut short by a replica's death is started again); its last state in FOLLOWED.
+follow() {
+    local id=$1 until=$((SECONDS + $2))
+    FOLLOWED=$(deployment_state "$id")
+    while ! is_over "$FOLLOWED" && [ "$SECONDS" -lt "$until" ] && [ ! -e "$STOP" ]; do
+        run_child timeout $((until - SECONDS + 1)) "$BIN/berth" --server "${REPLICA_URL[a]}" \
+            --server "${REPLICA_URL[b]}" deployment wait "$id" >/dev/null 2>&1
+        FOLLOWED=$(deployment_state "$id")
+        is_over "$FOLLOWED" || sleep 2
+    done
+}
+# settle ID: follows it; the operator's retry, then cancel, when it holds.
+settle() {
+    local id=$1 t
+    follow "$id" "$DEPLOY_WAIT"
+    is_over "$FOLLOWED" || [ -e "$STOP" ] || {
+        for t in $(cli -o json deployment show "$id" 2>/dev/null |
+            jq -r '.targets[]? | (.tasks[]?, .rollbackTasks[]?)'); do
+            [ "$(cli -o json task show "$t" 2>/dev/null | jq -r .state)" = unknown ] || continue
+            cli task retry "$t" >/dev/null 2>&1 &&
+                echo "$(date -u +%H:%M:%S) operator: retried unknown task $t of deployment $id" >>"$EVENTS"
+        done
+        follow "$id" "$DEPLOY_WAIT"
+    }
+    is_over "$FOLLOWED" || [ -e "$STOP" ] || {
+        cli deployment cancel "$id" >/dev/null 2>&1 &&
+            echo "$(date -u +%H:%M:%S) operator: cancelled deployment $id" >>"$EVENTS"
+        follow "$id" "$DEPLOY_WAIT"
+    }
 }
 deploy_loop() {
     set +e
     loop_trap
-    local n=0 rel id code t state
+    local n=0 rel id
     : >"$OUT/deployments.txt"
     while [ ! -e "$STOP" ]; do
         n=$((n + 1))
         rel="r$((n % 2 + 1))"
-        if ! "$BIN/berth" --server "${REPLICA_URL[a]}" --server "${REPLICA_URL[b]}" -o json \
+        if "$BIN/berth" --server "${REPLICA_URL[a]}" --server "${REPLICA_URL[b]}" -o json \
             deploy "$rel" --env soak >"$WORK/deploy.json" 2>"$WORK/deploy.err"; then
+            id=$(jq -r .id "$WORK/deploy.json")
+            settle "$id"
+            echo "$(date -u +%H:%M:%S) $n $rel $id state=$FOLLOWED" >>"$OUT/deployments.txt"
+        elif grep -q DEPLOYMENT_IN_PROGRESS "$WORK/deploy.err"; then
+            # Held by another (a drift heal, or one the loop gave up following): settle that one.
+            id=$(cli -o json deployment ls --env soak 2>/dev/null |
+                jq -r '[.[] | select(.state | IN("succeeded", "failed", "rolled_back", "cancelled") | not)] | last | .id // empty')
+            echo "$(date -u +%H:%M:%S) $n $rel refused: held by ${id:-?}" >>"$OUT/deployments.txt"
+            [ -z "$id" ] || settle "$id"
+        else
             echo "$(date -u +%H:%M:%S) $n $rel refused: $(tail -n 1 "$WORK/deploy.err" | cut -c1-200)" >>"$OUT/deployments.txt"
-            sleep 5
-            continue
         fi
-        id=$(jq -r .id "$WORK/deploy.json")
-        deploy_wait "$id"
-        code=$?
-        if [ "$code" = 124 ] && [ ! -e "$STOP" ]; then
-            for t in $(cli -o json deployment show "$id" 2>/dev/null |
-                jq -r '.targets[]? | select(.phase == "unknown") | .tasks[]'); do
-                state=$(cli -o json task show "$t" 2>/dev/null | jq -r .state)
-                [ "$state" = unknown ] || continue
-                cli task retry "$t" >/dev/null 2>&1 &&
-                    echo "$(date -u +%H:%M:%S) operator: retried unknown task $t of deployment $id" >>"$EVENTS"
-            done
-            deploy_wait "$id"
-            code=$?
-            if [ "$code" = 124 ] && [ ! -e "$STOP" ]; then
-                cli deployment cancel "$id" >/dev/null 2>&1
-                echo "$(date -u +%H:%M:%S) operator: cancelled deployment $id" >>"$EVENTS"
-                deploy_wait "$id"
-                code=$?
-            fi
-        fi
-        state=$(cli -o json deployment show "$id" 2>/dev/null | jq -r .state)
-        echo "$(date -u +%H:%M:%S) $n $rel $id wait-exit=$code state=$state" >>"$OUT/deployments.txt"
         sleep 5
     done
 }
@@ -501,7 +523,7 @@ set -e
 {
     echo "faults: $KILLS_REPLICA replica kill -9, $KILLS_AGENT agent kill -9, $PG_RESTARTS PostgreSQL restart, $PARTITIONS partition; $CRASHES exits on their own"
     echo "acknowledged creates: $(wc -l <"$OUT/created-writes.txt") write-sticker, $(cat "$OUT/created-sim.txt" 2>/dev/null | wc -l) inspect (simulated agents)"
-    echo "deploy loop: $(grep -c 'wait-exit' "$OUT/deployments.txt") deployments followed ($(grep -c 'state=succeeded' "$OUT/deployments.txt") succeeded, $(grep -c 'refused' "$OUT/deployments.txt") refused); operator: $(grep -c 'operator: retried' "$EVENTS") unknown tasks retried, $(grep -c 'operator: cancelled' "$EVENTS") deployments cancelled"
+    echo "deploy loop: $(grep -c 'state=' "$OUT/deployments.txt") deployments made and followed ($(grep -c 'state=succeeded' "$OUT/deployments.txt") succeeded), $(grep -c 'refused' "$OUT/deployments.txt") refused; operator: $(grep -c 'operator: retried' "$EVENTS") unknown tasks retried, $(grep -c 'operator: cancelled' "$EVENTS") deployments cancelled"
     echo "drift: $(grep -c 'drift: removed' "$EVENTS") containers removed"
     grep '^SUMMARY' "$OUT/bench-tasks.log" | head -c 600 || true
     echo
