@@ -10,6 +10,7 @@ mod events;
 mod fleet;
 mod retention;
 mod seal;
+mod soak;
 mod stats;
 mod tasks;
 mod ui;
@@ -74,6 +75,9 @@ enum Command {
     /// same page of the JSON API, and the time from a task's event to its row in the DOM
     /// against the event reaching an EventSource in the same page.
     Ui(ui::UiArgs),
+    /// The verdict of a `scripts/soak.sh` run: acknowledged creates lost, side effects run
+    /// twice, tasks stuck leased or unknown, from the database and the agents' state dirs.
+    SoakCheck(soak::SoakCheckArgs),
 }
 
 #[derive(Args, Debug)]
@@ -148,6 +152,7 @@ fn main() -> anyhow::Result<()> {
             Command::Events(args) => events::events(args).await,
             Command::Checkins(args) => checkins::checkins(args).await,
             Command::Ui(args) => ui::ui(args).await,
+            Command::SoakCheck(args) => soak::soak_check(args).await,
         }
     })
 }

@@ -72,6 +72,10 @@ pub struct TasksArgs {
     heartbeat_agents: usize,
     #[arg(long, default_value_t = 30)]
     heartbeat_interval_secs: u64,
+    /// Write the id of every task whose create was acknowledged (2xx), one per line, when the
+    /// creates end (`scripts/soak.sh` checks each one exists afterwards).
+    #[arg(long)]
+    created_log: Option<std::path::PathBuf>,
 }
 
 /// An agent with its session.
@@ -173,6 +177,14 @@ pub async fn tasks(args: TasksArgs) -> anyhow::Result<()> {
     let ticker = progress(created.clone(), completed.clone());
     let ids: Arc<Vec<AgentId>> = Arc::new(task_agents.iter().map(|w| w.id).collect());
     let creates = create_loop(&args, admin, ids, start, create_end, created.clone()).await;
+    if let Some(path) = &args.created_log {
+        let lines: String = creates
+            .created
+            .iter()
+            .map(|(id, _, _)| format!("{id}\n"))
+            .collect();
+        std::fs::write(path, lines).with_context(|| format!("writing {}", path.display()))?;
+    }
     let cpu_to = CpuTimes::now();
     let cpu = cpu_to.since(&cpu_observer.await.context("cpu observer panicked")?);
 
