@@ -29,6 +29,7 @@ mod registry_token;
 mod retention;
 mod routes;
 mod secrets;
+mod services;
 mod targets;
 mod tls;
 mod ui;
