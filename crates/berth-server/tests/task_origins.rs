@@ -23,7 +23,7 @@ use berth_proto::deploy::{
     ApproveDeployment, CreateDeployment, CreateEnvironment, DeploymentState, DeploymentView,
     GetDeployment, RolloutPolicy, TargetPhase, TargetType, Tier,
 };
-use berth_proto::payload::HookConfig;
+use berth_proto::payload::{HookConfig, SSH_PRIVATE_KEY_CREDENTIAL};
 use berth_proto::readiness::{ConditionType, GetReadiness, VerifyEnvironment};
 use berth_proto::release::{ComponentSpec, CreateRelease, SshRelease};
 use berth_proto::ssh_target::CreateSshTarget;
@@ -37,6 +37,9 @@ use time::OffsetDateTime;
 
 /// Room, once the fillers are cancelled, for every origin that waited on `held`.
 const CAP: u32 = 8;
+/// The SSH target's "private key": only carried, never used (nothing connects).
+const SSH_KEY: &str =
+    "-----BEGIN OPENSSH PRIVATE KEY-----\nnot a real key\n-----END OPENSSH PRIVATE KEY-----\n";
 const DEADLINE: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Copy, PartialEq)]
@@ -352,7 +355,7 @@ async fn every_origin_honours(hold: HoldKind, database: Option<String>) {
         .raw(None)
         .put(format!("{}/api/v1/secrets/edge/key", f.server.url))
         .bearer_auth(&f.server.admin_token)
-        .json(&json!({"value": "-----BEGIN OPENSSH PRIVATE KEY-----\nnot a real key\n-----END OPENSSH PRIVATE KEY-----\n"}))
+        .json(&json!({ "value": SSH_KEY }))
         .send()
         .await
         .expect("put secret");
@@ -596,6 +599,32 @@ async fn every_origin_honours(hold: HoldKind, database: Option<String>) {
             !target(&gated, f.held.id).tasks.is_empty() && !edge.targets[0].tasks.is_empty()
         })
         .await;
+        // The SSH target's task carries its key, sealed for that task by the one path.
+        let ssh_task = deployment(admin, &edge).await.targets[0].tasks[0];
+        let delivered = loop {
+            let polled = f.held.poll(f.held_generation).await.expect("poll");
+            match polled.assignment {
+                Some(a) if a.task_id == ssh_task => break a,
+                Some(other) => {
+                    let done = f
+                        .held
+                        .sign(f.held.envelope(other.assignment_id, ok(other.task_id)));
+                    f.held
+                        .submit(f.held_generation, done)
+                        .await
+                        .expect("submit");
+                }
+                None => {}
+            }
+        };
+        let opened = f.held.open(&delivered).expect("the assignment opens");
+        assert_eq!(
+            opened
+                .credentials
+                .get(SSH_PRIVATE_KEY_CREDENTIAL)
+                .map(String::as_str),
+            Some(SSH_KEY)
+        );
     }
 
     for task in f.background {

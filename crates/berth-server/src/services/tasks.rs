@@ -342,3 +342,35 @@ pub(crate) fn open_credentials(
     let clear = master.open(sealed, task.0.as_bytes())?;
     Ok(serde_json::from_slice(&clear)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Credentials are sealed for one task id: they open for that task only, and a read-back
+    /// carries them by opening its parent's and sealing them again for itself.
+    #[test]
+    fn credentials_open_only_for_the_task_they_were_sealed_for() {
+        let master = berth_crypto::MasterKey::generate();
+        let creds = BTreeMap::from([("sshPrivateKey".to_string(), "secret".to_string())]);
+        let (parent, read_back) = (TaskId::new(), TaskId::new());
+        let sealed = seal_credentials(&master, &creds, parent).expect("seal");
+        assert!(
+            !sealed.windows(6).any(|w| w == b"secret"),
+            "sealed in clear"
+        );
+        assert_eq!(
+            open_credentials(&master, &sealed, parent).expect("open"),
+            creds
+        );
+        assert!(open_credentials(&master, &sealed, read_back).is_err());
+        let resealed = seal_credentials(&master, &creds, read_back).expect("reseal");
+        assert_eq!(
+            open_credentials(&master, &resealed, read_back).expect("open"),
+            creds
+        );
+        assert!(open_credentials(&master, &resealed, parent).is_err());
+        let other = berth_crypto::MasterKey::generate();
+        assert!(open_credentials(&other, &sealed, parent).is_err());
+    }
+}
