@@ -259,6 +259,11 @@ fn phase_of(
     tasks: &HashMap<TaskId, Snapshot>,
 ) -> (TargetPhase, Option<String>) {
     let rolling_back = !target.rollback_tasks.is_empty();
+    // A rollback that could not be placed (cordon, queue cap, agent gone) is final: the deploy
+    // tasks must not turn the target back into `succeeded` or `failed`.
+    if !rolling_back && target.phase == TargetPhase::RollbackFailed {
+        return (target.phase, target.error_code.clone());
+    }
     let ids = if rolling_back {
         &target.rollback_tasks
     } else {
@@ -923,6 +928,21 @@ mod tests {
             started,
             phase: None,
         }
+    }
+
+    #[test]
+    fn a_rollback_that_could_not_be_placed_stays_failed() {
+        let a = TaskId::new();
+        let t = DeploymentTarget {
+            phase: TargetPhase::RollbackFailed,
+            error_code: Some("QUEUE_FULL".into()),
+            ..target(&[a], &[])
+        };
+        let tasks = HashMap::from([(a, snap(TaskState::Succeeded, None, false))]);
+        assert_eq!(
+            phase_of(&t, &tasks),
+            (TargetPhase::RollbackFailed, Some("QUEUE_FULL".into()))
+        );
     }
 
     #[test]

@@ -601,22 +601,7 @@ async fn every_origin_honours(hold: HoldKind, database: Option<String>) {
         .await;
         // The SSH target's task carries its key, sealed for that task by the one path.
         let ssh_task = deployment(admin, &edge).await.targets[0].tasks[0];
-        let delivered = loop {
-            let polled = f.held.poll(f.held_generation).await.expect("poll");
-            match polled.assignment {
-                Some(a) if a.task_id == ssh_task => break a,
-                Some(other) => {
-                    let done = f
-                        .held
-                        .sign(f.held.envelope(other.assignment_id, ok(other.task_id)));
-                    f.held
-                        .submit(f.held_generation, done)
-                        .await
-                        .expect("submit");
-                }
-                None => {}
-            }
-        };
+        let delivered = deliver(&f.held, f.held_generation, ssh_task).await;
         let opened = f.held.open(&delivered).expect("the assignment opens");
         assert_eq!(
             opened
@@ -657,6 +642,199 @@ async fn fill(admin: &Client, agent: AgentId) -> Vec<TaskId> {
         assert!(ids.len() <= CAP as usize, "the cap did not hold");
     }
     ids
+}
+
+/// Polls `agent` until it is given `wanted`, completing whatever else comes first.
+async fn deliver(
+    agent: &TestAgent,
+    generation: i64,
+    wanted: TaskId,
+) -> berth_proto::transport::AgentTaskAssignment {
+    loop {
+        let polled = agent.poll(generation).await.expect("poll");
+        match polled.assignment {
+            Some(a) if a.task_id == wanted => return a,
+            Some(other) => {
+                let done = agent.sign(agent.envelope(other.assignment_id, ok(other.task_id)));
+                agent.submit(generation, done).await.expect("submit");
+            }
+            None => {}
+        }
+    }
+}
+
+/// Delivers `task` to `agent` and answers it with a signed success or failure.
+async fn settle(agent: &TestAgent, generation: i64, task: TaskId, success: bool) {
+    let a = deliver(agent, generation, task).await;
+    let result = if success {
+        ok(task)
+    } else {
+        common::failure(task, "BOOM", false)
+    };
+    let signed = agent.sign(agent.envelope(a.assignment_id, result));
+    agent.submit(generation, signed).await.expect("submit");
+}
+
+/// A rollback is not a read-back: at the cap it is refused like any new work. `good`'s deploy
+/// succeeds, its queue is then filled, and `bad`'s fails: the rollback reaches `bad`, and
+/// `good`'s target ends `rollback_failed` with `QUEUE_FULL` instead of queueing over the cap.
+#[tokio::test]
+async fn a_rollback_at_the_cap_fails_the_target_instead_of_queueing_over_it() {
+    let Some(registry) = registry() else { return };
+    let server = start_with(|c| {
+        c.long_poll = Duration::from_millis(300);
+        c.max_open_tasks_per_agent = 3;
+    })
+    .await;
+    let admin = server.admin();
+    let good = Arc::new(server.agent("good").await);
+    let bad = Arc::new(server.agent("bad").await);
+    let good_generation = good.go_online().await;
+    let bad_generation = bad.go_online().await;
+    let beating = [
+        keep_alive(good.clone(), good_generation),
+        keep_alive(bad.clone(), bad_generation),
+    ];
+    for agent in [good.id, bad.id] {
+        label(&admin, agent, labels(&[("roll", "y")])).await;
+    }
+    let repo = format!("taskpath/{}", uuid::Uuid::new_v4().simple());
+    for tag in ["1", "2"] {
+        push_image(&server.raw(None), &registry, &repo, tag).await;
+        admin
+            .send(&CreateRelease {
+                name: format!("web-{tag}"),
+                components: vec![ComponentSpec {
+                    name: "web".into(),
+                    image: format!("{registry}/{repo}:{tag}"),
+                    config: None,
+                }],
+                ..Default::default()
+            })
+            .await
+            .expect("release");
+    }
+    admin
+        .send(&CreateEnvironment {
+            drift_interval_secs: Some(3600),
+            ..environment("roll", labels(&[("roll", "y")]))
+        })
+        .await
+        .expect("env");
+    let deploy = |release: &str| CreateDeployment {
+        release: release.into(),
+        environment: "roll".into(),
+    };
+    let task_of = |d: DeploymentView, agent: AgentId| {
+        let admin = admin.clone();
+        async move {
+            let tasks = || async {
+                deployment(&admin, &d)
+                    .await
+                    .targets
+                    .into_iter()
+                    .find(|t| t.agent_id == agent)
+                    .expect("target")
+                    .tasks
+            };
+            wait_until(DEADLINE, "the target's task", || async {
+                !tasks().await.is_empty()
+            })
+            .await;
+            tasks().await[0]
+        }
+    };
+    let first = admin.send(&deploy("web-1")).await.expect("deploy web-1");
+    settle(
+        &good,
+        good_generation,
+        task_of(first.clone(), good.id).await,
+        true,
+    )
+    .await;
+    settle(
+        &bad,
+        bad_generation,
+        task_of(first.clone(), bad.id).await,
+        true,
+    )
+    .await;
+    wait_until(DEADLINE, "web-1 to succeed", || async {
+        deployment(&admin, &first).await.state == DeploymentState::Succeeded
+    })
+    .await;
+
+    let second = admin.send(&deploy("web-2")).await.expect("deploy web-2");
+    settle(
+        &good,
+        good_generation,
+        task_of(second.clone(), good.id).await,
+        true,
+    )
+    .await;
+    let fillers = fill(&admin, good.id).await;
+    settle(
+        &bad,
+        bad_generation,
+        task_of(second.clone(), bad.id).await,
+        false,
+    )
+    .await;
+    let rolling = |agent: AgentId| {
+        let admin = admin.clone();
+        let second = second.clone();
+        async move {
+            deployment(&admin, &second)
+                .await
+                .targets
+                .into_iter()
+                .find(|t| t.agent_id == agent)
+                .expect("target")
+        }
+    };
+    wait_until(DEADLINE, "bad's rollback task", || async {
+        !rolling(bad.id).await.rollback_tasks.is_empty()
+    })
+    .await;
+    let refused = rolling(good.id).await;
+    assert_eq!(refused.phase, TargetPhase::RollbackFailed, "{refused:?}");
+    assert_eq!(
+        refused.error_code.as_deref(),
+        Some("QUEUE_FULL"),
+        "{refused:?}"
+    );
+    assert!(refused.rollback_tasks.is_empty(), "{refused:?}");
+    // Full, not over: the fillers and whatever was queued before them (a readiness probe).
+    let good_tasks = tasks_of(&admin, good.id).await;
+    let open = good_tasks.iter().filter(|t| !t.state.is_terminal()).count();
+    assert_eq!(open, 3, "{good_tasks:#?}");
+    assert!(fillers
+        .iter()
+        .all(|f| good_tasks.iter().any(|t| t.id == *f)));
+    assert_eq!(
+        good_tasks
+            .iter()
+            .filter(|t| t.task_type == "docker.run")
+            .count(),
+        2,
+        "no rollback task on good: {good_tasks:#?}"
+    );
+    // bad rolls back; the deployment ends failed, naming good.
+    let rollback = rolling(bad.id).await.rollback_tasks[0];
+    settle(&bad, bad_generation, rollback, true).await;
+    wait_until(DEADLINE, "the deployment to end", || async {
+        deployment(&admin, &second).await.state == DeploymentState::Failed
+    })
+    .await;
+    let ended = deployment(&admin, &second).await;
+    assert!(
+        ended.detail.as_deref().unwrap_or("").contains("good"),
+        "{ended:?}"
+    );
+    for b in beating {
+        b.abort();
+    }
+    server.stop().await;
 }
 
 #[tokio::test]
