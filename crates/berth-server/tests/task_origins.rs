@@ -40,6 +40,9 @@ const CAP: u32 = 8;
 /// The SSH target's "private key": only carried, never used (nothing connects).
 const SSH_KEY: &str =
     "-----BEGIN OPENSSH PRIVATE KEY-----\nnot a real key\n-----END OPENSSH PRIVATE KEY-----\n";
+/// One repository for every run: its blobs and manifests are the same each time, so pushing
+/// them again stores nothing new in the shared registry.
+const REPO: &str = "berth-test/task-origins";
 const DEADLINE: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Copy, PartialEq)]
@@ -250,9 +253,9 @@ async fn fleet(registry: &str, database: Option<String>) -> Fleet {
         keep_alive(held.clone(), held_generation),
         work(free.clone(), free_generation),
     ];
-    let repo = format!("taskpath/{}", uuid::Uuid::new_v4().simple());
+    let repo = REPO;
     // Plain HTTP to the registry; the client's TLS settings are unused.
-    push_image(&server.raw(None), registry, &repo, "1").await;
+    push_image(&server.raw(None), registry, repo, "1").await;
     admin
         .send(&CreateRelease {
             name: "web-1".into(),
@@ -698,9 +701,9 @@ async fn a_rollback_at_the_cap_fails_the_target_instead_of_queueing_over_it() {
     for agent in [good.id, bad.id] {
         label(&admin, agent, labels(&[("roll", "y")])).await;
     }
-    let repo = format!("taskpath/{}", uuid::Uuid::new_v4().simple());
+    let repo = REPO;
     for tag in ["1", "2"] {
-        push_image(&server.raw(None), &registry, &repo, tag).await;
+        push_image(&server.raw(None), &registry, repo, tag).await;
         admin
             .send(&CreateRelease {
                 name: format!("web-{tag}"),
