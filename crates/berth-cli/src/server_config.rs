@@ -82,7 +82,7 @@ pub struct ServerSettings {
     #[arg(long, env = "BERTH_BODY_READ_TIMEOUT_SECS")]
     pub body_read_timeout_secs: Option<u64>,
     /// Most open tasks one agent may hold before a create for it is refused (429 QUEUE_FULL);
-    /// read-backs and the server's own deployment and drift tasks are never refused by it.
+    /// the server's own deployment, drift and readiness tasks wait for room, read-backs never do.
     #[arg(long, env = "BERTH_MAX_OPEN_TASKS_PER_AGENT")]
     pub max_open_tasks_per_agent: Option<u32>,
     /// Finished tasks (with their attempts) and events older than this many days are deleted,

@@ -78,9 +78,9 @@ pub struct ServerConfig {
     /// The agent binaries `/install.sh` downloads, named `berth-agent-<os>-<arch>`; `None`: the
     /// `berth-agent` beside the running binary, for this machine's platform.
     pub agent_downloads: Option<PathBuf>,
-    /// Most open (not terminal) tasks one agent may hold before a client's create for it is
-    /// refused (`429 QUEUE_FULL`). Read-backs and the server's own deployment and drift tasks
-    /// are not refused by it (they count, though).
+    /// Most open (not terminal) tasks one agent may hold before a create for it is refused
+    /// (`429 QUEUE_FULL` to a client; the server's own deployment, drift and readiness tasks
+    /// wait for room, see `services::tasks`). Read-backs are never refused by it (they count).
     pub max_open_tasks_per_agent: u32,
     /// The webhook sender's schedule and timeout.
     pub notify: NotifySettings,

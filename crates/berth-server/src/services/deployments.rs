@@ -22,7 +22,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use berth_proto::agent::AgentStatus;
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{DeploymentKind, DeploymentState, RolloutPolicy, TargetPhase};
 use berth_proto::error::codes;
@@ -31,15 +30,16 @@ use berth_proto::kind::TaskKind;
 use berth_proto::payload::WriteStickerPayload;
 use berth_proto::release::Component;
 use berth_proto::transport::ProgressPhase;
-use berth_proto::{AgentId, DeploymentId, TaskId, TenantId};
+use berth_proto::{DeploymentId, TaskId, TenantId};
 use berth_store::{
-    deployment_task_key, Agent, AgentFilter, CreateTaskOutcome, Deployment, DeploymentDetail,
-    DeploymentStep, DeploymentTarget, Environment, NewDeployment, NewTask, Release, ReleaseRef,
-    StoreError, TaskState,
+    Deployment, DeploymentDetail, DeploymentStep, DeploymentTarget, Environment, NewDeployment,
+    Release, ReleaseRef, StoreError, TaskState,
 };
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use crate::services;
+use crate::services::tasks::{Origin, Placement, Refused, TaskRequest};
 use crate::targets::{SshTaskError, Target, TargetKind};
 use crate::SharedState;
 
@@ -82,36 +82,6 @@ pub async fn sweep(state: &SharedState) {
             tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
         }
     }
-}
-
-/// Agents of the tenant carrying every selector label (and `status`, when given), by name.
-pub(crate) async fn matching_agents(
-    state: &SharedState,
-    tenant: TenantId,
-    selector: &std::collections::BTreeMap<String, String>,
-    status: Option<AgentStatus>,
-) -> Result<Vec<Agent>, StoreError> {
-    let filter = AgentFilter {
-        status,
-        capability: None,
-        label: selector.iter().next().map(|(k, v)| (k.clone(), v.clone())),
-    };
-    let mut agents = Vec::new();
-    let mut after = None;
-    loop {
-        let page = state.store.list_agents(tenant, &filter, after, 500).await?;
-        agents.extend(
-            page.items
-                .into_iter()
-                .filter(|a| selector.iter().all(|(k, v)| a.labels.get(k) == Some(v))),
-        );
-        match page.next {
-            Some(next) => after = Some(AgentId(next)),
-            None => break,
-        }
-    }
-    agents.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(agents)
 }
 
 /// `targets` (by name, as [`crate::targets::matching`] gives them) in waves of the policy's
@@ -289,6 +259,11 @@ fn phase_of(
     tasks: &HashMap<TaskId, Snapshot>,
 ) -> (TargetPhase, Option<String>) {
     let rolling_back = !target.rollback_tasks.is_empty();
+    // A rollback that could not be placed (cordon, queue cap, agent gone) is final: the deploy
+    // tasks must not turn the target back into `succeeded` or `failed`.
+    if !rolling_back && target.phase == TargetPhase::RollbackFailed {
+        return (target.phase, target.error_code.clone());
+    }
     let ids = if rolling_back {
         &target.rollback_tasks
     } else {
@@ -615,14 +590,27 @@ struct Next {
 struct Unplaceable {
     code: &'static str,
     detail: String,
+    hold: Hold,
+}
+
+/// An operator's hold, or the agent's full queue, that refused a target's task.
+#[derive(PartialEq)]
+enum Hold {
+    None,
     /// Its agent was cordoned after the deployment was planned: a deploy skips the target (a
     /// rollback cannot return it, and fails it).
-    cordoned: bool,
+    Cordoned,
+    /// Its agent's queue is at `--max-open-tasks-per-agent`: a deploy leaves the target
+    /// waiting, and the next pass tries again (a rollback fails it).
+    QueueFull,
 }
 
 impl Unplaceable {
     fn mark(self, t: &mut DeploymentTarget, phase: TargetPhase, now: time::OffsetDateTime) {
-        t.phase = if self.cordoned && phase == TargetPhase::Failed {
+        if self.hold == Hold::QueueFull && phase == TargetPhase::Failed {
+            return;
+        }
+        t.phase = if self.hold == Hold::Cordoned && phase == TargetPhase::Failed {
             TargetPhase::Skipped
         } else {
             phase
@@ -630,6 +618,22 @@ impl Unplaceable {
         t.error_code = Some(self.code.into());
         t.detail = Some(self.detail);
         t.finished_at = Some(now);
+    }
+}
+
+/// A refused task's detail, naming the target.
+fn describe(refused: &Refused, target: &str) -> String {
+    match refused {
+        Refused::AgentNotFound(_) => format!("the agent of target {target} was deleted"),
+        Refused::Cordoned(_) => format!("the agent of target {target} is cordoned"),
+        Refused::QueueFull { open, cap, .. } => {
+            format!("the agent of target {target} already has {open} open tasks (at most {cap})")
+        }
+        Refused::CapabilityMissing { kind, .. } => format!(
+            "the agent of target {target} does not report the {:?} capability that {kind} needs",
+            kind.required_capability()
+        ),
+        other => format!("target {target}: {other:?}"),
     }
 }
 
@@ -689,7 +693,7 @@ enum Credentials<'a> {
 /// Creates (or finds again, by key) the target's tasks for `release`: one `docker.run` per
 /// component on an agent, one `ssh.deploy` on an SSH target's via agent. `Err` when the target
 /// can no longer be deployed to (its agent or SSH target deleted, no via agent, its key gone,
-/// its agent cordoned). The server's own tasks have no queue cap.
+/// its agent cordoned, or its queue full: see [`Hold`]). Made by `services::tasks`.
 async fn create_tasks(
     state: &SharedState,
     detail: &DeploymentDetail,
@@ -703,7 +707,7 @@ async fn create_tasks(
         return Ok(Err(Unplaceable {
             code: AGENT_DELETED,
             detail: format!("target {} was deleted", target.agent_name),
-            cordoned: false,
+            hold: Hold::None,
         }));
     };
     let mut tasks = Vec::new();
@@ -739,7 +743,7 @@ async fn create_tasks(
                 return Ok(Err(Unplaceable {
                     code: codes::SSH_VIA_UNAVAILABLE,
                     detail: format!("no agent can act for ssh target {}", ssh.name),
-                    cordoned: false,
+                    hold: Hold::None,
                 }));
             };
             let sticker = WriteStickerPayload {
@@ -765,76 +769,63 @@ async fn create_tasks(
     }
     let mut ids = Vec::new();
     for (kind, agent_id, payload, credentials, part) in tasks {
-        let id = TaskId::new();
-        let credentials_sealed = match credentials {
-            Credentials::Registry(None) => None,
-            Credentials::Registry(Some(creds)) => Some(
-                crate::routes::tasks::seal_credentials(&state.master_key, &creds, id)
-                    .map_err(|e| StoreError::Corrupt(format!("sealing credentials: {e}")))?,
-            ),
-            Credentials::SshKey(ssh) => match crate::targets::sealed_key(state, ssh, id).await {
-                Ok(sealed) => Some(sealed),
+        let credentials = match credentials {
+            Credentials::Registry(creds) => creds,
+            Credentials::SshKey(ssh) => match crate::targets::key_credentials(state, ssh).await {
+                Ok(creds) => Some(creds),
                 Err(SshTaskError::Store(e)) => return Err(e),
                 Err(e) => {
                     return Ok(Err(Unplaceable {
                         code: codes::SECRET_NOT_FOUND,
                         detail: e.to_string(),
-                        cordoned: false,
+                        hold: Hold::None,
                     }))
                 }
             },
         };
-        let task = NewTask {
-            id,
-            tenant_id: d.tenant_id,
-            task_type: kind.name().into(),
-            agent_id,
+        let request = TaskRequest {
+            tenant: d.tenant_id,
+            kind,
+            placement: Placement::Agent(agent_id),
             payload,
-            credentials_sealed,
+            credentials,
             variables: Default::default(),
             timeout_seconds: u32::try_from(policy.task_timeout_secs).unwrap_or(u32::MAX),
             priority: 0,
-            side_effects: true,
-            idempotency_key: Some(deployment_task_key(d.id, target.agent_id, purpose, part)),
-            request_hash: None,
-            read_back_of: None,
-            queue_cap: None,
-            created_at: state.config.clock.now(),
-            created_by: Some(d.requested_by.clone()),
+            origin: Origin::Deployment {
+                deployment: d.id,
+                target: target.agent_id,
+                purpose: purpose.to_string(),
+                part: part.to_string(),
+                requested_by: d.requested_by.clone(),
+            },
         };
-        match state.store.create_task(task).await {
-            Err(StoreError::Conflict {
-                constraint: "task_agent",
-            }) => {
-                return Ok(Err(Unplaceable {
-                    code: AGENT_DELETED,
-                    detail: format!("the agent of target {} was deleted", target.agent_name),
-                    cordoned: false,
-                }))
+        let refused = match services::tasks::create(state, request).await? {
+            Ok(placed) => {
+                ids.push(placed.task().id);
+                continue;
             }
-            Err(e) => return Err(e),
-            Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => ids.push(t.id),
+            Err(refused) => refused,
+        };
+        let (code, hold) = match &refused {
+            Refused::AgentNotFound(_) => (AGENT_DELETED, Hold::None),
             // A component queued before the cordon stays queued; the target is skipped.
-            Ok(CreateTaskOutcome::AgentCordoned) => {
-                return Ok(Err(Unplaceable {
-                    code: codes::AGENT_CORDONED,
-                    detail: format!("the agent of target {} is cordoned", target.agent_name),
-                    cordoned: true,
-                }))
-            }
-            Ok(CreateTaskOutcome::QueueFull { .. }) => {
+            Refused::Cordoned(_) => (codes::AGENT_CORDONED, Hold::Cordoned),
+            // The target waits for room in its agent's queue (a rollback fails instead).
+            Refused::QueueFull { .. } => (codes::QUEUE_FULL, Hold::QueueFull),
+            Refused::CapabilityMissing { .. } => (codes::CAPABILITY_MISSING, Hold::None),
+            Refused::KeyConflict | Refused::KeyReserved | Refused::NoMatchingAgent { .. } => {
                 return Err(StoreError::Corrupt(format!(
-                    "deployment {} task for {} was refused by a queue cap it does not carry",
+                    "deployment {} task for {} was refused: {refused:?}",
                     d.id, target.agent_name
                 )))
             }
-            Ok(CreateTaskOutcome::KeyConflict) => {
-                return Err(StoreError::Corrupt(format!(
-                    "deployment {} task key for {} is taken by another request",
-                    d.id, target.agent_name
-                )))
-            }
-        }
+        };
+        return Ok(Err(Unplaceable {
+            code,
+            detail: describe(&refused, &target.agent_name),
+            hold,
+        }));
     }
     Ok(Ok(ids))
 }
@@ -843,6 +834,8 @@ async fn create_tasks(
 mod tests {
     use super::*;
     use berth_proto::agent::AgentStatus;
+    use berth_proto::AgentId;
+    use berth_store::Agent;
 
     fn agent(name: &str, labels: &[(&str, &str)]) -> Target {
         let now = time::OffsetDateTime::UNIX_EPOCH;
@@ -935,6 +928,21 @@ mod tests {
             started,
             phase: None,
         }
+    }
+
+    #[test]
+    fn a_rollback_that_could_not_be_placed_stays_failed() {
+        let a = TaskId::new();
+        let t = DeploymentTarget {
+            phase: TargetPhase::RollbackFailed,
+            error_code: Some("QUEUE_FULL".into()),
+            ..target(&[a], &[])
+        };
+        let tasks = HashMap::from([(a, snap(TaskState::Succeeded, None, false))]);
+        assert_eq!(
+            phase_of(&t, &tasks),
+            (TargetPhase::RollbackFailed, Some("QUEUE_FULL".into()))
+        );
     }
 
     #[test]

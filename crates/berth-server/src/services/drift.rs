@@ -17,15 +17,13 @@ use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::{InspectedContainer, ReadStickerPayload};
 use berth_proto::{AgentId, TaskId};
-use berth_store::{
-    drift_check_key, CreateTaskOutcome, Environment, NewTask, Release, StoreError,
-    TargetObservation, TaskState,
-};
+use berth_store::{Environment, Release, StoreError, TargetObservation, TaskState};
 use serde_json::Value;
 use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use crate::deploy::container_name;
+use crate::services::tasks::{Origin, Placement, TaskRequest};
 use crate::targets::{SshTaskError, Target, TargetKind};
 use crate::SharedState;
 
@@ -159,8 +157,7 @@ async fn schedule_check(
     target: &Target,
     due: OffsetDateTime,
 ) -> Result<Option<TaskId>, StoreError> {
-    let id = TaskId::new();
-    let (kind, agent, payload, credentials_sealed) = match &target.kind {
+    let (kind, agent, payload, credentials) = match &target.kind {
         TargetKind::Agent(agent) => (TaskKind::Inspect, agent.id, serde_json::json!({}), None),
         TargetKind::Ssh(ssh) => {
             let (Some(via), Some(release)) = (
@@ -178,8 +175,8 @@ async fn schedule_check(
             else {
                 return Ok(None);
             };
-            let sealed = match crate::targets::sealed_key(state, ssh, id).await {
-                Ok(sealed) => sealed,
+            let key = match crate::targets::key_credentials(state, ssh).await {
+                Ok(key) => key,
                 Err(SshTaskError::Store(e)) => return Err(e),
                 Err(e) => {
                     tracing::warn!(environment = %env.name, target = %ssh.name, error = %ErrorChain(&e), "drift: cannot read the ssh target back");
@@ -194,44 +191,29 @@ async fn schedule_check(
             };
             let payload = serde_json::to_value(payload)
                 .map_err(|e| StoreError::Corrupt(format!("read-sticker payload: {e}")))?;
-            (TaskKind::ReadSticker, via.id, payload, Some(sealed))
+            (TaskKind::ReadSticker, via.id, payload, Some(key))
         }
     };
-    let task = NewTask {
-        id,
-        tenant_id: env.tenant_id,
-        task_type: kind.name().into(),
-        agent_id: agent,
+    let request = TaskRequest {
+        tenant: env.tenant_id,
+        kind,
+        placement: Placement::Agent(agent),
         payload,
-        credentials_sealed,
+        credentials,
         variables: Default::default(),
         timeout_seconds: CHECK_TIMEOUT_SECS,
         priority: 0,
-        side_effects: false,
-        idempotency_key: Some(drift_check_key(
-            env.id,
-            target.id,
-            (due.unix_timestamp_nanos() / 1_000_000) as i64,
-        )),
-        request_hash: None,
-        read_back_of: None,
-        queue_cap: None,
-        created_at: state.config.clock.now(),
-        created_by: None,
+        origin: Origin::Drift {
+            environment: env.id,
+            target: target.id,
+            due,
+        },
     };
-    match state.store.create_task(task).await {
-        Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => Ok(Some(t.id)),
-        // A cordoned agent gets no new checks until it is uncordoned.
-        Ok(
-            CreateTaskOutcome::KeyConflict
-            | CreateTaskOutcome::AgentCordoned
-            | CreateTaskOutcome::QueueFull { .. },
-        ) => Ok(None),
-        Err(StoreError::Conflict {
-            constraint: "task_agent",
-        }) => Ok(None),
-        Err(e) => Err(e),
-    }
+    // Refused (a cordoned agent, a full queue, a deleted one): no check until it takes work.
+    Ok(crate::services::tasks::create(state, request)
+        .await?
+        .ok()
+        .map(|placed| placed.task().id))
 }
 
 /// What a read-back says of the target: an `inspect` result, of each component of the release;

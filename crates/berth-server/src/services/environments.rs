@@ -402,7 +402,7 @@ async fn targets(
     let mut unable = Vec::new();
     for target in &targets {
         let able = match &target.kind {
-            TargetKind::Agent(agent) => crate::routes::tasks::can_run(agent, kind),
+            TargetKind::Agent(agent) => crate::services::tasks::can_run(agent, kind),
             TargetKind::Ssh(ssh) => crate::targets::via_agent(state, ssh).await?.is_some(),
         };
         if !able {

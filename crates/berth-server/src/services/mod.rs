@@ -17,6 +17,7 @@ pub mod secrets;
 pub mod ssh_targets;
 pub mod targets;
 pub mod task_views;
+pub mod tasks;
 pub mod tokens;
 pub mod validate;
 pub mod webhooks;

@@ -11,9 +11,10 @@ use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::ReadStickerPayload;
 use berth_proto::TaskId;
-use berth_store::{CreateTaskOutcome, NewTask, Task, TaskState};
+use berth_store::{Task, TaskState};
 use serde_json::{json, Value};
 
+use crate::services::tasks::{Origin, Placed, Placement, TaskRequest};
 use crate::SharedState;
 
 /// The sticker a task of this type writes when it completes, by name (the task kind table).
@@ -28,8 +29,6 @@ pub async fn schedule(state: &SharedState, task: &Task) {
         tracing::warn!(task_id = %task.id, task_type = %task.task_type, "task is unknown and has no sticker to read back; an operator must retry or cancel it");
         return;
     };
-    let now = state.config.clock.now();
-    let id = TaskId::new();
     let kind = TaskKind::parse(&task.task_type);
     let mut payload = match kind.and_then(|k| k.read_back_volume(&task.payload)) {
         // The sticker is in a Docker volume: read it there.
@@ -37,62 +36,51 @@ pub async fn schedule(state: &SharedState, task: &Task) {
             .unwrap_or_else(|_| json!({ "name": name })),
         None => json!({ "name": name }),
     };
-    let mut credentials_sealed = None;
+    let mut credentials = None;
     if kind == Some(TaskKind::SshDeploy) {
         // The sticker is on the SSH target: read it there, with the deploy's own key.
         payload["sshTarget"] = task.payload["target"].clone();
         payload["deployDirectory"] = task.payload["deployDirectory"].clone();
-        credentials_sealed = match reseal(state, task, id) {
-            Ok(sealed) => sealed,
-            Err(e) => {
-                tracing::error!(task_id = %task.id, error = %ErrorChain(&*e), "read-back: the task's credentials cannot be opened");
-                return;
+        if let Some(sealed) = &task.credentials_sealed {
+            match crate::services::tasks::open_credentials(&state.master_key, sealed, task.id) {
+                Ok(clear) => credentials = Some(clear),
+                Err(e) => {
+                    tracing::error!(task_id = %task.id, error = %ErrorChain(&*e), "read-back: the task's credentials cannot be opened");
+                    return;
+                }
             }
-        };
+        }
     }
-    let read_back = NewTask {
-        id,
-        tenant_id: task.tenant_id,
-        task_type: TaskKind::ReadSticker.name().into(),
-        agent_id: task.agent_id,
+    let request = TaskRequest {
+        tenant: task.tenant_id,
+        kind: TaskKind::ReadSticker,
+        // Where the task ran: only that host has its sticker.
+        placement: Placement::Agent(task.agent_id),
         payload,
-        credentials_sealed,
+        credentials,
         variables: Default::default(),
         timeout_seconds: 30,
+        // Ahead of the agent's other work.
         priority: i32::MAX,
-        side_effects: false,
-        // One read-back per lost delivery: scheduling it again (the sweep) is harmless.
-        idempotency_key: Some(berth_store::read_back_key(task.id, task.attempts)),
-        request_hash: None,
-        read_back_of: Some(task.id),
-        // Never refused: a read-back resolves work the agent already had.
-        queue_cap: None,
-        created_by: None,
-        created_at: now,
+        // One read-back per lost delivery: scheduling it again (the sweep) is harmless. Never
+        // refused by a cordon or the cap: it resolves work the agent already had.
+        origin: Origin::ReadBack {
+            of: task.id,
+            attempts: task.attempts,
+        },
     };
-    match state.store.create_task(read_back).await {
-        Ok(CreateTaskOutcome::Created(rb)) => {
+    match crate::services::tasks::create(state, request).await {
+        Ok(Ok(Placed::Created(rb))) => {
             tracing::info!(task_id = %task.id, read_back = %rb.id, sticker = %name, "task is unknown; reading back the target");
         }
-        Ok(_) => {}
+        Ok(Ok(Placed::Existing(_))) => {}
+        Ok(Err(refused)) => {
+            tracing::warn!(task_id = %task.id, refused = ?refused, "the read-back was refused; the task stays unknown");
+        }
         Err(e) => {
             tracing::error!(task_id = %task.id, error = %ErrorChain(&e), "could not schedule the read-back")
         }
     }
-}
-
-/// The task's sealed credentials, sealed again for the read-back `to` (credentials are sealed
-/// for one task id).
-fn reseal(
-    state: &SharedState,
-    task: &Task,
-    to: TaskId,
-) -> Result<Option<Vec<u8>>, Box<dyn std::error::Error + Send + Sync>> {
-    let Some(sealed) = &task.credentials_sealed else {
-        return Ok(None);
-    };
-    let clear = state.master_key.open(sealed, task.id.0.as_bytes())?;
-    Ok(Some(state.master_key.seal(&clear, to.0.as_bytes())?))
 }
 
 /// Decides an `unknown` task from its finished read-back. Idempotent: the store only moves a

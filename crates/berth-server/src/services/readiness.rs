@@ -42,14 +42,12 @@ use berth_proto::payload::{
 use berth_proto::readiness::{reasons, Condition, ConditionStatus, ConditionType, ProbeReport};
 use berth_proto::reference::parse_image;
 use berth_proto::{AgentId, TaskId};
-use berth_store::{
-    readiness_probe_key, CreateTaskOutcome, Environment, NewTask, Readiness, ReadinessPass,
-    Release, StoreError, TaskState,
-};
+use berth_store::{Environment, Readiness, ReadinessPass, Release, StoreError, TaskState};
 use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use crate::registry::ResolveError;
+use crate::services::tasks::{Origin, Placement, TaskRequest};
 use crate::targets::{Target, TargetKind};
 use crate::SharedState;
 
@@ -361,7 +359,7 @@ async fn evaluate(
             Some(kind) => hosts
                 .iter()
                 .filter_map(|(t, host)| match host {
-                    Some(a) if crate::routes::tasks::can_run(a, kind) => None,
+                    Some(a) if crate::services::tasks::can_run(a, kind) => None,
                     _ => Some(format!("{} lacks {}", t.name, kind.required_capability())),
                 })
                 .collect(),
@@ -1025,53 +1023,40 @@ async fn create_probe(
     agent: AgentId,
     payload: ReadinessProbePayload,
 ) -> Result<Option<TaskId>, StoreError> {
-    let id = TaskId::new();
-    let credentials_sealed = match &payload.secrets {
-        Some(_) => probe_grant(state, env, id).await?,
+    let credentials = match &payload.secrets {
+        Some(_) => probe_grant(state, env).await?,
         None => None,
     };
     let payload = serde_json::to_value(payload)
         .map_err(|e| StoreError::Corrupt(format!("readiness-probe payload: {e}")))?;
-    let task = NewTask {
-        id,
-        tenant_id: env.tenant_id,
-        task_type: TaskKind::ReadinessProbe.name().into(),
-        agent_id: agent,
+    let request = TaskRequest {
+        tenant: env.tenant_id,
+        kind: TaskKind::ReadinessProbe,
+        placement: Placement::Agent(agent),
         payload,
-        credentials_sealed,
+        credentials,
         variables: Default::default(),
         timeout_seconds: PROBE_TIMEOUT_SECS,
         priority: PROBE_PRIORITY,
-        side_effects: false,
-        idempotency_key: Some(readiness_probe_key(env.id, pass.id, agent)),
-        request_hash: None,
-        read_back_of: None,
-        queue_cap: None,
-        created_at: state.config.clock.now(),
-        created_by: None,
+        origin: Origin::Readiness {
+            environment: env.id,
+            pass: pass.id,
+            agent,
+        },
     };
-    match state.store.create_task(task).await {
-        Ok(CreateTaskOutcome::Created(t) | CreateTaskOutcome::Existing(t)) => Ok(Some(t.id)),
-        Ok(
-            CreateTaskOutcome::KeyConflict
-            | CreateTaskOutcome::AgentCordoned
-            | CreateTaskOutcome::QueueFull { .. },
-        ) => Ok(None),
-        Err(StoreError::Conflict {
-            constraint: "task_agent",
-        }) => Ok(None),
-        Err(e) => Err(e),
-    }
+    Ok(crate::services::tasks::create(state, request)
+        .await?
+        .ok()
+        .map(|placed| placed.task().id))
 }
 
-/// A `lease` grant for one probe's OpenBao login, sealed into the probe task's credentials.
-/// Recording it supersedes nothing. `None`: the environment has no desired state (nothing to
+/// A `lease` grant for one probe's OpenBao login, as the probe task's credentials (sealed by
+/// `services::tasks::create`). Recording it supersedes nothing. `None`: the environment has no desired state (nothing to
 /// log in for), and the probe reports that it has no grant.
 async fn probe_grant(
     state: &SharedState,
     env: &Environment,
-    task: TaskId,
-) -> Result<Option<Vec<u8>>, StoreError> {
+) -> Result<Option<BTreeMap<String, String>>, StoreError> {
     let Some(desired) = state
         .store
         .desired_environment(env.tenant_id, &env.name)
@@ -1089,8 +1074,8 @@ async fn probe_grant(
     )
     .map_err(|e| StoreError::Corrupt(format!("minting the probe's grant: {}", e.detail)))?;
     state.store.record_grant(minted.grant).await?;
-    let credentials = BTreeMap::from([(OPENBAO_LOGIN_JWT_CREDENTIAL.to_string(), minted.jwt)]);
-    crate::routes::tasks::seal_credentials(&state.master_key, &credentials, task)
-        .map(Some)
-        .map_err(|e| StoreError::Corrupt(format!("sealing the probe's grant: {e}")))
+    Ok(Some(BTreeMap::from([(
+        OPENBAO_LOGIN_JWT_CREDENTIAL.to_string(),
+        minted.jwt,
+    )])))
 }

@@ -67,7 +67,7 @@ async fn agent_named(state: &SharedState, caller: &Caller, name: &str) -> ApiRes
         }
     }
     let every = std::collections::BTreeMap::new();
-    crate::deploy::matching_agents(state, caller.tenant(), &every, None)
+    crate::services::tasks::matching_agents(state, caller.tenant(), &every, None)
         .await?
         .into_iter()
         .find(|a| a.name == name)

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use berth_proto::deploy::TargetType;
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::{self, SSH_PRIVATE_KEY_CREDENTIAL};
-use berth_proto::{AgentId, SshTargetId, TaskId, TenantId};
+use berth_proto::{AgentId, SshTargetId, TenantId};
 use berth_store::{Agent, Environment, SshTarget, StoreError};
 
 use crate::secrets as envelope;
@@ -68,7 +68,7 @@ pub(crate) async fn matching(
 ) -> Result<Vec<Target>, StoreError> {
     Ok(match env.target_type {
         TargetType::Agents => {
-            crate::deploy::matching_agents(state, env.tenant_id, &env.selector, None)
+            crate::services::tasks::matching_agents(state, env.tenant_id, &env.selector, None)
                 .await?
                 .into_iter()
                 .map(Target::agent)
@@ -114,16 +114,15 @@ pub(crate) async fn via_agent(
         };
         return state.store.get_agent(target.tenant_id, AgentId(id)).await;
     }
-    let online = crate::deploy::matching_agents(
+    // The same routing rule as any selector's (`services::tasks::candidates`), first by name.
+    let candidates = crate::services::tasks::candidates(
         state,
         target.tenant_id,
         &target.via_selector,
-        Some(berth_proto::agent::AgentStatus::Online),
+        TaskKind::SshDeploy,
     )
     .await?;
-    Ok(online
-        .into_iter()
-        .find(|a| !a.cordoned && crate::routes::tasks::can_run(a, TaskKind::SshDeploy)))
+    Ok(candidates.into_iter().next())
 }
 
 /// Where a task for the target connects, as its payload says.
@@ -142,19 +141,18 @@ pub(crate) fn payload_target(target: &SshTarget) -> payload::SshTarget {
 pub(crate) enum SshTaskError {
     #[error("the key secret {0:?} of the ssh target has no live version")]
     KeyMissing(String),
-    #[error("sealing the ssh target's key failed")]
+    #[error("opening the ssh target's key failed")]
     Seal,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
-/// The task's sealed credentials: the target's private key from its builtin secret (the latest
-/// live version), sealed for this task id as any task's credentials are.
-pub(crate) async fn sealed_key(
+/// The credentials of a task for the target: its private key from its builtin secret (the
+/// latest live version), in clear for `services::tasks::create`, which seals them for the task.
+pub(crate) async fn key_credentials(
     state: &SharedState,
     target: &SshTarget,
-    task: TaskId,
-) -> Result<Vec<u8>, SshTaskError> {
+) -> Result<BTreeMap<String, String>, SshTaskError> {
     let key = &target.key_secret;
     let sealed = state
         .store
@@ -163,7 +161,8 @@ pub(crate) async fn sealed_key(
         .ok_or_else(|| SshTaskError::KeyMissing(key.clone()))?;
     let value = envelope::open_sealed(&state.master_key, sealed).map_err(|_| SshTaskError::Seal)?;
     let value = String::from_utf8(value).map_err(|_| SshTaskError::Seal)?;
-    let credentials = BTreeMap::from([(SSH_PRIVATE_KEY_CREDENTIAL.to_string(), value)]);
-    crate::routes::tasks::seal_credentials(&state.master_key, &credentials, task)
-        .map_err(|_| SshTaskError::Seal)
+    Ok(BTreeMap::from([(
+        SSH_PRIVATE_KEY_CREDENTIAL.to_string(),
+        value,
+    )]))
 }

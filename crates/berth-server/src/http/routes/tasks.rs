@@ -1,7 +1,5 @@
 //! The admin task API: create (with `Idempotency-Key`), list, show with attempts and verified
-//! results, cancel, retry. Credentials are sealed with the master key before they reach a row.
-
-use std::collections::BTreeMap;
+//! results, cancel, retry. A create is validated here and made by `services::tasks`.
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -9,14 +7,15 @@ use axum::Json;
 use berth_proto::error::codes;
 use berth_proto::kind::TaskKind;
 use berth_proto::task::{CreateTask, ListTasks, TaskList, TaskView};
-use berth_proto::{AgentId, ErrorBody, TaskId, TenantId};
-use berth_store::{CancelOutcome, CreateTaskOutcome, NewTask, RetryOutcome};
+use berth_proto::{ErrorBody, TaskId};
+use berth_store::{CancelOutcome, RetryOutcome};
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiPath, ApiQuery, LosslessJson};
 use crate::services::caller::actor;
 use crate::services::task_views::{self, to_view};
+use crate::services::tasks::{self, Origin, Placed, Placement, Refused, TaskRequest};
 use crate::services::validate::validate_labels;
 use crate::SharedState;
 
@@ -25,58 +24,6 @@ const MAX_TIMEOUT_SECS: u32 = 86_400;
 
 fn unprocessable(detail: impl Into<String>) -> ApiError {
     ApiError::unprocessable(codes::INVALID_REQUEST, detail)
-}
-
-/// A task's credentials as its row keeps them: sealed under the master key for that task's id
-/// only (`transport::assignment` opens them for its deliveries).
-pub(crate) fn seal_credentials(
-    master: &berth_crypto::MasterKey,
-    credentials: &BTreeMap<String, String>,
-    task: TaskId,
-) -> Result<Vec<u8>, Box<dyn std::error::Error + Send + Sync>> {
-    let clear = serde_json::to_vec(credentials)?;
-    Ok(master.seal(&clear, task.0.as_bytes())?)
-}
-
-/// Whether the agent reports the capability the task kind needs (seed strings, by name).
-pub(crate) fn can_run(agent: &berth_store::Agent, kind: TaskKind) -> bool {
-    let names: Vec<&str> = agent.capabilities.iter().map(|c| c.name.as_str()).collect();
-    kind.runs_on(&names)
-}
-
-/// The online, uncordoned, unsuspended agent of the tenant that carries every selector label and
-/// the capability the kind needs, with the fewest open tasks (the first by id among equals).
-async fn select_agent(
-    state: &SharedState,
-    tenant: TenantId,
-    selector: &BTreeMap<String, String>,
-    kind: TaskKind,
-) -> ApiResult<AgentId> {
-    let online = Some(berth_proto::agent::AgentStatus::Online);
-    // `online` leaves out suspended agents (they show as `blocked`); a cordoned one is skipped.
-    let mut candidates: Vec<AgentId> =
-        crate::deploy::matching_agents(state, tenant, selector, online)
-            .await?
-            .iter()
-            .filter(|a| !a.cordoned && can_run(a, kind))
-            .map(|a| a.id)
-            .collect();
-    // Ties go to the first by id.
-    candidates.sort();
-    let counts = state.store.open_task_counts(&candidates).await?;
-    counts
-        .into_iter()
-        .min_by_key(|(_, open)| *open)
-        .map(|(agent, _)| agent)
-        .ok_or_else(|| {
-            ApiError::unprocessable(
-                codes::NO_MATCHING_AGENT,
-                format!(
-                    "no online agent matches the selector and reports the {:?} capability",
-                    kind.required_capability()
-                ),
-            )
-        })
 }
 
 /// The per-task limits, each with its own code (see `berth_proto::task`).
@@ -167,15 +114,6 @@ pub async fn create(
             )
         }
     };
-    if idempotency_key
-        .as_deref()
-        .is_some_and(berth_store::is_internal_key)
-    {
-        return Err(ApiError::unprocessable(
-            codes::IDEMPOTENCY_KEY_RESERVED,
-            "Idempotency-Key may not start with \"read-back:\", the server's own namespace",
-        ));
-    }
     let kind = TaskKind::parse(&req.task_type).ok_or_else(|| {
         ApiError::unprocessable(
             codes::UNSUPPORTED_TASK_TYPE,
@@ -202,31 +140,11 @@ pub async fn create(
     if let Some(vars) = &req.variables {
         validate_labels(vars)?;
     }
-    let tenant = caller.tenant();
-    let agent_id = match (req.agent_id, &req.selector) {
-        (Some(id), None) => {
-            let agent = state
-                .store
-                .get_agent(tenant, id)
-                .await?
-                .ok_or_else(|| ApiError::not_found("agent"))?;
-            if agent.cordoned {
-                return Err(cordoned(id));
-            }
-            if !can_run(&agent, kind) {
-                return Err(ApiError::unprocessable(
-                    codes::CAPABILITY_MISSING,
-                    format!(
-                        "agent {id} does not report the {:?} capability that {kind} needs",
-                        kind.required_capability()
-                    ),
-                ));
-            }
-            id
-        }
+    let placement = match (req.agent_id, &req.selector) {
+        (Some(id), None) => Placement::Agent(id),
         (None, Some(selector)) if !selector.is_empty() => {
             validate_labels(selector)?;
-            select_agent(&state, tenant, selector, kind).await?
+            Placement::Selector(selector)
         }
         _ => {
             return Err(unprocessable(
@@ -234,71 +152,81 @@ pub async fn create(
             ))
         }
     };
-    let id = TaskId::new();
-    let credentials_sealed = match &req.credentials {
-        Some(creds) if !creds.is_empty() => Some(
-            seal_credentials(&state.master_key, creds, id).map_err(|e| ApiError::internal(&*e))?,
-        ),
-        _ => None,
-    };
-    let outcome = state
-        .store
-        .create_task(NewTask {
-            id,
-            tenant_id: tenant,
-            side_effects: kind.side_effects(),
-            task_type: kind.name().into(),
-            agent_id,
+    let placed = tasks::create(
+        &state,
+        TaskRequest {
+            tenant: caller.tenant(),
+            kind,
+            placement,
             payload: req.payload,
-            credentials_sealed,
+            credentials: req.credentials,
             variables: req.variables.unwrap_or_default(),
             timeout_seconds,
             priority: req.priority.unwrap_or(0),
-            idempotency_key,
-            request_hash: Some(request_hash),
-            read_back_of: None,
-            queue_cap: Some(state.config.max_open_tasks_per_agent),
-            created_at: state.config.clock.now(),
-            created_by: Some(actor(&caller)),
-        })
-        .await?;
-    match outcome {
-        CreateTaskOutcome::Created(task) => {
-            state.metrics.task_created();
-            Ok((StatusCode::CREATED, Json(to_view(task, vec![]))))
-        }
-        CreateTaskOutcome::Existing(task) => Ok((StatusCode::OK, Json(to_view(task, vec![])))),
-        CreateTaskOutcome::KeyConflict => Err(ApiError::conflict(
-            codes::CONFLICT,
-            "this Idempotency-Key was used with a different request",
-        )),
-        // Cordoned between the check above and the insert.
-        CreateTaskOutcome::AgentCordoned => Err(cordoned(agent_id)),
-        CreateTaskOutcome::QueueFull { open } => Err(ApiError {
+            origin: Origin::Api {
+                actor: actor(&caller),
+                idempotency_key,
+                request_hash,
+            },
+        },
+    )
+    .await?
+    .map_err(refusal)?;
+    Ok(match placed {
+        Placed::Created(task) => (StatusCode::CREATED, Json(to_view(task, vec![]))),
+        Placed::Existing(task) => (StatusCode::OK, Json(to_view(task, vec![]))),
+    })
+}
+
+/// The API's answer to a refused create, each with its own code.
+fn refusal(refused: Refused) -> ApiError {
+    match refused {
+        Refused::AgentNotFound(_) => ApiError::not_found("agent"),
+        Refused::Cordoned(agent) => ApiError::conflict(
+            codes::AGENT_CORDONED,
+            format!(
+                "agent {agent} is cordoned: no new work is routed to it until it is uncordoned"
+            ),
+        ),
+        Refused::CapabilityMissing { agent, kind } => ApiError::unprocessable(
+            codes::CAPABILITY_MISSING,
+            format!(
+                "agent {agent} does not report the {:?} capability that {kind} needs",
+                kind.required_capability()
+            ),
+        ),
+        Refused::NoMatchingAgent { kind } => ApiError::unprocessable(
+            codes::NO_MATCHING_AGENT,
+            format!(
+                "no online agent matches the selector and reports the {:?} capability",
+                kind.required_capability()
+            ),
+        ),
+        Refused::QueueFull { agent, open, cap } => ApiError {
             retry_after: Some(QUEUE_FULL_RETRY_AFTER_SECS),
             ..ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 codes::QUEUE_FULL,
                 format!(
-                    "agent {agent_id} already has {open} open tasks (at most {}); try again \
-                     when some have finished",
-                    state.config.max_open_tasks_per_agent
+                    "agent {agent} already has {open} open tasks (at most {cap}); try again \
+                     when some have finished"
                 ),
             )
-        }),
+        },
+        Refused::KeyConflict => ApiError::conflict(
+            codes::CONFLICT,
+            "this Idempotency-Key was used with a different request",
+        ),
+        Refused::KeyReserved => ApiError::unprocessable(
+            codes::IDEMPOTENCY_KEY_RESERVED,
+            "Idempotency-Key may not start with \"read-back:\", the server's own namespace",
+        ),
     }
 }
 
 /// How long a client is asked to wait after `QUEUE_FULL`: about how long a queue of short tasks
 /// takes to move.
 const QUEUE_FULL_RETRY_AFTER_SECS: u64 = 10;
-
-fn cordoned(agent: AgentId) -> ApiError {
-    ApiError::conflict(
-        codes::AGENT_CORDONED,
-        format!("agent {agent} is cordoned: no new work is routed to it until it is uncordoned"),
-    )
-}
 
 /// List tasks, filtered by state (e.g. `dead_letter`), agent or type.
 #[utoipa::path(get, path = "/api/v1/tasks", tag = "tasks", params(ListTasks), security(("bearer" = [])),
