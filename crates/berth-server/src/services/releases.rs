@@ -13,7 +13,7 @@ use berth_proto::release::{
 use berth_proto::ReleaseId;
 use berth_store::{Release, StoreError};
 
-use crate::auth::Caller;
+use crate::services::caller::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::registry::{Credentials, ResolveError};
 use crate::SharedState;

@@ -17,7 +17,7 @@ use berth_proto::error::codes;
 use berth_store::{DesiredEnvironment, GrantKind, SealedSecret, SecretMeta, StoreError};
 use serde::Deserialize;
 
-use crate::auth::{Caller, DesiredCaller};
+use crate::services::caller::{Caller, DesiredCaller};
 use crate::error::{ApiError, ApiResult};
 use crate::grants::{self, LeaseRefusal};
 use crate::rate;

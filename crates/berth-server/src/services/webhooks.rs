@@ -10,7 +10,7 @@ use berth_proto::notify::{
 };
 use berth_store::{NewWebhook, Notification, Resend, StoreError, Webhook};
 
-use crate::auth::Caller;
+use crate::services::caller::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::secrets as envelope;
 use crate::services::caller::actor;
