@@ -14,7 +14,7 @@ use crate::audit::AuditActor;
 use crate::{AgentId, DeploymentId, EnvironmentId, Method, Request, TaskId};
 
 /// Environment names follow the release name rules: one URL path segment as they are.
-pub use crate::release::valid_release_name as valid_environment_name;
+pub use crate::names::valid_release_name as valid_environment_name;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -222,7 +222,7 @@ impl Request for GetEnvironment {
 pub(crate) fn environment_path(name: &str, tail: &str) -> String {
     format!(
         "/api/v1/environments/{}{tail}",
-        crate::agent::encode_query_value(name)
+        crate::url::encode_query_value(name)
     )
 }
 
@@ -795,7 +795,7 @@ impl Request for ListDeployments {
     const METHOD: Method = Method::Get;
     fn path(&self) -> String {
         let limit = self.limit.map(|l| l.to_string());
-        crate::agent::with_query(
+        crate::url::with_query(
             "/api/v1/deployments",
             &[
                 ("environment", self.environment.as_deref()),

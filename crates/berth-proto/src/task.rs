@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::agent::with_query;
+use crate::url::with_query;
 use crate::{AgentId, AssignmentId, Method, Request, TaskId};
 
 /// `POST /api/v1/tasks`, optional header `Idempotency-Key`.
@@ -199,7 +199,7 @@ pub struct AttemptView {
     pub started_at: Option<OffsetDateTime>,
     /// The step the agent last reported (`pulling`, `starting`, `health`), if it reports any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub phase: Option<crate::transport::ProgressPhase>,
+    pub phase: Option<ProgressPhase>,
     #[serde(
         default,
         with = "crate::rfc3339::option",
@@ -368,5 +368,35 @@ impl Request for RetryTask {
     const METHOD: Method = Method::Post;
     fn path(&self) -> String {
         format!("/api/v1/tasks/{}/retry", self.id)
+    }
+}
+
+/// What a deploying executor is doing, as it reports it through the start handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ProgressPhase {
+    Pulling,
+    Starting,
+    Health,
+}
+
+impl ProgressPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressPhase::Pulling => "pulling",
+            ProgressPhase::Starting => "starting",
+            ProgressPhase::Health => "health",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ProgressPhase> {
+        [
+            ProgressPhase::Pulling,
+            ProgressPhase::Starting,
+            ProgressPhase::Health,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == s)
     }
 }
