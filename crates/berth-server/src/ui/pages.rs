@@ -1169,8 +1169,9 @@ struct FailedTask {
 }
 
 /// The failed tasks among each target's last deployment task and last rollback task, for the
-/// targets that failed or were rolled back (a rolled-back target's own code is cleared by its
-/// rollback; the failure stays in its task). The agent redacts a log before it signs the result
+/// targets that went wrong (`TargetPhase::is_failure`: failed, rolled back, or whose rollback
+/// failed too; a rolled-back target's own code is cleared by its rollback; the failure stays in
+/// its task). The agent redacts a log before it signs the result
 /// (every credential and secret value becomes `***`): the page shows that log as received.
 async fn failed_tasks(
     state: &SharedState,
@@ -1178,10 +1179,7 @@ async fn failed_tasks(
     d: &DeploymentView,
 ) -> ApiResult<BTreeMap<AgentId, Vec<FailedTask>>> {
     let mut failed: BTreeMap<AgentId, Vec<FailedTask>> = BTreeMap::new();
-    let ended_badly = d
-        .targets
-        .iter()
-        .filter(|t| matches!(t.phase, TargetPhase::Failed | TargetPhase::RolledBack));
+    let ended_badly = d.targets.iter().filter(|t| t.phase.is_failure());
     for t in ended_badly.take(PAGE as usize) {
         for id in [t.tasks.last(), t.rollback_tasks.last()]
             .into_iter()
