@@ -12,8 +12,7 @@ use berth_proto::AgentId;
 
 /// The states a drain waits out: what the agent still has to run or is running. `unknown`
 /// tasks are not: a read-back or an operator decides them, not the agent's queue.
-const DRAINED_STATES: [TaskState; 3] =
-    [TaskState::Leased, TaskState::Pending, TaskState::RetryWait];
+const DRAINED_STATES: [TaskState; 3] = TaskState::IN_FLIGHT;
 
 /// How often the drain looks again.
 const POLL: Duration = Duration::from_secs(1);

@@ -353,7 +353,7 @@ impl Progress {
                 (Some((_, bars)), _) => {
                     if let Some(bar) = bars.get(&t.agent_id) {
                         bar.set_message(format!("{} {code}", t.phase.as_str()));
-                        if is_final(t.phase) {
+                        if t.phase.is_settled() {
                             bar.finish();
                         }
                     }
@@ -385,17 +385,6 @@ impl Progress {
             }
         }
     }
-}
-
-fn is_final(phase: TargetPhase) -> bool {
-    matches!(
-        phase,
-        TargetPhase::Succeeded
-            | TargetPhase::Failed
-            | TargetPhase::RolledBack
-            | TargetPhase::RollbackFailed
-            | TargetPhase::Skipped
-    )
 }
 
 /// `NAME=VALUE` pairs for a selector.

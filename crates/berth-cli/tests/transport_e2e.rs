@@ -1492,7 +1492,7 @@ async fn steady_traffic(
                 .send(&GetTask { id })
                 .await
                 .map_err(|e| format!("reading task {id}: {e}"))?;
-            if task.state.is_terminal() || task.state == berth_proto::task::TaskState::Unknown {
+            if !task.state.is_in_flight() {
                 done.push(task);
                 break;
             }

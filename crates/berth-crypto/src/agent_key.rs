@@ -7,7 +7,7 @@ use rcgen::{
     CertificateParams, DistinguishedName, DnType, KeyPair, SigningKey, PKCS_ECDSA_P256_SHA256,
 };
 
-use crate::ca::parse_cert;
+use crate::cert::parse_cert;
 use crate::error::{CryptoError, Result};
 use crate::pem;
 

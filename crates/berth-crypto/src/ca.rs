@@ -21,10 +21,10 @@ use x509_parser::extensions::GeneralName;
 use x509_parser::oid_registry::OID_SIG_ECDSA_WITH_SHA256;
 use x509_parser::prelude::FromDer;
 
+use crate::cert::{describe_key, key_kind, parse_cert, KeyKind};
 use crate::error::{CryptoError, Result};
 use crate::hash::{fingerprint, random_bytes};
 use crate::pem;
-use crate::verify::{describe_key, key_kind, KeyKind};
 
 /// URI SAN prefix that carries an agent's identity: `urn:berth:agent:<uuid>`.
 pub const AGENT_URI_PREFIX: &str = "urn:berth:agent:";
@@ -339,18 +339,6 @@ fn x509_time(t: Option<OffsetDateTime>) -> Result<OffsetDateTime> {
         ));
     }
     Ok(t)
-}
-
-/// Parse a whole DER certificate (trailing bytes are refused).
-pub(crate) fn parse_cert(der: &[u8]) -> Result<X509Certificate<'_>> {
-    let (rest, cert) = X509Certificate::from_der(der)
-        .map_err(|e| CryptoError::InvalidCertificate(format!("malformed der: {e}")))?;
-    if !rest.is_empty() {
-        return Err(CryptoError::InvalidCertificate(
-            "trailing bytes after the certificate".into(),
-        ));
-    }
-    Ok(cert)
 }
 
 fn is_ca_cert(cert: &X509Certificate<'_>) -> bool {

@@ -11,7 +11,7 @@ use aws_lc_rs::encoding::{AsDer, Pkcs8V1Der};
 use aws_lc_rs::hmac;
 use x509_parser::oid_registry::{OID_EC_P256, OID_KEY_TYPE_EC_PUBLIC_KEY};
 
-use crate::ca::parse_cert;
+use crate::cert::parse_cert;
 use crate::error::{CryptoError, Result};
 use crate::pem;
 
@@ -116,7 +116,7 @@ impl RecipientPublicKey {
         if alg.algorithm != OID_KEY_TYPE_EC_PUBLIC_KEY || curve.as_ref() != Some(&OID_EC_P256) {
             return Err(CryptoError::UnsupportedKey(format!(
                 "{} cannot receive sealed data; only P-256 keys can",
-                crate::verify::describe_key(spki)
+                crate::cert::describe_key(spki)
             )));
         }
         RecipientPublicKey::from_sec1(&spki.subject_public_key.data)

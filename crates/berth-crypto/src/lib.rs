@@ -5,6 +5,7 @@
 
 mod agent_key;
 mod ca;
+mod cert;
 mod error;
 mod hash;
 pub mod hpke;

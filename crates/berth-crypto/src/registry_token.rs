@@ -11,7 +11,8 @@ use serde::Serialize;
 use serde_json::json;
 use time::OffsetDateTime;
 
-use crate::ca::{cert_not_after, parse_cert};
+use crate::ca::cert_not_after;
+use crate::cert::parse_cert;
 use crate::error::{CryptoError, Result};
 use crate::hash::sha256;
 use crate::jwt::JwtSigner;

@@ -3,58 +3,14 @@
 //! binding, or still valid, is the caller's decision and must be made before calling this.
 
 use aws_lc_rs::signature::{self, ParsedPublicKey, VerificationAlgorithm};
-use x509_parser::oid_registry::{
-    OID_EC_P256, OID_KEY_TYPE_EC_PUBLIC_KEY, OID_NIST_EC_P384, OID_PKCS1_RSAENCRYPTION,
-};
-use x509_parser::x509::SubjectPublicKeyInfo;
 
-use crate::ca::parse_cert;
+use crate::cert::{describe_key, key_kind, parse_cert, KeyKind};
 use crate::error::{CryptoError, Result};
 
 /// `signatureAlgorithm` value for ECDSA P-256 over SHA-256, ASN.1 DER signature.
 pub const ALG_ECDSA_SHA256: &str = "ecdsa-sha256";
 /// `signatureAlgorithm` value for RSASSA-PKCS1-v1_5 over SHA-256 (2048..8192-bit keys).
 pub const ALG_RSA_SHA256: &str = "rsa-sha256";
-
-/// The kind of key in a SubjectPublicKeyInfo, as far as berth cares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum KeyKind {
-    EcP256,
-    Rsa,
-    Other,
-}
-
-pub(crate) fn key_kind(spki: &SubjectPublicKeyInfo<'_>) -> KeyKind {
-    let alg = &spki.algorithm;
-    if alg.algorithm == OID_KEY_TYPE_EC_PUBLIC_KEY {
-        let curve = alg.parameters.as_ref().and_then(|p| p.as_oid().ok());
-        if curve.as_ref() == Some(&OID_EC_P256) {
-            return KeyKind::EcP256;
-        }
-        KeyKind::Other
-    } else if alg.algorithm == OID_PKCS1_RSAENCRYPTION {
-        KeyKind::Rsa
-    } else {
-        KeyKind::Other
-    }
-}
-
-/// Human-readable key description for error messages.
-pub(crate) fn describe_key(spki: &SubjectPublicKeyInfo<'_>) -> String {
-    let alg = &spki.algorithm;
-    if alg.algorithm == OID_KEY_TYPE_EC_PUBLIC_KEY {
-        match alg.parameters.as_ref().and_then(|p| p.as_oid().ok()) {
-            Some(c) if c == OID_EC_P256 => "ECDSA P-256".to_string(),
-            Some(c) if c == OID_NIST_EC_P384 => "ECDSA P-384".to_string(),
-            Some(c) => format!("ECDSA curve {c}"),
-            None => "ECDSA without curve".to_string(),
-        }
-    } else if alg.algorithm == OID_PKCS1_RSAENCRYPTION {
-        "RSA".to_string()
-    } else {
-        format!("key algorithm {}", alg.algorithm)
-    }
-}
 
 /// The key kind a `signatureAlgorithm` name requires.
 fn kind_for(algorithm: &str) -> Result<KeyKind> {

@@ -5,7 +5,11 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
+use crate::json::signing_input;
 use crate::{AgentId, Method, Request};
+
+/// Where every request path was built before `url` owned them; kept for callers.
+pub use crate::url::{encode_query_value, with_query};
 
 /// What an agent can do on its host, with the version it found and whether it works now.
 ///
@@ -255,19 +259,6 @@ impl Request for ListAgents {
     }
 }
 
-/// `base?k=v&…` with the present parameters, values percent-encoded.
-pub fn with_query(base: &str, params: &[(&str, Option<&str>)]) -> String {
-    let query: Vec<String> = params
-        .iter()
-        .filter_map(|(k, v)| v.map(|v| format!("{k}={}", encode_query_value(v))))
-        .collect();
-    if query.is_empty() {
-        base.to_string()
-    } else {
-        format!("{base}?{}", query.join("&"))
-    }
-}
-
 /// `GET /api/v1/agents/{id}/artifacts/{sha256}` (agent certificate): an artifact of the agent's
 /// tenant by its SHA-256 (64 lowercase hex), `application/octet-stream`, with `X-Artifact-Sha256`.
 /// What `ssh.deploy` and `upload-files` fetch for an artifact given by reference; the agent writes
@@ -277,19 +268,6 @@ pub fn agent_artifact_path(agent: crate::AgentId, sha256: &str) -> String {
         "/api/v1/agents/{agent}/artifacts/{}",
         encode_query_value(sha256)
     )
-}
-
-/// Percent-encodes everything but unreserved characters (RFC 3986).
-pub fn encode_query_value(v: &str) -> String {
-    let mut out = String::with_capacity(v.len());
-    for b in v.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// `GET /api/v1/agents/{id}`.
@@ -429,7 +407,7 @@ pub struct Heartbeat {
 impl Heartbeat {
     /// The bytes its signature covers (see [`crate::transport::signing_input`]).
     pub fn signing_input(&self) -> Result<Vec<u8>, serde_json::Error> {
-        crate::transport::signing_input(&serde_json::to_value(self)?)
+        signing_input(&serde_json::to_value(self)?)
     }
 }
 

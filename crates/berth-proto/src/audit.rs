@@ -133,6 +133,166 @@ pub fn hash_input(entry: &serde_json::Value) -> Result<Vec<u8>, serde_json::Erro
     crate::json::jcs_without(entry, "hash")
 }
 
+/// Lowercase hex SHA-256 of an entry's [`hash_input`]: its `hash`.
+pub fn entry_hash(hash_input: &[u8]) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(hash_input)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Why an entry breaks its chain. Each variant names the entry by the `seq` it claims.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChainFault {
+    /// Not the `seq` after its predecessor's.
+    OutOfSequence { seq: u64, expected: u64 },
+    /// Of another tenant than the entries before it.
+    OtherTenant { seq: u64 },
+    /// Its `prevHash` is not its predecessor's `hash` (or [`GENESIS_HASH`] for `seq` 1).
+    BrokenLink {
+        seq: u64,
+        prev_hash: String,
+        expected: String,
+    },
+    /// Its `hash` is not the hash of its content.
+    Altered {
+        seq: u64,
+        hash: String,
+        computed: String,
+    },
+    /// It has no canonical form (JCS) to hash.
+    NoCanonicalForm { seq: u64, detail: String },
+}
+
+impl ChainFault {
+    /// The `seq` of the entry at fault.
+    pub fn seq(&self) -> u64 {
+        match self {
+            ChainFault::OutOfSequence { seq, .. }
+            | ChainFault::OtherTenant { seq }
+            | ChainFault::BrokenLink { seq, .. }
+            | ChainFault::Altered { seq, .. }
+            | ChainFault::NoCanonicalForm { seq, .. } => *seq,
+        }
+    }
+}
+
+impl std::fmt::Display for ChainFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChainFault::OutOfSequence { expected, .. } => write!(
+                f,
+                "out of sequence: expected seq {expected} (an entry was removed, inserted or moved)"
+            ),
+            ChainFault::OtherTenant { .. } => f.write_str("belongs to another tenant's chain"),
+            ChainFault::BrokenLink {
+                prev_hash,
+                expected,
+                ..
+            } => write!(
+                f,
+                "prevHash {prev_hash} is not the previous entry's hash {expected}"
+            ),
+            ChainFault::Altered { hash, computed, .. } => write!(
+                f,
+                "hash {hash} does not match its content (which hashes to {computed}): the entry was altered"
+            ),
+            ChainFault::NoCanonicalForm { detail, .. } => {
+                write!(f, "no canonical form: {detail}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ChainFault {}
+
+/// The one check of an audit chain, entry by entry, in order: `seq` counts up by one, every
+/// entry is of the first one's tenant, `prevHash` is the previous entry's `hash`, and `hash` is
+/// [`entry_hash`] of the entry's [`hash_input`]. The store's tests, `berth audit verify` and the
+/// web UI all check through it. It proves order and completeness against edits that do not
+/// rewrite every later hash; only the results' signatures prove who wrote them.
+#[derive(Debug, Clone)]
+pub struct ChainCheck {
+    next_seq: u64,
+    /// The `hash` the next entry must link to; `None` when the run starts mid-chain and its
+    /// predecessor was not seen (its first link cannot be checked).
+    prev_hash: Option<String>,
+    tenant: Option<TenantId>,
+}
+
+impl ChainCheck {
+    /// A run of entries that starts after `seq` `after` (0: at the chain's start, where the first
+    /// entry must link to [`GENESIS_HASH`]).
+    pub fn after(after: u64) -> ChainCheck {
+        ChainCheck {
+            next_seq: after + 1,
+            prev_hash: (after == 0).then(|| GENESIS_HASH.to_string()),
+            tenant: None,
+        }
+    }
+
+    /// Checks the next entry, typed.
+    pub fn entry(&mut self, entry: &AuditEntry) -> Result<(), ChainFault> {
+        let value = serde_json::to_value(entry).map_err(|e| ChainFault::NoCanonicalForm {
+            seq: entry.seq,
+            detail: e.to_string(),
+        })?;
+        self.entry_as_read(entry, &value)
+    }
+
+    /// Checks the next entry, hashing `value`: the entry exactly as it was read (an export's
+    /// line), so a member the type does not know is covered too.
+    pub fn entry_as_read(
+        &mut self,
+        entry: &AuditEntry,
+        value: &serde_json::Value,
+    ) -> Result<(), ChainFault> {
+        let seq = entry.seq;
+        if seq != self.next_seq {
+            return Err(ChainFault::OutOfSequence {
+                seq,
+                expected: self.next_seq,
+            });
+        }
+        if *self.tenant.get_or_insert(entry.tenant_id) != entry.tenant_id {
+            return Err(ChainFault::OtherTenant { seq });
+        }
+        if let Some(expected) = self.prev_hash.as_ref().filter(|p| **p != entry.prev_hash) {
+            return Err(ChainFault::BrokenLink {
+                seq,
+                prev_hash: entry.prev_hash.clone(),
+                expected: expected.clone(),
+            });
+        }
+        let input = hash_input(value).map_err(|e| ChainFault::NoCanonicalForm {
+            seq,
+            detail: e.to_string(),
+        })?;
+        let computed = entry_hash(&input);
+        if entry.hash != computed {
+            return Err(ChainFault::Altered {
+                seq,
+                hash: entry.hash.clone(),
+                computed,
+            });
+        }
+        self.next_seq = seq + 1;
+        self.prev_hash = Some(entry.hash.clone());
+        Ok(())
+    }
+}
+
+/// Checks `entries`, a run of one chain that starts after `seq` `after` (0: the whole chain),
+/// and returns how many there were.
+pub fn verify_chain(entries: &[AuditEntry], after: u64) -> Result<u64, ChainFault> {
+    let mut check = ChainCheck::after(after);
+    for entry in entries {
+        check.entry(entry)?;
+    }
+    Ok(entries.len() as u64)
+}
+
 /// `GET /api/v1/audit?after=&limit=` (admin role): the caller's tenant's entries with
 /// `seq > after`, in order.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -170,6 +330,160 @@ impl Request for ListAudit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chain(n: u64) -> Vec<AuditEntry> {
+        let tenant = TenantId::new();
+        let mut out: Vec<AuditEntry> = Vec::new();
+        for seq in 1..=n {
+            let mut entry = AuditEntry {
+                seq,
+                tenant_id: tenant,
+                at: OffsetDateTime::UNIX_EPOCH,
+                actor: AuditActor::Agent {
+                    id: uuid::Uuid::nil(),
+                },
+                action: actions::TASK_CREATE.into(),
+                subject: format!("task-{seq}"),
+                details: serde_json::json!({"n": seq}),
+                prev_hash: out
+                    .last()
+                    .map_or(GENESIS_HASH.to_string(), |e| e.hash.clone()),
+                hash: String::new(),
+            };
+            rehash(&mut entry);
+            out.push(entry);
+        }
+        out
+    }
+
+    /// What a forger who rewrites an entry's hash can do.
+    fn rehash(entry: &mut AuditEntry) {
+        let value = serde_json::to_value(&*entry).unwrap();
+        entry.hash = entry_hash(&hash_input(&value).unwrap());
+    }
+
+    #[test]
+    fn entry_hash_is_sha256_hex() {
+        assert_eq!(
+            entry_hash(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn the_chain_check_names_each_kind_of_break() {
+        type Case = (
+            &'static str,
+            fn(&mut Vec<AuditEntry>),
+            u64,
+            Option<(u64, &'static str)>,
+        );
+        let cases: [Case; 8] = [
+            ("a good chain", |_| {}, 0, None),
+            (
+                "a good page after seq 2",
+                |c| {
+                    c.drain(..2);
+                },
+                2,
+                None,
+            ),
+            (
+                "a tampered entry",
+                |c| c[1].details = serde_json::json!({"n": 99}),
+                0,
+                Some((2, "altered")),
+            ),
+            (
+                "a tampered entry, rehashed",
+                |c| {
+                    c[1].subject = "forged".into();
+                    rehash(&mut c[1]);
+                },
+                0,
+                Some((3, "prevHash")),
+            ),
+            (
+                "reordered entries",
+                |c| c.swap(1, 2),
+                0,
+                Some((3, "out of sequence")),
+            ),
+            (
+                "a removed entry",
+                |c| {
+                    c.remove(1);
+                },
+                0,
+                Some((3, "out of sequence")),
+            ),
+            (
+                "a missing link",
+                |c| {
+                    c[2].prev_hash = GENESIS_HASH.into();
+                    rehash(&mut c[2]);
+                },
+                0,
+                Some((3, "prevHash")),
+            ),
+            (
+                "another tenant's entry",
+                |c| {
+                    c[3].tenant_id = TenantId::new();
+                    rehash(&mut c[3]);
+                },
+                0,
+                Some((4, "another tenant")),
+            ),
+        ];
+        for (name, break_it, after, expected) in cases {
+            let mut entries = chain(4);
+            break_it(&mut entries);
+            let got = verify_chain(&entries, after);
+            match expected {
+                None => assert_eq!(got, Ok(entries.len() as u64), "{name}"),
+                Some((seq, words)) => {
+                    let fault = got.expect_err(name);
+                    assert_eq!(fault.seq(), seq, "{name}: {fault}");
+                    assert!(fault.to_string().contains(words), "{name}: {fault}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_chain_must_start_at_genesis() {
+        let mut entries = chain(2);
+        entries[0].prev_hash = "f".repeat(64);
+        rehash(&mut entries[0]);
+        let fault = verify_chain(&entries, 0).expect_err("a first entry off genesis");
+        assert!(
+            matches!(fault, ChainFault::BrokenLink { seq: 1, .. }),
+            "{fault}"
+        );
+        // A page that starts mid-chain cannot check its first link, only the rest.
+        let mut page = chain(3);
+        page.remove(0);
+        assert_eq!(verify_chain(&page, 1), Ok(2));
+        assert!(
+            verify_chain(&page, 0).is_err(),
+            "seq 2 is not the chain's start"
+        );
+    }
+
+    #[test]
+    fn an_exported_line_is_hashed_as_read() {
+        let entries = chain(1);
+        let mut value = serde_json::to_value(&entries[0]).unwrap();
+        value["added"] = "by hand".into();
+        let fault = ChainCheck::after(0)
+            .entry_as_read(&entries[0], &value)
+            .expect_err("a member added to the line changes its hash");
+        assert!(
+            matches!(fault, ChainFault::Altered { seq: 1, .. }),
+            "{fault}"
+        );
+    }
 
     #[test]
     fn hash_input_is_jcs_without_the_hash() {

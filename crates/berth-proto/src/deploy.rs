@@ -14,7 +14,7 @@ use crate::audit::AuditActor;
 use crate::{AgentId, DeploymentId, EnvironmentId, Method, Request, TaskId};
 
 /// Environment names follow the release name rules: one URL path segment as they are.
-pub use crate::release::valid_release_name as valid_environment_name;
+pub use crate::names::valid_release_name as valid_environment_name;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -222,7 +222,7 @@ impl Request for GetEnvironment {
 pub(crate) fn environment_path(name: &str, tail: &str) -> String {
     format!(
         "/api/v1/environments/{}{tail}",
-        crate::agent::encode_query_value(name)
+        crate::url::encode_query_value(name)
     )
 }
 
@@ -526,6 +526,32 @@ impl TargetPhase {
         Self::ALL.into_iter().find(|p| p.as_str() == s)
     }
 
+    /// The target is at rest in this deployment: nothing more happens to it unless the
+    /// deployment decides so (a wave ends when all its targets are settled; a failure may still
+    /// start a rollback). Succeeded, failed, rolled back, rollback failed, or skipped.
+    ///
+    /// `unknown` is not settled: a read-back decides it, and its wave waits. A waiting client
+    /// (`berth deploy --wait`) shows a settled target as finished.
+    pub fn is_settled(self) -> bool {
+        matches!(
+            self,
+            TargetPhase::Succeeded
+                | TargetPhase::Failed
+                | TargetPhase::RolledBack
+                | TargetPhase::RollbackFailed
+                | TargetPhase::Skipped
+        )
+    }
+
+    /// The target went wrong in this deployment: it failed, or failed and was rolled back, or
+    /// its rollback failed too. Its failed tasks are worth showing.
+    pub fn is_failure(self) -> bool {
+        matches!(
+            self,
+            TargetPhase::Failed | TargetPhase::RolledBack | TargetPhase::RollbackFailed
+        )
+    }
+
     /// The agent is at work on the target (started, whatever step it reported).
     pub fn is_working(self) -> bool {
         matches!(
@@ -795,7 +821,7 @@ impl Request for ListDeployments {
     const METHOD: Method = Method::Get;
     fn path(&self) -> String {
         let limit = self.limit.map(|l| l.to_string());
-        crate::agent::with_query(
+        crate::url::with_query(
             "/api/v1/deployments",
             &[
                 ("environment", self.environment.as_deref()),
@@ -848,6 +874,40 @@ pub struct DeploymentTargetEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn target_phase_predicates() {
+        use TargetPhase::*;
+        // (phase, settled, failure, working)
+        let table = [
+            (Waiting, false, false, false),
+            (Queued, false, false, false),
+            (Deploying, false, false, true),
+            (Pulling, false, false, true),
+            (Starting, false, false, true),
+            (Health, false, false, true),
+            (Succeeded, true, false, false),
+            (Failed, true, true, false),
+            (Unknown, false, false, false),
+            (RollingBack, false, false, false),
+            (RolledBack, true, true, false),
+            (RollbackFailed, true, true, false),
+            (Skipped, true, false, false),
+        ];
+        assert_eq!(
+            table.len(),
+            TargetPhase::ALL.len(),
+            "every phase is in the table"
+        );
+        for (phase, settled, failure, working) in table {
+            assert_eq!(phase.is_settled(), settled, "{phase:?} settled");
+            assert_eq!(phase.is_failure(), failure, "{phase:?} failure");
+            assert_eq!(phase.is_working(), working, "{phase:?} working");
+            // A target at work, or held in doubt, is never at rest; a failure always is.
+            assert!(!(settled && working), "{phase:?}");
+            assert!(!failure || settled, "{phase:?}");
+        }
+    }
 
     #[test]
     fn names_round_trip() {

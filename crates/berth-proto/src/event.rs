@@ -11,8 +11,8 @@
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::agent::with_query;
 use crate::task::TaskState;
+use crate::url::with_query;
 use crate::{AgentId, DeploymentId, EnvironmentId, TaskId};
 
 pub const TASK_STATE: &str = "task.state";

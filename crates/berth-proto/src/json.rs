@@ -19,6 +19,12 @@ pub(crate) fn jcs_without(
     serde_jcs::to_vec(&rest)
 }
 
+/// The bytes a signature covers: JCS of the signed object without its `signature` member (a
+/// task result's envelope, a signed heartbeat).
+pub fn signing_input(envelope: &serde_json::Value) -> Result<Vec<u8>, serde_json::Error> {
+    jcs_without(envelope, "signature")
+}
+
 /// Checks every number in `text`, which must already have parsed as JSON (anything else passes
 /// here and is the parser's to refuse). The error names the number's JSON pointer.
 pub fn check_numbers(text: &str) -> Result<(), String> {

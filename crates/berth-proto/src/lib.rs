@@ -13,6 +13,7 @@ pub mod event;
 pub mod ids;
 pub mod json;
 pub mod kind;
+pub mod names;
 pub mod notify;
 pub mod payload;
 pub mod readiness;
@@ -24,6 +25,7 @@ pub mod ssh_target;
 pub mod sticker;
 pub mod task;
 pub mod transport;
+pub mod url;
 
 /// HTTP header names berth defines, lowercase as HTTP/2 sends them.
 pub mod headers {

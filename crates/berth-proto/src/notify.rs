@@ -10,7 +10,8 @@
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::agent::{encode_query_value, with_query, Deleted};
+use crate::agent::Deleted;
+use crate::url::{encode_query_value, with_query};
 use crate::{Method, Request};
 
 /// The header signing a delivery: `sha256=<hex HMAC-SHA256(secret, timestamp + "." + body)>`.

@@ -7,21 +7,12 @@ use time::OffsetDateTime;
 
 use crate::{Method, ReleaseId, Request};
 
+pub use crate::names::valid_release_name;
+
 /// At most this many components in one release.
 pub const MAX_COMPONENTS: usize = 64;
 /// A compose file is at most this many bytes.
 pub const MAX_COMPOSE_BYTES: usize = 256 * 1024;
-
-/// Release names: 1-128 of `A-Z a-z 0-9 . _ -`, starting with a letter or digit, so a name is
-/// one URL path segment as it is (`/api/v1/releases/{name}`).
-pub fn valid_release_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 128
-        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
 
 /// Component names: like compose service names, 1-63 of `a-z 0-9 _ -`, starting with a letter or
 /// digit.
@@ -193,7 +184,7 @@ impl Request for GetRelease {
         // stays one path segment and simply is not found.
         format!(
             "/api/v1/releases/{}",
-            crate::agent::encode_query_value(&self.name)
+            crate::url::encode_query_value(&self.name)
         )
     }
 }
@@ -223,7 +214,7 @@ impl Request for ListReleases {
     const METHOD: Method = Method::Get;
     fn path(&self) -> String {
         let limit = self.limit.map(|l| l.to_string());
-        crate::agent::with_query(
+        crate::url::with_query(
             "/api/v1/releases",
             &[
                 ("cursor", self.cursor.as_deref()),

@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::agent::{encode_query_value, Deleted};
+use crate::agent::Deleted;
+use crate::url::encode_query_value;
 use crate::{Method, Request, SshTargetId};
 
 /// SSH target names follow the release name rules: one URL path segment as they are.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::agent::with_query;
+use crate::url::with_query;
 use crate::{AgentId, AssignmentId, Method, Request, TaskId};
 
 /// `POST /api/v1/tasks`, optional header `Idempotency-Key`.
@@ -105,7 +105,16 @@ impl TaskState {
         TaskState::ALL.into_iter().find(|t| t.as_str() == s)
     }
 
-    /// No further transition happens without an operator.
+    /// The states the task moves out of on its own, through its agent: queued, delivered, or
+    /// waiting for its next retry. What an agent drain waits out.
+    pub const IN_FLIGHT: [TaskState; 3] =
+        [TaskState::Pending, TaskState::Leased, TaskState::RetryWait];
+
+    /// The state machine's end: no further transition happens without an operator.
+    ///
+    /// `unknown` is not terminal: a read-back (or an operator) still moves it to `succeeded` or
+    /// `failed`, so the server keeps it open. Every state is exactly one of terminal,
+    /// [`is_in_flight`](Self::is_in_flight) and `unknown`.
     pub const fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -114,6 +123,20 @@ impl TaskState {
                 | TaskState::DeadLetter
                 | TaskState::Cancelled
                 | TaskState::Expired
+        )
+    }
+
+    /// The task is still on its way through its agent ([`TaskState::IN_FLIGHT`]): a client
+    /// that waits for it (`berth tasks get --wait`) keeps waiting.
+    ///
+    /// A waiting client stops on every other state and reports it, `unknown` included: an
+    /// `unknown` task is not terminal, but only a read-back or an operator moves it on, which
+    /// may take as long as the next drift check, so waiting would look like a hang. The same
+    /// test tells the drift loop that a read-back task is still open.
+    pub const fn is_in_flight(self) -> bool {
+        matches!(
+            self,
+            TaskState::Pending | TaskState::Leased | TaskState::RetryWait
         )
     }
 }
@@ -199,7 +222,7 @@ pub struct AttemptView {
     pub started_at: Option<OffsetDateTime>,
     /// The step the agent last reported (`pulling`, `starting`, `health`), if it reports any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub phase: Option<crate::transport::ProgressPhase>,
+    pub phase: Option<ProgressPhase>,
     #[serde(
         default,
         with = "crate::rfc3339::option",
@@ -368,5 +391,78 @@ impl Request for RetryTask {
     const METHOD: Method = Method::Post;
     fn path(&self) -> String {
         format!("/api/v1/tasks/{}/retry", self.id)
+    }
+}
+
+/// What a deploying executor is doing, as it reports it through the start handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ProgressPhase {
+    Pulling,
+    Starting,
+    Health,
+}
+
+impl ProgressPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressPhase::Pulling => "pulling",
+            ProgressPhase::Starting => "starting",
+            ProgressPhase::Health => "health",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ProgressPhase> {
+        [
+            ProgressPhase::Pulling,
+            ProgressPhase::Starting,
+            ProgressPhase::Health,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every state is exactly one of: in flight, terminal, or `unknown` (open, but moved on only
+    /// by a read-back or an operator).
+    #[test]
+    fn every_task_state_is_in_flight_terminal_or_unknown() {
+        for s in TaskState::ALL {
+            let kinds = [s.is_in_flight(), s.is_terminal(), s == TaskState::Unknown];
+            assert_eq!(kinds.iter().filter(|k| **k).count(), 1, "{s}");
+        }
+    }
+
+    #[test]
+    fn a_waiting_client_stops_on_unknown_which_is_not_terminal() {
+        assert!(!TaskState::Unknown.is_terminal());
+        assert!(!TaskState::Unknown.is_in_flight());
+        for s in [TaskState::Pending, TaskState::Leased, TaskState::RetryWait] {
+            assert!(s.is_in_flight(), "{s}");
+        }
+        for s in [
+            TaskState::Succeeded,
+            TaskState::Failed,
+            TaskState::DeadLetter,
+            TaskState::Cancelled,
+            TaskState::Expired,
+        ] {
+            assert!(s.is_terminal() && !s.is_in_flight(), "{s}");
+        }
+    }
+
+    #[test]
+    fn in_flight_lists_exactly_the_in_flight_states() {
+        let listed: Vec<TaskState> = TaskState::IN_FLIGHT.to_vec();
+        let computed: Vec<TaskState> = TaskState::ALL
+            .into_iter()
+            .filter(|s| s.is_in_flight())
+            .collect();
+        assert_eq!(listed, computed);
     }
 }

@@ -19,6 +19,10 @@ use crate::{AgentId, AssignmentId, Method, Request, TaskId};
 
 pub const CONTRACT_VERSION: &str = "agent-task-transport/v1";
 pub use crate::headers::GENERATION_HEADER;
+/// The signing scheme and the progress phase are defined where they belong (`json`, `task`);
+/// these paths stay for callers.
+pub use crate::json::signing_input;
+pub use crate::task::ProgressPhase;
 pub const ALG_ECDSA_SHA256: &str = "ecdsa-sha256";
 pub const ALG_RSA_SHA256: &str = "rsa-sha256";
 
@@ -268,36 +272,6 @@ pub struct StartTask {
     pub phase: Option<ProgressPhase>,
 }
 
-/// What a deploying executor is doing, as it reports it through the start handshake.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum ProgressPhase {
-    Pulling,
-    Starting,
-    Health,
-}
-
-impl ProgressPhase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ProgressPhase::Pulling => "pulling",
-            ProgressPhase::Starting => "starting",
-            ProgressPhase::Health => "health",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<ProgressPhase> {
-        [
-            ProgressPhase::Pulling,
-            ProgressPhase::Starting,
-            ProgressPhase::Health,
-        ]
-        .into_iter()
-        .find(|p| p.as_str() == s)
-    }
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -407,11 +381,6 @@ pub struct ResultAck {
     pub duplicate: bool,
     /// The task's state after the result.
     pub state: crate::task::TaskState,
-}
-
-/// The bytes a result signature covers: JCS of the envelope without its `signature` member.
-pub fn signing_input(envelope: &serde_json::Value) -> Result<Vec<u8>, serde_json::Error> {
-    crate::json::jcs_without(envelope, "signature")
 }
 
 /// .NET TimeSpan text: `hh:mm:ss`, with `d.` for days and `.fffffff` for fractions.

@@ -1015,7 +1015,7 @@ async fn task_command(conn: &Connection, out: Output, cmd: TaskCommand) -> anyho
                 .map(|k| (berth_proto::headers::IDEMPOTENCY_KEY_HEADER, k.as_str()))
                 .collect();
             let mut task = client.send_with(&request, &headers, None).await?;
-            if wait && in_progress(task.state) {
+            if wait && task.state.is_in_flight() {
                 task = wait_for_task(&client, task.id).await?;
             }
             print_task(out, &task)
@@ -1177,15 +1177,7 @@ async fn audit_export(conn: &Connection) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--wait` waits while a task is in one of these states.
-fn in_progress(state: TaskState) -> bool {
-    matches!(
-        state,
-        TaskState::Pending | TaskState::Leased | TaskState::RetryWait
-    )
-}
-
-/// Waits until the task leaves [`in_progress`] and returns it, following its events (the
+/// Waits until the task is no longer [`TaskState::is_in_flight`] and returns it, following its events (the
 /// server's `GET /api/v1/events?task=`). The stream starts at the task's first event, so a task
 /// that settled before it opened is seen too; a broken stream resumes after the last event
 /// seen. Polling is the fallback for a server without the stream, or one that keeps failing.
@@ -1209,7 +1201,7 @@ async fn wait_for_task(client: &Client, id: TaskId) -> anyhow::Result<berth_prot
                         }
                         let data: TaskStateEvent = serde_json::from_value(event.data)
                             .context("a task.state event the CLI cannot read")?;
-                        if !in_progress(data.state) {
+                        if !data.state.is_in_flight() {
                             return Ok(client.send(&GetTask { id }).await?);
                         }
                     }
@@ -1226,7 +1218,7 @@ async fn wait_for_task(client: &Client, id: TaskId) -> anyhow::Result<berth_prot
     tracing::warn!("the event stream keeps failing; polling the task instead");
     loop {
         let task = client.send(&GetTask { id }).await?;
-        if !in_progress(task.state) {
+        if !task.state.is_in_flight() {
             return Ok(task);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -338,15 +338,6 @@ fn phase_of(
     (queued, None)
 }
 
-/// A target whose wave may end: done, failed, or skipped because its agent was cordoned when
-/// the wave reached it.
-fn is_settled(phase: TargetPhase) -> bool {
-    matches!(
-        phase,
-        TargetPhase::Succeeded | TargetPhase::Failed | TargetPhase::Skipped
-    )
-}
-
 async fn snapshots(
     state: &SharedState,
     tenant: TenantId,
@@ -401,13 +392,9 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
                 // The target's remaining components must not run after one failed.
                 cancel_open(state, d, &t.tasks, &tasks).await?;
             }
-            if matches!(
-                phase,
-                TargetPhase::Succeeded
-                    | TargetPhase::Failed
-                    | TargetPhase::RolledBack
-                    | TargetPhase::RollbackFailed
-            ) {
+            // `phase_of` never yields `skipped` (only the wave start sets it), so this is the
+            // target's first settled phase.
+            if phase.is_settled() {
                 t.finished_at = Some(now);
             }
             if phase.is_working() && t.started_at.is_none() {
@@ -438,12 +425,7 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
                 )
             })
             .collect();
-        if rolling.iter().all(|t| {
-            matches!(
-                t.phase,
-                TargetPhase::RolledBack | TargetPhase::RollbackFailed
-            )
-        }) {
+        if rolling.iter().all(|t| t.phase.is_settled()) {
             let failed: Vec<&str> = rolling
                 .iter()
                 .filter(|t| t.phase == TargetPhase::RollbackFailed)
@@ -465,7 +447,7 @@ async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), St
         let wave_done = targets
             .iter()
             .filter(|t| t.wave == next.wave)
-            .all(|t| is_settled(t.phase));
+            .all(|t| t.phase.is_settled());
         let failed: Vec<&DeploymentTarget> = targets
             .iter()
             .filter(|t| t.phase == TargetPhase::Failed)

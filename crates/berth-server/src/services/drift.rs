@@ -125,7 +125,7 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
                     obs.components = components;
                     obs.verified_at = task.finished_at;
                 }
-                open = !task.state.is_terminal() && task.state != TaskState::Unknown;
+                open = task.state.is_in_flight();
             }
         }
         if !open && obs.next_check_at <= now {

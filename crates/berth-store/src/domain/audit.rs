@@ -81,7 +81,7 @@ pub(crate) fn link(
     entry.hash = String::new();
     let value = serde_json::to_value(&entry).map_err(corrupt)?;
     entry.hash =
-        berth_crypto::sha256_hex(&berth_proto::audit::hash_input(&value).map_err(corrupt)?);
+        berth_proto::audit::entry_hash(&berth_proto::audit::hash_input(&value).map_err(corrupt)?);
     let text = serde_json::to_string(&entry).map_err(corrupt)?;
     Ok((entry, text))
 }

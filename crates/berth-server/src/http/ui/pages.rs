@@ -10,7 +10,7 @@ use axum::http::header;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use berth_proto::agent::{Agent, AgentStatus, ListAgents, ResourceUsage};
-use berth_proto::audit::{hash_input, AuditActor, AuditEntry, ListAudit, GENESIS_HASH};
+use berth_proto::audit::{AuditActor, AuditEntry, ListAudit};
 use berth_proto::deploy::{
     DeploymentPlan, DeploymentTargetEvent, DeploymentView, ListDeployments, TargetPhase,
     DEPLOYMENT_TARGET_EVENT,
@@ -821,25 +821,10 @@ fn actor(a: &AuditActor) -> String {
     }
 }
 
-/// Checks the page's part of the chain as `berth audit verify` does (without the signatures,
-/// which need the CA): each entry's hash over its JCS, and each `prevHash` the one before.
-fn verify_chain(items: &[AuditEntry], after: u64) -> Result<usize, String> {
-    let mut prev: Option<String> = (after == 0).then(|| GENESIS_HASH.to_string());
-    for e in items {
-        let value = serde_json::to_value(e).map_err(|e| e.to_string())?;
-        let input = hash_input(&value).map_err(|e| e.to_string())?;
-        if berth_crypto::sha256_hex(&input) != e.hash {
-            return Err(format!("entry {} does not match its hash", e.seq));
-        }
-        if prev.as_ref().is_some_and(|p| *p != e.prev_hash) {
-            return Err(format!(
-                "entry {} does not link to the previous entry",
-                e.seq
-            ));
-        }
-        prev = Some(e.hash.clone());
-    }
-    Ok(items.len())
+/// Checks the page's part of the chain with the same check as `berth audit verify` (without
+/// the signatures, which need the CA); a page after the first cannot check its first link.
+fn verify_chain(items: &[AuditEntry], after: u64) -> Result<u64, String> {
+    berth_proto::audit::verify_chain(items, after).map_err(|f| format!("entry {}: {f}", f.seq()))
 }
 
 pub async fn environments(State(state): State<SharedState>, ui: UiCaller) -> Response {
@@ -1144,8 +1129,9 @@ struct FailedTask {
 }
 
 /// The failed tasks among each target's last deployment task and last rollback task, for the
-/// targets that failed or were rolled back (a rolled-back target's own code is cleared by its
-/// rollback; the failure stays in its task). The agent redacts a log before it signs the result
+/// targets that went wrong (`TargetPhase::is_failure`: failed, rolled back, or whose rollback
+/// failed too; a rolled-back target's own code is cleared by its rollback; the failure stays in
+/// its task). The agent redacts a log before it signs the result
 /// (every credential and secret value becomes `***`): the page shows that log as received.
 async fn failed_tasks(
     state: &SharedState,
@@ -1153,10 +1139,7 @@ async fn failed_tasks(
     d: &DeploymentView,
 ) -> ApiResult<BTreeMap<AgentId, Vec<FailedTask>>> {
     let mut failed: BTreeMap<AgentId, Vec<FailedTask>> = BTreeMap::new();
-    let ended_badly = d
-        .targets
-        .iter()
-        .filter(|t| matches!(t.phase, TargetPhase::Failed | TargetPhase::RolledBack));
+    let ended_badly = d.targets.iter().filter(|t| t.phase.is_failure());
     for t in ended_badly.take(PAGE as usize) {
         for id in [t.tasks.last(), t.rollback_tasks.last()]
             .into_iter()
