@@ -13,9 +13,9 @@ use berth_proto::release::{
 use berth_proto::ReleaseId;
 use berth_store::{Release, StoreError};
 
-use crate::services::caller::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::registry::{Credentials, ResolveError};
+use crate::services::caller::Caller;
 use crate::SharedState;
 
 fn invalid(detail: impl Into<String>) -> ApiError {

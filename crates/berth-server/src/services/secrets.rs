@@ -17,11 +17,11 @@ use berth_proto::error::codes;
 use berth_store::{DesiredEnvironment, GrantKind, SealedSecret, SecretMeta, StoreError};
 use serde::Deserialize;
 
-use crate::services::caller::{Caller, DesiredCaller};
 use crate::error::{ApiError, ApiResult};
 use crate::grants::{self, LeaseRefusal};
 use crate::rate;
 use crate::secrets as envelope;
+use crate::services::caller::{Caller, DesiredCaller};
 use crate::services::desired::agent_environment;
 use crate::SharedState;
 

@@ -13,9 +13,9 @@ use berth_proto::ssh_target::{
 use berth_proto::{AgentId, SshTargetId};
 use berth_store::{Agent, Artifact, SshTarget, StoreError};
 
-use crate::services::caller::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
+use crate::services::caller::Caller;
 use crate::services::validate::validate_labels;
 use crate::SharedState;
 

@@ -9,9 +9,9 @@ use berth_proto::error::codes;
 use berth_proto::{TenantId, TokenId};
 use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
 
-use crate::services::caller::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
+use crate::services::caller::Caller;
 use crate::services::validate::{validate_labels, validate_name};
 use crate::SharedState;
 

@@ -10,10 +10,10 @@ use berth_proto::notify::{
 };
 use berth_store::{NewWebhook, Notification, Resend, StoreError, Webhook};
 
-use crate::services::caller::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::secrets as envelope;
 use crate::services::caller::actor;
+use crate::services::caller::Caller;
 use crate::services::notify::secret_key;
 use crate::SharedState;
 

@@ -42,15 +42,11 @@ mod task_batches;
 mod tasks;
 mod tenants;
 
+use sequencer::{EVENT_CHANNEL, TASK_CHANNEL};
 pub use task_batches::TaskBatchStats;
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
-/// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas:
-/// a sequencer pass notifies every agent that an event it numbered names.
-const TASK_CHANNEL: &str = "berth_tasks";
-/// Notified by every sequencer pass that numbered events, on every replica's listener.
-const EVENT_CHANNEL: &str = "berth_events";
 const EVENT_CAPACITY: usize = 1024;
 const LISTENER_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A pooled connection idle for this long is pinged before it is handed out.

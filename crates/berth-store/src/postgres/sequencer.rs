@@ -28,10 +28,15 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::{oneshot, Mutex, Notify};
 use uuid::Uuid;
 
-use super::{EVENT_CHANNEL, TASK_CHANNEL};
 use crate::domain::audit::{draft, link, parse};
 use crate::rows::{db_error, ColumnReader};
 use crate::{NewAuditEvent, Result, StoreError};
+
+/// The LISTEN/NOTIFY channel that carries "this agent has something to claim" across replicas:
+/// a sequencer pass notifies every agent that an event it numbered names.
+pub(super) const TASK_CHANNEL: &str = "berth_tasks";
+/// Notified by every sequencer pass that numbered events, on every replica's listener.
+pub(super) const EVENT_CHANNEL: &str = "berth_events";
 
 /// The one lock passes take turns on, cluster-wide (0011's trigger took the same key).
 const SEQUENCER_LOCK: i64 = 7_301_542_390_455_211_101;
