@@ -105,6 +105,7 @@ macro_rules! conformance_cases {
             lease_expiry,
             read_back_sweep,
             retention_prunes_what_finished_long_ago,
+            retention_keeps_an_unknown_tasks_read_back,
             retention_keeps_the_store_bounded,
             delete_agent_tasks,
             task_tenant_isolation,

@@ -485,8 +485,11 @@ pub trait TaskStore: Send + Sync {
     /// Retention: deletes at most `limit` tasks that finished (`succeeded`, `failed`,
     /// `dead_letter`, `cancelled`, `expired`) before `before`, with their attempts; never an
     /// open or `unknown` task, nor one a remaining read-back names (`read_back_of`; the
-    /// read-back goes first, the next batch takes its parent). Their audit entries stay: the
-    /// audit log is never pruned. How many were deleted.
+    /// read-back goes first, the next batch takes its parent), nor the read-back that holds an
+    /// `unknown` task's current [`read_back_key`]: that row is how the read-back sweep knows
+    /// the loss was read back already ([`Self::unknown_without_read_back`]), and deleting it
+    /// would schedule a second read-back. Their audit entries stay: the audit log is never
+    /// pruned. How many were deleted.
     async fn prune_finished_tasks(&self, before: OffsetDateTime, limit: u32) -> Result<u64>;
 
     /// The read-back sweep, part one: `unknown` tasks whose lost delivery has no read-back yet,

@@ -781,10 +781,15 @@ impl TaskStore for PostgresStore {
                WHERE t.state IN ('succeeded', 'failed', 'dead_letter', 'cancelled', 'expired') \
                AND t.finished_at < $1 \
                AND NOT EXISTS (SELECT 1 FROM tasks rb WHERE rb.read_back_of = t.id) \
+               AND NOT EXISTS (SELECT 1 FROM tasks p \
+                               WHERE p.id = t.read_back_of AND p.state = 'unknown' \
+                               AND t.idempotency_key = \
+                                   $3 || p.id::text || ':' || p.attempts::text) \
                ORDER BY t.finished_at LIMIT $2)",
         )
         .bind(millis(before))
         .bind(i64::from(limit))
+        .bind(READ_BACK_KEY_PREFIX)
         .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("prune finished tasks"))?;

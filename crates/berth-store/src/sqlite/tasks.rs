@@ -831,8 +831,12 @@ impl TaskStore for SqliteStore {
                                          'expired') \
                        AND t.finished_at < ?1 \
                        AND NOT EXISTS (SELECT 1 FROM tasks rb WHERE rb.read_back_of = t.id) \
+                       AND NOT EXISTS (SELECT 1 FROM tasks p \
+                                       WHERE p.id = t.read_back_of AND p.state = 'unknown' \
+                                       AND t.idempotency_key = \
+                                           ?3 || p.id || ':' || p.attempts) \
                        ORDER BY t.finished_at LIMIT ?2)",
-                    params![unix_millis(before), i64::from(limit)],
+                    params![unix_millis(before), i64::from(limit), READ_BACK_KEY_PREFIX],
                 )
                 .map(|n| n as u64)
             })
