@@ -34,8 +34,8 @@ use berth_proto::transport::ProgressPhase;
 use berth_proto::{AgentId, DeploymentId, TaskId, TenantId};
 use berth_store::{
     deployment_task_key, Agent, AgentFilter, CreateTaskOutcome, Deployment, DeploymentDetail,
-    DeploymentStep, DeploymentTarget, Environment, NewDeployment, NewTask, Release, ReleaseRef,
-    StoreError, TaskState,
+    DeploymentGuard, DeploymentStep, DeploymentTarget, DeploymentTaskOutcome, Environment,
+    NewDeployment, NewTask, Release, ReleaseRef, StoreError, TaskState,
 };
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -47,6 +47,10 @@ use crate::SharedState;
 const ACTIVE_PAGE: u32 = 200;
 /// A pass also runs this often without any event, for steps that wait on time alone.
 const IDLE_PASS: Duration = Duration::from_secs(1);
+
+/// What [`create_tasks`] answers (as a `Conflict`) when the deployment moved on since the pass
+/// read it: the pass ends without recording, quietly.
+const SUPERSEDED: &str = "deployment_superseded";
 
 pub const DEPLOY: &str = "deploy";
 pub const ROLLBACK: &str = "rollback";
@@ -77,9 +81,15 @@ pub async fn sweep(state: &SharedState) {
     };
     for detail in active {
         let id = detail.deployment.id;
-        if let Err(e) = advance(state, detail).await {
-            state.metrics.error("reconcile_store");
-            tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
+        match advance(state, detail).await {
+            Ok(())
+            | Err(StoreError::Conflict {
+                constraint: SUPERSEDED,
+            }) => {}
+            Err(e) => {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
+            }
         }
     }
 }
@@ -802,7 +812,23 @@ async fn create_tasks(
             created_at: state.config.clock.now(),
             created_by: Some(d.requested_by.clone()),
         };
-        match state.store.create_task(task).await {
+        let guard = DeploymentGuard {
+            deployment_id: d.id,
+            expected_version: d.version,
+        };
+        let created = match state.store.create_deployment_task(guard, task).await {
+            Ok(DeploymentTaskOutcome::Decided(outcome)) => Ok(outcome),
+            // A cancel (or another replica's step) committed since this pass read the
+            // deployment: the step is void (its record would fail on `version`), and the next
+            // pass decides again from what the cancel left.
+            Ok(DeploymentTaskOutcome::Superseded) => {
+                return Err(StoreError::Conflict {
+                    constraint: SUPERSEDED,
+                })
+            }
+            Err(e) => Err(e),
+        };
+        match created {
             Err(StoreError::Conflict {
                 constraint: "task_agent",
             }) => {

@@ -130,6 +130,7 @@ macro_rules! conformance_cases {
             deployment_one_active_per_environment,
             deployment_approvals,
             deployment_cancel,
+            deployment_cancel_stops_a_racing_step,
             deployment_step_compare_and_set,
             environment_pin_and_unpin,
             secret_versions_and_delete,

@@ -316,7 +316,19 @@ pub fn deployment_task_key(
     purpose: &str,
     component: &str,
 ) -> String {
-    format!("{DEPLOYMENT_KEY_PREFIX}{deployment}:{agent}:{purpose}:{component}")
+    format!(
+        "{}{purpose}:{component}",
+        deployment_target_key_prefix(deployment, agent)
+    )
+}
+
+/// What every [`deployment_task_key`] of one target of a deployment starts with: a cancel
+/// finds the tasks a step created for a target by it.
+pub(crate) fn deployment_target_key_prefix(
+    deployment: berth_proto::DeploymentId,
+    agent: AgentId,
+) -> String {
+    format!("{DEPLOYMENT_KEY_PREFIX}{deployment}:{agent}:")
 }
 
 /// The idempotency key of a drift read-back of one target of an environment, due at `due`
