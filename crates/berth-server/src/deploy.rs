@@ -5,7 +5,9 @@
 //! recorded by compare-and-set on that version, so replicas running this loop at once cannot
 //! both apply a step. Tasks are created before the step that names them, under an idempotency
 //! key per (deployment, target, purpose, component): a crash or a lost race between the two
-//! leaves tasks that the next run finds again instead of duplicating. Nothing here runs once
+//! leaves tasks that the next run finds again instead of duplicating. Each create is guarded by
+//! the version the pass read (`create_deployment_task`): after a cancel it is refused, and a
+//! cancel after it cancels what it queued for targets that never started. Nothing here runs once
 //! after a commit; every pass re-derives what to do from the database.
 //!
 //! The rules:
