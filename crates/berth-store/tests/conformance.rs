@@ -596,3 +596,29 @@ async fn postgres_runs_the_task_path_in_batches() {
     assert!(stats.claim.decided > stats.claim.declined, "{stats:?}");
     assert!(stats.claim.batches < stats.claim.decided + stats.claim.declined);
 }
+
+/// Issue 29, on two replicas over one PostgreSQL: a cancel on one committing while a
+/// deployment step on the other creates tasks leaves no task queued for what it stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_replicas_cancel_races_a_deployment_step() {
+    on_postgres(|first, url| async move {
+        let second: DynStore =
+            Arc::new(PostgresStore::connect(&url, key()).await.expect("connect"));
+        berth_store::conformance::deployment_cancel_races_steps_on(&first, &second, 40).await;
+    })
+    .await;
+}
+
+/// Issue 29, on two replicas over one PostgreSQL: retention on one never frees the key of the
+/// read-back an `unknown` task's dedupe rests on, so the read-back sweep on the other
+/// schedules no second read-back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_two_replicas_retention_keeps_an_unknown_tasks_read_back() {
+    on_postgres(|first, url| async move {
+        let second: DynStore =
+            Arc::new(PostgresStore::connect(&url, key()).await.expect("connect"));
+        berth_store::conformance::retention_keeps_an_unknown_tasks_read_back_on(&first, &second)
+            .await;
+    })
+    .await;
+}

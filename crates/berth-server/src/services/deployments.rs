@@ -5,7 +5,9 @@
 //! recorded by compare-and-set on that version, so replicas running this loop at once cannot
 //! both apply a step. Tasks are created before the step that names them, under an idempotency
 //! key per (deployment, target, purpose, component): a crash or a lost race between the two
-//! leaves tasks that the next run finds again instead of duplicating. Nothing here runs once
+//! leaves tasks that the next run finds again instead of duplicating. Each create is guarded by
+//! the version the pass read (`create_deployment_task`): after a cancel it is refused, and a
+//! cancel after it cancels what it queued for targets that never started. Nothing here runs once
 //! after a commit; every pass re-derives what to do from the database.
 //!
 //! The rules:
@@ -48,6 +50,10 @@ const ACTIVE_PAGE: u32 = 200;
 /// A pass also runs this often without any event, for steps that wait on time alone.
 const IDLE_PASS: Duration = Duration::from_secs(1);
 
+/// What [`create_tasks`] answers (as a `Conflict`) when the deployment moved on since the pass
+/// read it: the pass ends without recording, quietly.
+const SUPERSEDED: &str = "deployment_superseded";
+
 pub const DEPLOY: &str = "deploy";
 pub const ROLLBACK: &str = "rollback";
 
@@ -77,9 +83,15 @@ pub async fn sweep(state: &SharedState) {
     };
     for detail in active {
         let id = detail.deployment.id;
-        if let Err(e) = advance(state, detail).await {
-            state.metrics.error("reconcile_store");
-            tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
+        match advance(state, detail).await {
+            Ok(())
+            | Err(StoreError::Conflict {
+                constraint: SUPERSEDED,
+            }) => {}
+            Err(e) => {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
+            }
         }
     }
 }
@@ -776,6 +788,7 @@ async fn create_tasks(
             priority: 0,
             origin: Origin::Deployment {
                 deployment: d.id,
+                version: d.version,
                 target: target.agent_id,
                 purpose: purpose.to_string(),
                 part: part.to_string(),
@@ -796,6 +809,14 @@ async fn create_tasks(
             // The target waits for room in its agent's queue (a rollback fails instead).
             Refused::QueueFull { .. } => (codes::QUEUE_FULL, Hold::QueueFull),
             Refused::CapabilityMissing { .. } => (codes::CAPABILITY_MISSING, Hold::None),
+            // A cancel (or another replica's step) committed since this pass read the
+            // deployment: the step is void (its record would fail on `version`), and the next
+            // pass decides again from what the cancel left.
+            Refused::Superseded => {
+                return Err(StoreError::Conflict {
+                    constraint: SUPERSEDED,
+                })
+            }
             Refused::KeyConflict | Refused::KeyReserved | Refused::NoMatchingAgent { .. } => {
                 return Err(StoreError::Corrupt(format!(
                     "deployment {} task for {} was refused: {refused:?}",

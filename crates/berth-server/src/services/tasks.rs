@@ -41,8 +41,12 @@ pub(crate) enum Origin {
     },
     /// One part (a component, or `ssh`) of a deployment on one target, for `purpose`
     /// (`deploy` or `rollback`).
+    /// `version` is the deployment's as the pass read it: the insert happens only while the
+    /// deployment is still there, at that version, and not finished or cancelled (a cancel on
+    /// another replica serialises with it on the deployment's row).
     Deployment {
         deployment: DeploymentId,
+        version: i64,
         target: AgentId,
         purpose: String,
         part: String,
@@ -112,6 +116,9 @@ pub(crate) enum Refused {
     KeyConflict,
     /// A client's key in the server's namespace (`berth_store::is_internal_key`).
     KeyReserved,
+    /// A deployment's task, for a deployment that moved on (cancelled, finished, or stepped by
+    /// another replica) since the pass read it.
+    Superseded,
 }
 
 /// Creates the task `req` asks for, or says why not. `Err` only when the store fails or the
@@ -141,6 +148,17 @@ pub(crate) async fn create(
         ),
         _ => None,
     };
+    let guard = match &req.origin {
+        Origin::Deployment {
+            deployment,
+            version,
+            ..
+        } => Some(berth_store::DeploymentGuard {
+            deployment_id: *deployment,
+            expected_version: *version,
+        }),
+        _ => None,
+    };
     let (idempotency_key, request_hash, read_back_of, created_by) = match req.origin {
         Origin::Api {
             actor,
@@ -153,6 +171,7 @@ pub(crate) async fn create(
             purpose,
             part,
             requested_by,
+            ..
         } => (
             Some(berth_store::deployment_task_key(
                 deployment, target, &purpose, &part,
@@ -212,7 +231,17 @@ pub(crate) async fn create(
         created_at: state.config.clock.now(),
         created_by,
     };
-    let outcome = match state.store.create_task(task).await {
+    let created = match guard {
+        None => state.store.create_task(task).await,
+        Some(guard) => match state.store.create_deployment_task(guard, task).await {
+            Ok(berth_store::DeploymentTaskOutcome::Decided(outcome)) => Ok(outcome),
+            Ok(berth_store::DeploymentTaskOutcome::Superseded) => {
+                return Ok(Err(Refused::Superseded))
+            }
+            Err(e) => Err(e),
+        },
+    };
+    let outcome = match created {
         Ok(outcome) => outcome,
         // The agent was deleted between the routing and the insert.
         Err(StoreError::Conflict {

@@ -69,6 +69,48 @@ pub async fn start_with(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
     }
 }
 
+/// A second replica of `of` (which runs on PostgreSQL, `database`): its data dir starts as a
+/// copy of `of`'s key material, as README's "Several replicas" says. Its `admin_token` is
+/// `of`'s (the store holds the tokens).
+#[allow(dead_code)]
+pub async fn start_replica(of: &TestServer, database: &str) -> TestServer {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).expect("data dir");
+    let from = of.dir.path().join("data");
+    for file in std::fs::read_dir(&from).expect("read data dir") {
+        let file = file.expect("entry");
+        let name = file.file_name();
+        if name.to_string_lossy().ends_with(".key") || name.to_string_lossy().ends_with(".crt") {
+            std::fs::copy(file.path(), data.join(&name)).expect("copy key material");
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let mut config = ServerConfig::new(data, addr);
+    config.heartbeat_interval = Duration::from_secs(1);
+    config.database = Some(database.to_string());
+    let server = Server::bootstrap(config).await.expect("bootstrap replica");
+    let boot = server.bootstrapped().clone();
+    assert_eq!(boot.ca_fingerprint, of.ca_fingerprint, "one CA");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(listener, async {
+        let _ = stopped.await;
+    }));
+    TestServer {
+        url: format!("https://{addr}"),
+        addr,
+        ca_pem: of.ca_pem.clone(),
+        ca_fingerprint: boot.ca_fingerprint,
+        admin_token: of.admin_token.clone(),
+        stop: Some(stop),
+        task: Some(task),
+        dir,
+    }
+}
+
 impl TestServer {
     pub fn client(&self, bearer: Option<&str>, identity: Option<Identity>) -> Client {
         Client::new(ClientConfig {

@@ -1176,3 +1176,311 @@ pub async fn deployment_tenant_isolation(store: &DynStore) {
     // Nothing the intruder tried changed the owner's deployment.
     assert_eq!(deployment_now(store, &d.deployment).await, d);
 }
+
+/// The task a deployment step creates for one part of one target (`purpose` as the server's),
+/// run by `agent` (a deployment target's own id need not be an agent: an SSH target's task runs
+/// on its via agent).
+fn step_task(
+    d: &Deployment,
+    target: &DeploymentTarget,
+    agent: &Agent,
+    purpose: &str,
+    part: &str,
+) -> NewTask {
+    NewTask {
+        idempotency_key: Some(crate::deployment_task_key(
+            d.id,
+            target.agent_id,
+            purpose,
+            part,
+        )),
+        created_by: Some(d.requested_by.clone()),
+        ..deploy_task(d.tenant_id, agent.id, now())
+    }
+}
+
+/// Creates `task` for a step decided from `read` (the deployment as the step read it).
+async fn create_for_step(
+    store: &DynStore,
+    read: &Deployment,
+    task: NewTask,
+) -> crate::DeploymentTaskOutcome {
+    store
+        .create_deployment_task(
+            crate::DeploymentGuard {
+                deployment_id: read.id,
+                expected_version: read.version,
+            },
+            task,
+        )
+        .await
+        .expect("create deployment task")
+}
+
+async fn created_for_step(store: &DynStore, read: &Deployment, task: NewTask) -> Task {
+    match create_for_step(store, read, task).await {
+        crate::DeploymentTaskOutcome::Decided(CreateTaskOutcome::Created(task)) => task,
+        other => panic!("expected a new task, got {other:?}"),
+    }
+}
+
+/// Issue 29: a cancel committing while a step creates tasks. A create decided from a version
+/// the cancel moved is refused (`Superseded`, nothing inserted), and the tasks a step created
+/// before the cancel for targets it stops (still `waiting`) are cancelled by the cancel itself
+/// (pending at once, leased by request), so nothing stays queued for a cancelled deployment
+/// or a wave that will not run. The running wave's tasks and rollback tasks are left alone.
+pub async fn deployment_cancel_stops_a_racing_step(store: &DynStore) {
+    let t = tenant(store).await;
+    let agent = register(store, t.id, new_agent("deploy-host")).await;
+    let generation = session(store, &agent, now()).await;
+    let r1 = release(store, t.id, "r1").await;
+    let cancel = |d: Deployment| {
+        let store = store.clone();
+        async move {
+            store
+                .cancel_deployment(d.tenant_id, d.id, operator(), now())
+                .await
+                .expect("cancel")
+                .expect("deployment exists")
+        }
+    };
+    let state_of = |task: Task| async move { task_now(store, &task).await.0 };
+
+    // Pending: the step read it, created one target's tasks (one already leased), then the
+    // cancel committed, then the step went on.
+    let env = create_environment(store, t.id, "a").await;
+    let d = deploy(store, new_deployment(&env, &r1, DeploymentState::Pending)).await;
+    let read = d.deployment.clone();
+    let (a, b) = (&d.targets[0], &d.targets[1]);
+    let leased = created_for_step(store, &read, step_task(&read, a, &agent, "deploy", "web")).await;
+    let (claimed_task, _) = claimed(store, &agent, generation, now()).await;
+    assert_eq!(claimed_task.id, leased.id);
+    // A task of no deployment on the same agent: never a cancel's business.
+    let bystander = create(store, new_task(t.id, agent.id, now())).await;
+    let queued = created_for_step(store, &read, step_task(&read, a, &agent, "deploy", "db")).await;
+    let cancelled = cancel(read.clone()).await;
+    assert_eq!(cancelled.deployment.state, DeploymentState::Cancelled);
+    let queued_now = state_of(queued.clone()).await;
+    assert_eq!(queued_now.state, TaskState::Cancelled, "{queued_now:?}");
+    let leased_now = state_of(leased.clone()).await;
+    assert_eq!(leased_now.state, TaskState::Leased);
+    assert!(leased_now.cancel_requested, "the agent is told to stop");
+    assert_eq!(
+        store
+            .pending_cancellations(agent.id)
+            .await
+            .expect("pending cancellations"),
+        vec![(
+            leased.id,
+            leased_now.current_assignment.expect("assignment")
+        )]
+    );
+    // The step goes on: refused, nothing inserted, and its record fails.
+    let late = step_task(&read, b, &agent, "deploy", "web");
+    let late_key = late.idempotency_key.clone();
+    assert_eq!(
+        create_for_step(store, &read, late).await,
+        crate::DeploymentTaskOutcome::Superseded
+    );
+    assert_eq!(
+        store
+            .record_deployment_step(step(&read, DeploymentState::Running, Vec::new()))
+            .await
+            .expect("step"),
+        None
+    );
+    let all = store
+        .list_tasks(t.id, &TaskFilter::default(), None, 100)
+        .await
+        .expect("list tasks")
+        .items;
+    assert!(all.iter().all(|task| task.idempotency_key != late_key));
+    assert_eq!(state_of(bystander.clone()).await.state, TaskState::Pending);
+    let cancels: Vec<String> = audit_actions(store, t.id)
+        .await
+        .into_iter()
+        .filter(|(action, _)| action == actions::TASK_CANCEL)
+        .map(|(_, subject)| subject)
+        .collect();
+    for task in [&queued, &leased] {
+        assert!(cancels.contains(&task.id.to_string()), "{cancels:?}");
+    }
+
+    // Running, wave 0 started by a recorded step; a step of another replica recorded since is
+    // also a reason to refuse.
+    let env = create_environment(store, t.id, "b").await;
+    let d = deploy(store, new_deployment(&env, &r1, DeploymentState::Pending)).await;
+    let read = d.deployment.clone();
+    let mut wave0: Vec<DeploymentTarget> =
+        d.targets.iter().filter(|t| t.wave == 0).cloned().collect();
+    for target in &mut wave0 {
+        let task = created_for_step(
+            store,
+            &read,
+            step_task(&read, target, &agent, "deploy", "web"),
+        )
+        .await;
+        target.tasks = vec![task.id];
+        target.phase = TargetPhase::Queued;
+    }
+    let running = apply(store, step(&read, DeploymentState::Running, wave0.clone())).await;
+    let stale = step_task(&read, &wave0[0], &agent, "deploy", "db");
+    assert_eq!(
+        create_for_step(store, &read, stale).await,
+        crate::DeploymentTaskOutcome::Superseded,
+        "decided from a version another step moved"
+    );
+    // The next step (wave 0 done, on to wave 1) creates wave 1's task and a rollback task
+    // is created by another (as after a failure); then the cancel commits.
+    let read = running.deployment.clone();
+    let wave1 = d
+        .targets
+        .iter()
+        .find(|t| t.wave == 1)
+        .expect("wave 1")
+        .clone();
+    let next_wave = created_for_step(
+        store,
+        &read,
+        step_task(&read, &wave1, &agent, "deploy", "web"),
+    )
+    .await;
+    let rollback = created_for_step(
+        store,
+        &read,
+        step_task(&read, &wave0[0], &agent, "rollback", "web"),
+    )
+    .await;
+    let requested = cancel(read.clone()).await;
+    assert!(requested.deployment.cancel_requested);
+    assert_eq!(
+        state_of(next_wave.clone()).await.state,
+        TaskState::Cancelled
+    );
+    for target in &wave0 {
+        let task = Task {
+            id: target.tasks[0],
+            ..next_wave.clone()
+        };
+        assert_eq!(
+            state_of(task).await.state,
+            TaskState::Pending,
+            "the running wave runs to its end"
+        );
+    }
+    assert_eq!(state_of(rollback.clone()).await.state, TaskState::Pending);
+    // A step decided after the cancel finds its rollback task again.
+    match create_for_step(
+        store,
+        &requested.deployment,
+        step_task(&requested.deployment, &wave0[0], &agent, "rollback", "web"),
+    )
+    .await
+    {
+        crate::DeploymentTaskOutcome::Decided(CreateTaskOutcome::Existing(task)) => {
+            assert_eq!(task.id, rollback.id)
+        }
+        other => panic!("expected the rollback task again, got {other:?}"),
+    }
+
+    // Finished: refused.
+    let failed = apply(
+        store,
+        step(&requested.deployment, DeploymentState::Failed, Vec::new()),
+    )
+    .await;
+    assert_eq!(
+        create_for_step(
+            store,
+            &failed.deployment,
+            step_task(&failed.deployment, &wave1, &agent, "deploy", "other")
+        )
+        .await,
+        crate::DeploymentTaskOutcome::Superseded
+    );
+    assert_eq!(state_of(bystander).await.state, TaskState::Pending);
+}
+
+/// Issue 29 on two replicas (two stores on one PostgreSQL): `steps` runs deployment steps that
+/// create wave 0's tasks and record them, `cancels` cancels each deployment at a moment that
+/// moves across the step. Whatever the interleaving, no task stays queued for a cancelled
+/// deployment, and every open task of a deployment is named by a target that started.
+pub async fn deployment_cancel_races_steps_on(steps: &DynStore, cancels: &DynStore, rounds: u32) {
+    let t = tenant(steps).await;
+    let agent = register(steps, t.id, new_agent("race-host")).await;
+    let r1 = release(steps, t.id, "r1").await;
+    for round in 0..rounds {
+        let env = create_environment(steps, t.id, &format!("race-{round}")).await;
+        let d = deploy(steps, new_deployment(&env, &r1, DeploymentState::Pending)).await;
+        let step_store = steps.clone();
+        let (detail, host) = (d.clone(), agent.clone());
+        let pass = tokio::spawn(async move {
+            let read = detail.deployment.clone();
+            let mut targets = Vec::new();
+            for target in detail.targets.iter().filter(|t| t.wave == 0) {
+                let mut started = target.clone();
+                for part in ["web", "db"] {
+                    let task = step_task(&read, target, &host, "deploy", part);
+                    match create_for_step(&step_store, &read, task).await {
+                        crate::DeploymentTaskOutcome::Decided(
+                            CreateTaskOutcome::Created(task) | CreateTaskOutcome::Existing(task),
+                        ) => started.tasks.push(task.id),
+                        crate::DeploymentTaskOutcome::Superseded => return,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                started.phase = TargetPhase::Queued;
+                targets.push(started);
+            }
+            // Refused (None) when the cancel committed first.
+            step_store
+                .record_deployment_step(step(&read, DeploymentState::Running, targets))
+                .await
+                .expect("record step");
+        });
+        let cancel_store = cancels.clone();
+        let cancelled = d.deployment.clone();
+        let cancel = tokio::spawn(async move {
+            // From before the step's first create to after its record, round by round.
+            tokio::time::sleep(std::time::Duration::from_micros(u64::from(round % 8) * 700)).await;
+            cancel_store
+                .cancel_deployment(cancelled.tenant_id, cancelled.id, operator(), now())
+                .await
+                .expect("cancel")
+                .expect("deployment exists")
+        });
+        pass.await.expect("step");
+        cancel.await.expect("cancel");
+        let after = deployment_now(steps, &d.deployment).await;
+        let named: Vec<TaskId> = after
+            .targets
+            .iter()
+            .filter(|t| !matches!(t.phase, TargetPhase::Waiting | TargetPhase::Skipped))
+            .flat_map(|t| t.tasks.clone())
+            .collect();
+        let open: Vec<Task> = steps
+            .list_tasks(t.id, &TaskFilter::default(), None, 1000)
+            .await
+            .expect("list tasks")
+            .items
+            .into_iter()
+            .filter(|task| {
+                task.state == TaskState::Pending
+                    && task.idempotency_key.as_deref().is_some_and(|key| {
+                        key.starts_with(&format!("deployment:{}:", d.deployment.id))
+                    })
+            })
+            .collect();
+        match after.deployment.state {
+            DeploymentState::Cancelled => assert!(open.is_empty(), "round {round}: {open:?}"),
+            DeploymentState::Running => {
+                assert!(after.deployment.cancel_requested, "round {round}");
+                assert!(
+                    open.iter().all(|task| named.contains(&task.id)),
+                    "round {round}: {open:?} not in {named:?}"
+                );
+            }
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+}

@@ -2168,3 +2168,86 @@ pub async fn task_path_concurrent(store: &DynStore) {
     assert_eq!(count(berth_proto::audit::actions::TASK_CREATE), expected);
     assert_eq!(count(berth_proto::audit::actions::TASK_RESULT), expected);
 }
+
+pub async fn retention_keeps_an_unknown_tasks_read_back(store: &DynStore) {
+    retention_keeps_an_unknown_tasks_read_back_on(store, store).await;
+}
+
+/// Issue 29: retention (on `pruner`) never deletes the read-back an `unknown` task's dedupe
+/// rests on, so the read-back sweep (on `sweeper`) schedules no second read-back of the same
+/// loss. The task stays `unknown` (the read-back did not prove it) long past the retention
+/// window. Once the task leaves `unknown` (retried: the read-back loses its key), the
+/// read-back is retention's again. Two stores on one database are two replicas.
+pub async fn retention_keeps_an_unknown_tasks_read_back_on(sweeper: &DynStore, pruner: &DynStore) {
+    // Far-past epoch: every timestamp here is far outside any retention window.
+    let t = datetime!(1997-07-01 00:00:00 UTC);
+    let tenant = tenant(sweeper).await;
+    let agent = register(sweeper, tenant.id, new_agent("retention-read-back")).await;
+    let generation = session(sweeper, &agent, now()).await;
+    create(sweeper, deploy_task(tenant.id, agent.id, t)).await;
+    let (_, lost) = claimed(sweeper, &agent, generation, t).await;
+    let swept = sweep(sweeper, lost.lease_expires_at).await;
+    assert_eq!(swept.unknown.len(), 1);
+    let parent = swept.unknown[0].clone();
+
+    // Read back: the sticker does not prove the task, so it stays unknown for an operator.
+    let read_back = create(sweeper, read_back_task(&parent, t)).await;
+    let (_, attempt) = claimed(sweeper, &agent, generation, t).await;
+    assert_eq!(attempt.task_id, read_back.id);
+    recorded(
+        sweeper,
+        completion(&agent, generation, &attempt, AttemptResult::Succeeded, t),
+    )
+    .await;
+    let evidence = serde_json::json!({"readBackTaskId": read_back.id, "found": false});
+    sweeper
+        .resolve_read_back(parent.id, false, evidence, t)
+        .await
+        .expect("read back")
+        .expect("unknown task");
+    assert!(unknown_without_read_back(sweeper).await.is_empty());
+
+    // Retention on the other replica, long after: the read-back stays, and so does its key.
+    let later = now();
+    while pruner
+        .prune_finished_tasks(later, 100)
+        .await
+        .expect("prune")
+        > 0
+    {}
+    let kept = task_now(sweeper, &read_back).await.0;
+    assert_eq!(
+        kept.idempotency_key,
+        Some(crate::read_back_key(parent.id, parent.attempts))
+    );
+    assert!(
+        unknown_without_read_back(sweeper).await.is_empty(),
+        "the loss was read back already: no second read-back"
+    );
+    match sweeper
+        .create_task(read_back_task(&parent, later))
+        .await
+        .expect("schedule again")
+    {
+        CreateTaskOutcome::Existing(existing) => assert_eq!(existing.id, read_back.id),
+        other => panic!("expected the existing read-back, got {other:?}"),
+    }
+
+    // Retried: the read-back is history (no key), and retention takes it.
+    sweeper
+        .retry_task(tenant.id, parent.id, operator(), later)
+        .await
+        .expect("retry");
+    assert_eq!(
+        pruner
+            .prune_finished_tasks(later, 100)
+            .await
+            .expect("prune"),
+        1
+    );
+    assert!(sweeper
+        .get_task(tenant.id, read_back.id)
+        .await
+        .expect("get")
+        .is_none());
+}

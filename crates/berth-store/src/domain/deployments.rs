@@ -160,6 +160,37 @@ pub struct TargetObservation {
     pub verified_at: Option<OffsetDateTime>,
 }
 
+/// The deployment a task is created for (of the task's tenant), and the version of it the
+/// step was decided from ([`DeploymentStore::create_deployment_task`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeploymentGuard {
+    pub deployment_id: DeploymentId,
+    pub expected_version: i64,
+}
+
+impl DeploymentGuard {
+    /// Whether the deployment, read as (state, version) under its row lock (`None`: it is
+    /// gone), is still the one the step was decided from: the same version, and still
+    /// `pending` or `running`.
+    pub(crate) fn holds(&self, current: Option<(DeploymentState, i64)>) -> bool {
+        current.is_some_and(|(state, version)| {
+            version == self.expected_version
+                && matches!(state, DeploymentState::Pending | DeploymentState::Running)
+        })
+    }
+}
+
+// One value per create, matched once: boxing would only add an allocation (as `ClaimOutcome`).
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeploymentTaskOutcome {
+    /// The deployment was still as the step read it: what the create did.
+    Decided(crate::CreateTaskOutcome),
+    /// The deployment moved on (cancelled, finished, or another step recorded) since the step
+    /// read it: nothing was inserted.
+    Superseded,
+}
+
 /// Part of [`crate::Store`].
 #[async_trait::async_trait]
 pub trait DeploymentStore: Send + Sync {
@@ -228,6 +259,14 @@ pub trait DeploymentStore: Send + Sync {
     /// `pending` or `awaiting_approval`: `cancelled` at once (targets `skipped`, finished).
     /// `running`: `cancel_requested`, and the reconciler stops after the running wave.
     /// Terminal: unchanged. A `deployment.cancel` audit entry when it changed anything.
+    ///
+    /// In the same transaction, with the deployment row locked against
+    /// [`Self::create_deployment_task`], the open tasks created for targets still `waiting`
+    /// (by a step that read the deployment before this cancel, and whose record now fails on
+    /// `version`) are cancelled as [`crate::TaskStore::cancel_task`] would (pending at once,
+    /// leased by request), each with a `task.cancel` entry by `actor`: nothing stays queued
+    /// for a wave the cancel stopped. Rollback tasks are never touched (their targets are not
+    /// `waiting`; a later step finds them again by key).
     async fn cancel_deployment(
         &self,
         tenant: TenantId,
@@ -235,6 +274,20 @@ pub trait DeploymentStore: Send + Sync {
         actor: AuditActor,
         now: OffsetDateTime,
     ) -> Result<Option<DeploymentDetail>>;
+
+    /// Creates a task of one step of a deployment, as [`crate::TaskStore::create_task`] does,
+    /// in a transaction that first locks the deployment's row (shared: `FOR SHARE` on
+    /// PostgreSQL; the one writer on SQLite) and checks that it is still `pending` or `running`
+    /// at `guard.expected_version`, the version the step was decided from. Otherwise
+    /// [`DeploymentTaskOutcome::Superseded`] and nothing is inserted: a cancel (or another
+    /// replica's step) committed since, and the step's record would fail anyway. The lock
+    /// conflicts with [`Self::cancel_deployment`]'s, so either the cancel sees the task (and
+    /// cancels it) or the create sees the cancel. The task row remembers its deployment.
+    async fn create_deployment_task(
+        &self,
+        guard: DeploymentGuard,
+        task: crate::NewTask,
+    ) -> Result<DeploymentTaskOutcome>;
 
     /// Deployments of every tenant that are `pending` or `running`, oldest first.
     async fn active_deployments(&self, limit: u32) -> Result<Vec<DeploymentDetail>>;

@@ -316,7 +316,19 @@ pub fn deployment_task_key(
     purpose: &str,
     component: &str,
 ) -> String {
-    format!("{DEPLOYMENT_KEY_PREFIX}{deployment}:{agent}:{purpose}:{component}")
+    format!(
+        "{}{purpose}:{component}",
+        deployment_target_key_prefix(deployment, agent)
+    )
+}
+
+/// What every [`deployment_task_key`] of one target of a deployment starts with: a cancel
+/// finds the tasks a step created for a target by it.
+pub(crate) fn deployment_target_key_prefix(
+    deployment: berth_proto::DeploymentId,
+    agent: AgentId,
+) -> String {
+    format!("{DEPLOYMENT_KEY_PREFIX}{deployment}:{agent}:")
 }
 
 /// The idempotency key of a drift read-back of one target of an environment, due at `due`
@@ -485,8 +497,11 @@ pub trait TaskStore: Send + Sync {
     /// Retention: deletes at most `limit` tasks that finished (`succeeded`, `failed`,
     /// `dead_letter`, `cancelled`, `expired`) before `before`, with their attempts; never an
     /// open or `unknown` task, nor one a remaining read-back names (`read_back_of`; the
-    /// read-back goes first, the next batch takes its parent). Their audit entries stay: the
-    /// audit log is never pruned. How many were deleted.
+    /// read-back goes first, the next batch takes its parent), nor the read-back that holds an
+    /// `unknown` task's current [`read_back_key`]: that row is how the read-back sweep knows
+    /// the loss was read back already ([`Self::unknown_without_read_back`]), and deleting it
+    /// would schedule a second read-back. Their audit entries stay: the audit log is never
+    /// pruned. How many were deleted.
     async fn prune_finished_tasks(&self, before: OffsetDateTime, limit: u32) -> Result<u64>;
 
     /// The read-back sweep, part one: `unknown` tasks whose lost delivery has no read-back yet,

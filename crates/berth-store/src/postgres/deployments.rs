@@ -6,20 +6,22 @@
 use berth_proto::audit::actions::{DEPLOYMENT_APPROVE, DEPLOYMENT_CANCEL, ENVIRONMENT_UNPIN};
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{DeploymentState, TargetPhase};
-use berth_proto::{DeploymentId, EnvironmentId, ReleaseId, TenantId};
+use berth_proto::{AgentId, DeploymentId, EnvironmentId, ReleaseId, TenantId};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, QueryBuilder};
 use time::OffsetDateTime;
 
 use super::{fetch_page, PostgresStore};
 use crate::domain::audit::{admin_event, deployment_create_event, environment_create_event};
+use crate::domain::tasks::deployment_target_key_prefix;
 use crate::rows::{
     self, db_error, deployment_rows, environment_rows, millis, observation_columns, target_columns,
-    ColumnReader,
+    task_columns, ColumnReader,
 };
 use crate::{
-    ApproveOutcome, Deployment, DeploymentDetail, DeploymentStep, DeploymentStore,
-    DeploymentTarget, Environment, NewDeployment, Page, Result, StoreError, TargetObservation,
+    ApproveOutcome, Deployment, DeploymentDetail, DeploymentGuard, DeploymentStep, DeploymentStore,
+    DeploymentTarget, DeploymentTaskOutcome, Environment, NewDeployment, NewTask, Page, Result,
+    StoreError, TargetObservation,
 };
 
 async fn environment_by_id(
@@ -127,6 +129,65 @@ async fn locked_state(
     DeploymentState::parse(&state)
         .map(Some)
         .ok_or_else(|| StoreError::Corrupt(format!("deployments.state: unknown {state:?}")))
+}
+
+/// In a cancel's transaction, the deployment row locked: cancels the open tasks created for
+/// its targets still `waiting` (a step that read the deployment before the cancel created
+/// them, and its record fails on `version`), each with its audit entry. The agents to wake.
+async fn cancel_unstarted_tasks(
+    store: &PostgresStore,
+    tx: &mut sqlx::Transaction<'static, Postgres>,
+    id: DeploymentId,
+    actor: AuditActor,
+    now: OffsetDateTime,
+) -> Result<Vec<AgentId>> {
+    const OP: &str = "cancel deployment";
+    let waiting: Vec<String> = sqlx::query(
+        "SELECT agent_id FROM deployment_targets WHERE deployment_id = $1 AND phase = $2",
+    )
+    .bind(id.0)
+    .bind(TargetPhase::Waiting.as_str())
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(db_error(OP))?
+    .iter()
+    .map(|row| {
+        Ok(deployment_target_key_prefix(
+            id,
+            AgentId(row.uuid("agent_id")?),
+        ))
+    })
+    .collect::<Result<_>>()?;
+    if waiting.is_empty() {
+        return Ok(Vec::new());
+    }
+    let open = sqlx::query(concat!(
+        "SELECT ",
+        task_columns!(),
+        " FROM tasks WHERE deployment_id = $1 AND state IN ('pending', 'retry_wait', 'leased') \
+         ORDER BY id FOR UPDATE"
+    ))
+    .bind(id.0)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(db_error(OP))?
+    .iter()
+    .map(|row| rows::read_task(row, &store.payload_key))
+    .collect::<Result<Vec<_>>>()?;
+    let mut woken = Vec::new();
+    for task in open {
+        let unstarted = task.idempotency_key.as_deref().is_some_and(|key| {
+            waiting
+                .iter()
+                .any(|prefix| key.starts_with(prefix.as_str()))
+        });
+        if unstarted {
+            super::tasks::cancel_locked(tx, &store.payload_key, OP, &task, actor.clone(), now)
+                .await?;
+            woken.push(task.agent_id);
+        }
+    }
+    Ok(woken)
 }
 
 /// Writes `target` whole: an update of its row (so a phase change fires the event trigger),
@@ -500,6 +561,14 @@ impl DeploymentStore for PostgresStore {
         let Some(state) = locked_state(&mut tx, OP, tenant, id).await? else {
             return Ok(None);
         };
+        let stopped = match state {
+            DeploymentState::Pending
+            | DeploymentState::AwaitingApproval
+            | DeploymentState::Running => {
+                cancel_unstarted_tasks(self, &mut tx, id, actor.clone(), now).await?
+            }
+            _ => Vec::new(),
+        };
         let changed = match state {
             DeploymentState::Pending | DeploymentState::AwaitingApproval => {
                 sqlx::query(
@@ -546,7 +615,46 @@ impl DeploymentStore for PostgresStore {
             super::audit::append(&mut tx, event).await?;
         }
         tx.commit().await.map_err(db_error(OP))?;
+        for agent in stopped {
+            self.wake(agent);
+        }
         Ok(Some(after))
+    }
+
+    async fn create_deployment_task(
+        &self,
+        guard: DeploymentGuard,
+        task: NewTask,
+    ) -> Result<DeploymentTaskOutcome> {
+        const OP: &str = "create deployment task";
+        let mut tx = self.begin(OP).await?;
+        // Shared: one step's creates do not wait for each other, while a cancel or a step's
+        // record (both write the row) waits for this create's commit, or this create for
+        // theirs, and then sees the version they wrote.
+        let row = sqlx::query(
+            "SELECT state, version FROM deployments WHERE tenant_id = $1 AND id = $2 FOR SHARE",
+        )
+        .bind(task.tenant_id.0)
+        .bind(guard.deployment_id.0)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        let current = match row {
+            Some(row) => {
+                let state = row.text("state")?;
+                let state = DeploymentState::parse(&state).ok_or_else(|| {
+                    StoreError::Corrupt(format!("deployments.state: unknown {state:?}"))
+                })?;
+                Some((state, row.int("version")?))
+            }
+            None => None,
+        };
+        if !guard.holds(current) {
+            return Ok(DeploymentTaskOutcome::Superseded);
+        }
+        super::tasks::create_in(self, tx, task, Some(guard.deployment_id))
+            .await
+            .map(DeploymentTaskOutcome::Decided)
     }
 
     async fn active_deployments(&self, limit: u32) -> Result<Vec<DeploymentDetail>> {

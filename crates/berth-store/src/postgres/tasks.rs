@@ -1,6 +1,6 @@
 //! Tasks and their deliveries on PostgreSQL.
 
-use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
+use berth_proto::{AgentId, AssignmentId, DeploymentId, TaskId, TenantId};
 use sqlx::types::Json;
 use sqlx::{Postgres, QueryBuilder};
 use time::OffsetDateTime;
@@ -30,123 +30,8 @@ impl TaskStore for PostgresStore {
             Ok(outcome) => return Ok(outcome),
             Err(task) => task,
         };
-        const OP: &str = "create task";
-        let mut tx = self.begin(OP).await?;
-        // KEY SHARE conflicts with deleting the agent and with a hold (`set_agent_hold` locks
-        // the row FOR UPDATE), never with heartbeats: a concurrent delete_agent or cordon
-        // either commits first (we see no agent, or `cordoned` already set: the locking read
-        // returns the row's newest version) or waits for this create to commit.
-        let cordoned = sqlx::query(
-            "SELECT cordoned FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE",
-        )
-        .bind(task.agent_id.0)
-        .bind(task.tenant_id.0)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error(OP))?
-        .map(|row| row.flag("cordoned"))
-        .transpose()?;
-        let agent_ok = cordoned.is_some();
-        let refused = match cordoned {
-            None => None,
-            Some(cordoned) => {
-                let open = match lifecycle::queue_cap(&task) {
-                    None => None,
-                    Some(_) => {
-                        // Creates for one agent take turns from here to their commit, so each
-                        // count (a fresh snapshot, after the lock) sees every task inserted
-                        // before it. An advisory lock, not the agent row's: a row lock strong
-                        // enough would also queue the agent's heartbeats behind creates.
-                        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('berth.queue:' || $1::text, 0))")
-                            .bind(task.agent_id.0)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(db_error(OP))?;
-                        let n: i64 = sqlx::query_scalar(&format!(
-                            "SELECT COUNT(*) FROM tasks WHERE agent_id = $1 AND state IN {}",
-                            lifecycle::OPEN_STATES_SQL
-                        ))
-                        .bind(task.agent_id.0)
-                        .fetch_one(&mut *tx)
-                        .await
-                        .map_err(db_error(OP))?;
-                        Some(u64::try_from(n).unwrap_or(0))
-                    }
-                };
-                lifecycle::admit(&task, cordoned, open).err()
-            }
-        };
-        if agent_ok && refused.is_none() {
-            let inserted = sqlx::query(concat!(
-                "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
-                 credentials_sealed, variables, timeout_seconds, priority, side_effects, \
-                 idempotency_key, request_hash, read_back_of, state, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'pending', \
-                 $14, $14) \
-                 ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL \
-                 DO NOTHING RETURNING ",
-                task_columns!()
-            ))
-            .bind(task.id.0)
-            .bind(task.tenant_id.0)
-            .bind(&task.task_type)
-            .bind(task.agent_id.0)
-            .bind(Json(self.payload_key.seal(task.id, &task.payload)?))
-            .bind(&task.credentials_sealed)
-            .bind(Json(&task.variables))
-            .bind(i64::from(task.timeout_seconds))
-            .bind(i64::from(task.priority))
-            .bind(task.side_effects)
-            .bind(&task.idempotency_key)
-            .bind(&task.request_hash)
-            .bind(task.read_back_of.map(|t| t.0))
-            .bind(millis(task.created_at))
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-            if let Some(row) = inserted {
-                let created = rows::read_task(&row, &self.payload_key)?;
-                if let Some(actor) = task.created_by.clone() {
-                    let event = task_created_event(&task, actor);
-                    super::audit::append(&mut tx, event).await?;
-                }
-                tx.commit().await.map_err(db_error(OP))?;
-                self.wake(created.agent_id);
-                return Ok(CreateTaskOutcome::Created(created));
-            }
-        }
-        // The key is taken (ON CONFLICT waited for its writer to commit, so the row is visible).
-        if let Some(key) = &task.idempotency_key {
-            let existing = sqlx::query(concat!(
-                "SELECT ",
-                task_columns!(),
-                " FROM tasks WHERE tenant_id = $1 AND idempotency_key = $2"
-            ))
-            .bind(task.tenant_id.0)
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error(OP))?;
-            if let Some(row) = existing {
-                let same = row.text_opt("request_hash")? == task.request_hash;
-                let existing = rows::read_task(&row, &self.payload_key)?;
-                return Ok(if same {
-                    CreateTaskOutcome::Existing(existing)
-                } else {
-                    CreateTaskOutcome::KeyConflict
-                });
-            }
-        }
-        if let Some(refused) = refused {
-            return Ok(refused.outcome());
-        }
-        Err(StoreError::Conflict {
-            constraint: if agent_ok {
-                "task_idempotency_key"
-            } else {
-                "task_agent"
-            },
-        })
+        let tx = self.begin(CREATE_TASK).await?;
+        create_in(self, tx, task, None).await
     }
 
     async fn get_task(&self, tenant: TenantId, id: TaskId) -> Result<Option<(Task, Vec<Attempt>)>> {
@@ -590,43 +475,14 @@ impl TaskStore for PostgresStore {
         at: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>> {
         const OP: &str = "cancel task";
-        let now = millis(at);
         let mut tx = self.begin(OP).await?;
         let Some(task) = locked_tenant_task(&mut tx, &self.payload_key, OP, tenant, id).await?
         else {
             return Ok(None);
         };
-        let outcome = match task.state {
-            TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
-                let task = sqlx::query(concat!(
-                    "UPDATE tasks SET state = 'cancelled', next_attempt_at = NULL, \
-                     finished_at = $2, updated_at = $2 WHERE id = $1 RETURNING ",
-                    task_columns!()
-                ))
-                .bind(id.0)
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db_error(OP))?;
-                CancelOutcome::Cancelled(rows::read_task(&task, &self.payload_key)?)
-            }
-            TaskState::Leased => {
-                let task = sqlx::query(concat!(
-                    "UPDATE tasks SET cancel_requested = TRUE, updated_at = $2 \
-                     WHERE id = $1 RETURNING ",
-                    task_columns!()
-                ))
-                .bind(id.0)
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db_error(OP))?;
-                CancelOutcome::Requested(rows::read_task(&task, &self.payload_key)?)
-            }
-            _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
-        };
-        if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
-            super::audit::append(&mut tx, task_event(TASK_CANCEL, task, actor, at)).await?;
+        let outcome = cancel_locked(&mut tx, &self.payload_key, OP, &task, actor, at).await?;
+        if let CancelOutcome::AlreadyFinished(_) = outcome {
+            return Ok(Some(outcome));
         }
         tx.commit().await.map_err(db_error(OP))?;
         self.wake(task.agent_id);
@@ -787,10 +643,15 @@ impl TaskStore for PostgresStore {
                WHERE t.state IN ('succeeded', 'failed', 'dead_letter', 'cancelled', 'expired') \
                AND t.finished_at < $1 \
                AND NOT EXISTS (SELECT 1 FROM tasks rb WHERE rb.read_back_of = t.id) \
+               AND NOT EXISTS (SELECT 1 FROM tasks p \
+                               WHERE p.id = t.read_back_of AND p.state = 'unknown' \
+                               AND t.idempotency_key = \
+                                   $3 || p.id::text || ':' || p.attempts::text) \
                ORDER BY t.finished_at LIMIT $2)",
         )
         .bind(millis(before))
         .bind(i64::from(limit))
+        .bind(READ_BACK_KEY_PREFIX)
         .execute(&mut *self.conn().await?)
         .await
         .map_err(db_error("prune finished tasks"))?;
@@ -881,6 +742,54 @@ async fn locked_tenant_task(
     .transpose()
 }
 
+/// Cancels `task`, whose row `tx` holds locked: pending, retry_wait or unknown at once; leased
+/// by request (the agent is told with its next poll); terminal unchanged. A change gets a
+/// `task.cancel` entry by `actor`. The one place a cancellation is written (a task's own
+/// cancel, and a deployment cancel's tasks for the targets it stops).
+pub(super) async fn cancel_locked(
+    tx: &mut sqlx::Transaction<'static, Postgres>,
+    key: &PayloadKey,
+    op: &'static str,
+    task: &Task,
+    actor: AuditActor,
+    at: OffsetDateTime,
+) -> Result<CancelOutcome> {
+    let now = millis(at);
+    let outcome = match task.state {
+        TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
+            let task = sqlx::query(concat!(
+                "UPDATE tasks SET state = 'cancelled', next_attempt_at = NULL, \
+                 finished_at = $2, updated_at = $2 WHERE id = $1 RETURNING ",
+                task_columns!()
+            ))
+            .bind(task.id.0)
+            .bind(now)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(db_error(op))?;
+            CancelOutcome::Cancelled(rows::read_task(&task, key)?)
+        }
+        TaskState::Leased => {
+            let task = sqlx::query(concat!(
+                "UPDATE tasks SET cancel_requested = TRUE, updated_at = $2 \
+                 WHERE id = $1 RETURNING ",
+                task_columns!()
+            ))
+            .bind(task.id.0)
+            .bind(now)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(db_error(op))?;
+            CancelOutcome::Requested(rows::read_task(&task, key)?)
+        }
+        _ => return Ok(CancelOutcome::AlreadyFinished(task.clone())),
+    };
+    if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
+        super::audit::append(tx, task_event(TASK_CANCEL, task, actor, at)).await?;
+    }
+    Ok(outcome)
+}
+
 /// The agent's task, its row locked `FOR UPDATE`, with the delivery `assignment` names; without
 /// one, the task's current delivery, or (for a duplicate result) its last. `None`: no such task
 /// for this agent.
@@ -929,4 +838,135 @@ async fn locked_delivery(
     .map(|row| rows::read_attempt(&row))
     .transpose()?;
     Ok(Some((task, attempt)))
+}
+
+/// The name of a single create's transaction.
+const CREATE_TASK: &str = "create task";
+
+/// A create outside a batch, in `tx` (which it commits when it inserts): the agent's cordon and
+/// queue cap (`lifecycle::admit`), the idempotency key, the audit entry. `deployment` is
+/// recorded on the row ([`crate::DeploymentStore::create_deployment_task`] checked it in `tx`).
+pub(super) async fn create_in(
+    store: &PostgresStore,
+    mut tx: sqlx::Transaction<'static, Postgres>,
+    task: NewTask,
+    deployment: Option<DeploymentId>,
+) -> Result<CreateTaskOutcome> {
+    const OP: &str = CREATE_TASK;
+    // KEY SHARE conflicts with deleting the agent and with a hold (`set_agent_hold` locks the
+    // row FOR UPDATE), never with heartbeats: a concurrent delete_agent or cordon either
+    // commits first (we see no agent, or `cordoned` already set: the locking read returns the
+    // row's newest version) or waits for this create to commit.
+    let cordoned =
+        sqlx::query("SELECT cordoned FROM agents WHERE id = $1 AND tenant_id = $2 FOR KEY SHARE")
+            .bind(task.agent_id.0)
+            .bind(task.tenant_id.0)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error(OP))?
+            .map(|row| row.flag("cordoned"))
+            .transpose()?;
+    let agent_ok = cordoned.is_some();
+    let refused = match cordoned {
+        None => None,
+        Some(cordoned) => {
+            let open = match lifecycle::queue_cap(&task) {
+                None => None,
+                Some(_) => {
+                    // Creates for one agent take turns from here to their commit, so each
+                    // count (a fresh snapshot, after the lock) sees every task inserted
+                    // before it. An advisory lock, not the agent row's: a row lock strong
+                    // enough would also queue the agent's heartbeats behind creates.
+                    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('berth.queue:' || $1::text, 0))")
+                        .bind(task.agent_id.0)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db_error(OP))?;
+                    let n: i64 = sqlx::query_scalar(&format!(
+                        "SELECT COUNT(*) FROM tasks WHERE agent_id = $1 AND state IN {}",
+                        lifecycle::OPEN_STATES_SQL
+                    ))
+                    .bind(task.agent_id.0)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(db_error(OP))?;
+                    Some(u64::try_from(n).unwrap_or(0))
+                }
+            };
+            lifecycle::admit(&task, cordoned, open).err()
+        }
+    };
+    if agent_ok && refused.is_none() {
+        let inserted = sqlx::query(concat!(
+            "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
+             credentials_sealed, variables, timeout_seconds, priority, side_effects, \
+             idempotency_key, request_hash, read_back_of, state, created_at, updated_at, \
+             deployment_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'pending', \
+             $14, $14, $15) \
+             ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL \
+             DO NOTHING RETURNING ",
+            task_columns!()
+        ))
+        .bind(task.id.0)
+        .bind(task.tenant_id.0)
+        .bind(&task.task_type)
+        .bind(task.agent_id.0)
+        .bind(Json(store.payload_key.seal(task.id, &task.payload)?))
+        .bind(&task.credentials_sealed)
+        .bind(Json(&task.variables))
+        .bind(i64::from(task.timeout_seconds))
+        .bind(i64::from(task.priority))
+        .bind(task.side_effects)
+        .bind(&task.idempotency_key)
+        .bind(&task.request_hash)
+        .bind(task.read_back_of.map(|t| t.0))
+        .bind(millis(task.created_at))
+        .bind(deployment.map(|d| d.0))
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        if let Some(row) = inserted {
+            let created = rows::read_task(&row, &store.payload_key)?;
+            if let Some(actor) = task.created_by.clone() {
+                let event = task_created_event(&task, actor);
+                super::audit::append(&mut tx, event).await?;
+            }
+            tx.commit().await.map_err(db_error(OP))?;
+            store.wake(created.agent_id);
+            return Ok(CreateTaskOutcome::Created(created));
+        }
+    }
+    // The key is taken (ON CONFLICT waited for its writer to commit, so the row is visible).
+    if let Some(key) = &task.idempotency_key {
+        let existing = sqlx::query(concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE tenant_id = $1 AND idempotency_key = $2"
+        ))
+        .bind(task.tenant_id.0)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error(OP))?;
+        if let Some(row) = existing {
+            let same = row.text_opt("request_hash")? == task.request_hash;
+            let existing = rows::read_task(&row, &store.payload_key)?;
+            return Ok(if same {
+                CreateTaskOutcome::Existing(existing)
+            } else {
+                CreateTaskOutcome::KeyConflict
+            });
+        }
+    }
+    if let Some(refused) = refused {
+        return Ok(refused.outcome());
+    }
+    Err(StoreError::Conflict {
+        constraint: if agent_ok {
+            "task_idempotency_key"
+        } else {
+            "task_agent"
+        },
+    })
 }

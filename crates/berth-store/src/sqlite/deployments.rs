@@ -6,21 +6,67 @@
 use berth_proto::audit::actions::{DEPLOYMENT_APPROVE, DEPLOYMENT_CANCEL, ENVIRONMENT_UNPIN};
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{DeploymentState, TargetPhase};
-use berth_proto::{DeploymentId, EnvironmentId, ReleaseId, TenantId};
+use berth_proto::{AgentId, DeploymentId, EnvironmentId, ReleaseId, TenantId};
 use rusqlite::params;
 use time::OffsetDateTime;
 
 use super::threads::Db;
 use super::{id_text, json_text, Query, SqliteStore};
 use crate::domain::audit::{admin_event, deployment_create_event, environment_create_event};
+use crate::domain::tasks::deployment_target_key_prefix;
 use crate::rows::{
-    self, deployment_rows, environment_rows, observation_columns, target_columns, unix_millis,
-    ColumnReader,
+    self, deployment_rows, environment_rows, observation_columns, target_columns, task_columns,
+    unix_millis, ColumnReader,
 };
 use crate::{
-    ApproveOutcome, Deployment, DeploymentDetail, DeploymentStep, DeploymentStore,
-    DeploymentTarget, Environment, NewDeployment, Page, Result, TargetObservation,
+    ApproveOutcome, CreateTaskOutcome, Deployment, DeploymentDetail, DeploymentGuard,
+    DeploymentStep, DeploymentStore, DeploymentTarget, DeploymentTaskOutcome, Environment,
+    NewDeployment, NewTask, Page, PayloadKey, Result, TargetObservation,
 };
+
+/// In a cancel's transaction: cancels the open tasks created for the deployment's targets
+/// still `waiting` (a step that read the deployment before the cancel created them, and its
+/// record fails on `version`), each with its audit entry. The agents to wake.
+fn cancel_unstarted_tasks(
+    tx: &Db<'_>,
+    key: &PayloadKey,
+    before: &DeploymentDetail,
+    actor: AuditActor,
+    now: OffsetDateTime,
+) -> Result<Vec<AgentId>> {
+    let id = before.deployment.id;
+    let waiting: Vec<String> = before
+        .targets
+        .iter()
+        .filter(|t| t.phase == TargetPhase::Waiting)
+        .map(|t| deployment_target_key_prefix(id, t.agent_id))
+        .collect();
+    if waiting.is_empty() {
+        return Ok(Vec::new());
+    }
+    let open = tx.all(
+        concat!(
+            "SELECT ",
+            task_columns!(),
+            " FROM tasks WHERE deployment_id = ?1 \
+             AND state IN ('pending', 'retry_wait', 'leased') ORDER BY id"
+        ),
+        [id_text(id.0)],
+        |row| rows::read_task(row, key),
+    )?;
+    let mut woken = Vec::new();
+    for task in open {
+        let unstarted = task
+            .idempotency_key
+            .as_deref()
+            .is_some_and(|k| waiting.iter().any(|prefix| k.starts_with(prefix.as_str())));
+        if unstarted {
+            super::tasks::cancel_locked(tx, key, &task, actor.clone(), now)?;
+            woken.push(task.agent_id);
+        }
+    }
+    Ok(woken)
+}
 
 fn environment_by_id(db: &Db<'_>, id: EnvironmentId) -> Result<Option<Environment>> {
     db.optional(
@@ -424,10 +470,20 @@ impl DeploymentStore for SqliteStore {
         actor: AuditActor,
         now: OffsetDateTime,
     ) -> Result<Option<DeploymentDetail>> {
-        self.writer
+        let key = self.payload_key.clone();
+        let (after, stopped) = self
+            .writer
             .write("cancel deployment", move |tx| {
                 let Some(before) = detail(tx, Some(tenant), id)? else {
-                    return Ok(None);
+                    return Ok((None, Vec::new()));
+                };
+                let stopped = match before.deployment.state {
+                    DeploymentState::Pending
+                    | DeploymentState::AwaitingApproval
+                    | DeploymentState::Running => {
+                        cancel_unstarted_tasks(tx, &key, &before, actor.clone(), now)?
+                    }
+                    _ => Vec::new(),
                 };
                 let at = unix_millis(now);
                 let changed = match before.deployment.state {
@@ -456,7 +512,7 @@ impl DeploymentStore for SqliteStore {
                     _ => 0,
                 };
                 if changed == 0 {
-                    return Ok(Some(before));
+                    return Ok((Some(before), stopped));
                 }
                 let after = detail(tx, Some(tenant), id)?
                     .ok_or_else(|| crate::StoreError::Corrupt("deployment vanished".into()))?;
@@ -466,9 +522,55 @@ impl DeploymentStore for SqliteStore {
                 });
                 let event = admin_event(tenant, actor, DEPLOYMENT_CANCEL, id, details, now);
                 super::audit::append(tx, event)?;
-                Ok(Some(after))
+                Ok((Some(after), stopped))
             })
-            .await
+            .await?;
+        for agent in stopped {
+            self.wake(agent);
+        }
+        Ok(after)
+    }
+
+    async fn create_deployment_task(
+        &self,
+        guard: DeploymentGuard,
+        task: NewTask,
+    ) -> Result<DeploymentTaskOutcome> {
+        let key = self.payload_key.clone();
+        let payload = json_text("tasks.payload", &key.seal(task.id, &task.payload)?)?;
+        let variables = json_text("tasks.variables", &task.variables)?;
+        let outcome = self
+            .writer
+            .write("create deployment task", move |tx| {
+                // The one writer: no cancel or step commits between this read and the insert.
+                let current = tx.optional(
+                    "SELECT state, version FROM deployments WHERE tenant_id = ?1 AND id = ?2",
+                    params![id_text(task.tenant_id.0), id_text(guard.deployment_id.0)],
+                    |row| Ok((row.text("state")?, row.int("version")?)),
+                )?;
+                let current = match current {
+                    Some((state, version)) => Some((
+                        DeploymentState::parse(&state).ok_or_else(|| {
+                            crate::StoreError::Corrupt(format!(
+                                "deployments.state: unknown {state:?}"
+                            ))
+                        })?,
+                        version,
+                    )),
+                    None => None,
+                };
+                if !guard.holds(current) {
+                    return Ok(DeploymentTaskOutcome::Superseded);
+                }
+                let deployment = Some(guard.deployment_id);
+                super::tasks::create_in(tx, &key, &task, payload, variables, deployment)
+                    .map(DeploymentTaskOutcome::Decided)
+            })
+            .await?;
+        if let DeploymentTaskOutcome::Decided(CreateTaskOutcome::Created(task)) = &outcome {
+            self.wake(task.agent_id);
+        }
+        Ok(outcome)
     }
 
     async fn active_deployments(&self, limit: u32) -> Result<Vec<DeploymentDetail>> {

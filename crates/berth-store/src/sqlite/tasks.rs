@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use berth_proto::{AgentId, AssignmentId, TaskId, TenantId};
+use berth_proto::{AgentId, AssignmentId, DeploymentId, TaskId, TenantId};
 use rusqlite::params;
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
@@ -95,6 +95,159 @@ fn tenant_task(
     )
 }
 
+/// A create in the writer's transaction `tx`: the agent's cordon and queue cap
+/// (`lifecycle::admit`), the idempotency key, the audit entry. `payload` and `variables` are
+/// the columns' text; `deployment` is recorded on the row
+/// ([`crate::DeploymentStore::create_deployment_task`] checked it in `tx`).
+pub(super) fn create_in(
+    tx: &Db<'_>,
+    key: &PayloadKey,
+    task: &NewTask,
+    payload: String,
+    variables: String,
+    deployment: Option<DeploymentId>,
+) -> Result<CreateTaskOutcome> {
+    // The writer runs one operation at a time: a delete_agent either ran before
+    // (no agent) or runs after (and expires this task), and no other create counts
+    // the agent's open tasks between this count and the insert.
+    let cordoned = tx.optional(
+        "SELECT cordoned FROM agents WHERE id = ?1 AND tenant_id = ?2",
+        params![id_text(task.agent_id.0), id_text(task.tenant_id.0)],
+        |row| row.flag("cordoned"),
+    )?;
+    let agent_ok = cordoned.is_some();
+    let refused = match cordoned {
+        None => None,
+        Some(cordoned) => {
+            let open = match lifecycle::queue_cap(task) {
+                None => None,
+                Some(_) => Some(tx.one(
+                    &format!(
+                        "SELECT COUNT(*) AS n FROM tasks WHERE agent_id = ?1 \
+                         AND state IN {}",
+                        lifecycle::OPEN_STATES_SQL
+                    ),
+                    [id_text(task.agent_id.0)],
+                    |row| row.int("n"),
+                )?),
+            };
+            let open = open.map(|n| u64::try_from(n).unwrap_or(0));
+            lifecycle::admit(task, cordoned, open).err()
+        }
+    };
+    if agent_ok && refused.is_none() {
+        let inserted = tx.optional(
+            concat!(
+                "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
+                 credentials_sealed, variables, timeout_seconds, priority, \
+                 side_effects, idempotency_key, request_hash, read_back_of, state, \
+                 created_at, updated_at, deployment_id) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, \
+                 'pending', ?14, ?14, ?15) \
+                 ON CONFLICT (tenant_id, idempotency_key) \
+                 WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING ",
+                task_columns!()
+            ),
+            params![
+                id_text(task.id.0),
+                id_text(task.tenant_id.0),
+                task.task_type,
+                id_text(task.agent_id.0),
+                payload,
+                task.credentials_sealed,
+                variables,
+                i64::from(task.timeout_seconds),
+                i64::from(task.priority),
+                task.side_effects,
+                task.idempotency_key,
+                task.request_hash,
+                task.read_back_of.map(|t| id_text(t.0)),
+                unix_millis(task.created_at),
+                deployment.map(|d| id_text(d.0)),
+            ],
+            |row| rows::read_task(row, key),
+        )?;
+        if let Some(created) = inserted {
+            if let Some(actor) = task.created_by.clone() {
+                let event = task_created_event(task, actor);
+                super::audit::append(tx, event)?;
+            }
+            return Ok(CreateTaskOutcome::Created(created));
+        }
+    }
+    // The key is taken.
+    if let Some(idempotency_key) = &task.idempotency_key {
+        let existing = tx.optional(
+            concat!(
+                "SELECT ",
+                task_columns!(),
+                " FROM tasks WHERE tenant_id = ?1 AND idempotency_key = ?2"
+            ),
+            params![id_text(task.tenant_id.0), idempotency_key],
+            |row| Ok((row.text_opt("request_hash")?, rows::read_task(row, key)?)),
+        )?;
+        if let Some((request_hash, existing)) = existing {
+            return Ok(if request_hash == task.request_hash {
+                CreateTaskOutcome::Existing(existing)
+            } else {
+                CreateTaskOutcome::KeyConflict
+            });
+        }
+    }
+    if let Some(refused) = refused {
+        return Ok(refused.outcome());
+    }
+    Err(StoreError::Conflict {
+        constraint: if agent_ok {
+            "task_idempotency_key"
+        } else {
+            "task_agent"
+        },
+    })
+}
+
+/// Cancels `task` in the writer's transaction: pending, retry_wait or unknown at once; leased
+/// by request (the agent is told with its next poll); terminal unchanged. A change gets a
+/// `task.cancel` entry by `actor`. The one place a cancellation is written (a task's own
+/// cancel, and a deployment cancel's tasks for the targets it stops).
+pub(super) fn cancel_locked(
+    tx: &Db<'_>,
+    key: &PayloadKey,
+    task: &Task,
+    actor: AuditActor,
+    at: OffsetDateTime,
+) -> Result<CancelOutcome> {
+    let now = unix_millis(at);
+    let id = task.id;
+    let outcome = match task.state {
+        TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
+            CancelOutcome::Cancelled(tx.one(
+                concat!(
+                    "UPDATE tasks SET state = 'cancelled', next_attempt_at = NULL, \
+                     finished_at = ?2, updated_at = ?2 WHERE id = ?1 RETURNING ",
+                    task_columns!()
+                ),
+                params![id_text(id.0), now],
+                |row| rows::read_task(row, key),
+            )?)
+        }
+        TaskState::Leased => CancelOutcome::Requested(tx.one(
+            concat!(
+                "UPDATE tasks SET cancel_requested = TRUE, updated_at = ?2 \
+                 WHERE id = ?1 RETURNING ",
+                task_columns!()
+            ),
+            params![id_text(id.0), now],
+            |row| rows::read_task(row, key),
+        )?),
+        _ => return Ok(CancelOutcome::AlreadyFinished(task.clone())),
+    };
+    if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
+        super::audit::append(tx, task_event(TASK_CANCEL, task, actor, at))?;
+    }
+    Ok(outcome)
+}
+
 #[async_trait::async_trait]
 impl TaskStore for SqliteStore {
     async fn create_task(&self, task: NewTask) -> Result<CreateTaskOutcome> {
@@ -104,102 +257,7 @@ impl TaskStore for SqliteStore {
         let created = self
             .writer
             .write("create task", move |tx| {
-                // The writer runs one operation at a time: a delete_agent either ran before
-                // (no agent) or runs after (and expires this task), and no other create counts
-                // the agent's open tasks between this count and the insert.
-                let cordoned = tx.optional(
-                    "SELECT cordoned FROM agents WHERE id = ?1 AND tenant_id = ?2",
-                    params![id_text(task.agent_id.0), id_text(task.tenant_id.0)],
-                    |row| row.flag("cordoned"),
-                )?;
-                let agent_ok = cordoned.is_some();
-                let refused = match cordoned {
-                    None => None,
-                    Some(cordoned) => {
-                        let open = match lifecycle::queue_cap(&task) {
-                            None => None,
-                            Some(_) => Some(tx.one(
-                                &format!(
-                                    "SELECT COUNT(*) AS n FROM tasks WHERE agent_id = ?1 \
-                                     AND state IN {}",
-                                    lifecycle::OPEN_STATES_SQL
-                                ),
-                                [id_text(task.agent_id.0)],
-                                |row| row.int("n"),
-                            )?),
-                        };
-                        let open = open.map(|n| u64::try_from(n).unwrap_or(0));
-                        lifecycle::admit(&task, cordoned, open).err()
-                    }
-                };
-                if agent_ok && refused.is_none() {
-                    let inserted = tx.optional(
-                        concat!(
-                            "INSERT INTO tasks (id, tenant_id, task_type, agent_id, payload, \
-                             credentials_sealed, variables, timeout_seconds, priority, \
-                             side_effects, idempotency_key, request_hash, read_back_of, state, \
-                             created_at, updated_at) \
-                             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, \
-                             'pending', ?14, ?14) \
-                             ON CONFLICT (tenant_id, idempotency_key) \
-                             WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING ",
-                            task_columns!()
-                        ),
-                        params![
-                            id_text(task.id.0),
-                            id_text(task.tenant_id.0),
-                            task.task_type,
-                            id_text(task.agent_id.0),
-                            payload,
-                            task.credentials_sealed,
-                            variables,
-                            i64::from(task.timeout_seconds),
-                            i64::from(task.priority),
-                            task.side_effects,
-                            task.idempotency_key,
-                            task.request_hash,
-                            task.read_back_of.map(|t| id_text(t.0)),
-                            unix_millis(task.created_at),
-                        ],
-                        |row| rows::read_task(row, &key),
-                    )?;
-                    if let Some(created) = inserted {
-                        if let Some(actor) = task.created_by.clone() {
-                            let event = task_created_event(&task, actor);
-                            super::audit::append(tx, event)?;
-                        }
-                        return Ok(CreateTaskOutcome::Created(created));
-                    }
-                }
-                // The key is taken.
-                if let Some(idempotency_key) = &task.idempotency_key {
-                    let existing = tx.optional(
-                        concat!(
-                            "SELECT ",
-                            task_columns!(),
-                            " FROM tasks WHERE tenant_id = ?1 AND idempotency_key = ?2"
-                        ),
-                        params![id_text(task.tenant_id.0), idempotency_key],
-                        |row| Ok((row.text_opt("request_hash")?, rows::read_task(row, &key)?)),
-                    )?;
-                    if let Some((request_hash, existing)) = existing {
-                        return Ok(if request_hash == task.request_hash {
-                            CreateTaskOutcome::Existing(existing)
-                        } else {
-                            CreateTaskOutcome::KeyConflict
-                        });
-                    }
-                }
-                if let Some(refused) = refused {
-                    return Ok(refused.outcome());
-                }
-                Err(StoreError::Conflict {
-                    constraint: if agent_ok {
-                        "task_idempotency_key"
-                    } else {
-                        "task_agent"
-                    },
-                })
+                create_in(tx, &key, &task, payload, variables, None)
             })
             .await?;
         if let CreateTaskOutcome::Created(task) = &created {
@@ -632,40 +690,13 @@ impl TaskStore for SqliteStore {
         at: OffsetDateTime,
     ) -> Result<Option<CancelOutcome>> {
         let key = self.payload_key.clone();
-        let now = unix_millis(at);
         let outcome = self
             .writer
             .write("cancel task", move |tx| {
                 let Some(task) = tenant_task(tx, &key, tenant, id)? else {
                     return Ok(None);
                 };
-                let outcome = match task.state {
-                    TaskState::Pending | TaskState::RetryWait | TaskState::Unknown => {
-                        CancelOutcome::Cancelled(tx.one(
-                            concat!(
-                                "UPDATE tasks SET state = 'cancelled', next_attempt_at = NULL, \
-                                 finished_at = ?2, updated_at = ?2 WHERE id = ?1 RETURNING ",
-                                task_columns!()
-                            ),
-                            params![id_text(id.0), now],
-                            |row| rows::read_task(row, &key),
-                        )?)
-                    }
-                    TaskState::Leased => CancelOutcome::Requested(tx.one(
-                        concat!(
-                            "UPDATE tasks SET cancel_requested = TRUE, updated_at = ?2 \
-                             WHERE id = ?1 RETURNING ",
-                            task_columns!()
-                        ),
-                        params![id_text(id.0), now],
-                        |row| rows::read_task(row, &key),
-                    )?),
-                    _ => return Ok(Some(CancelOutcome::AlreadyFinished(task))),
-                };
-                if let CancelOutcome::Cancelled(task) | CancelOutcome::Requested(task) = &outcome {
-                    super::audit::append(tx, task_event(TASK_CANCEL, task, actor, at))?;
-                }
-                Ok(Some(outcome))
+                cancel_locked(tx, &key, &task, actor, at).map(Some)
             })
             .await?;
         // Wakes the agent's long-poll: a cancellation to deliver, or a queue head that moved.
@@ -839,8 +870,12 @@ impl TaskStore for SqliteStore {
                                          'expired') \
                        AND t.finished_at < ?1 \
                        AND NOT EXISTS (SELECT 1 FROM tasks rb WHERE rb.read_back_of = t.id) \
+                       AND NOT EXISTS (SELECT 1 FROM tasks p \
+                                       WHERE p.id = t.read_back_of AND p.state = 'unknown' \
+                                       AND t.idempotency_key = \
+                                           ?3 || p.id || ':' || p.attempts) \
                        ORDER BY t.finished_at LIMIT ?2)",
-                    params![unix_millis(before), i64::from(limit)],
+                    params![unix_millis(before), i64::from(limit), READ_BACK_KEY_PREFIX],
                 )
                 .map(|n| n as u64)
             })

@@ -221,6 +221,12 @@ fn refusal(refused: Refused) -> ApiError {
             codes::IDEMPOTENCY_KEY_RESERVED,
             "Idempotency-Key may not start with \"read-back:\", the server's own namespace",
         ),
+        // Only a deployment's own tasks carry a deployment guard.
+        Refused::Superseded => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            codes::INTERNAL,
+            "an API task was refused as a deployment's; see the server log",
+        ),
     }
 }
 
