@@ -26,6 +26,7 @@ use crate::{
 
 mod agents;
 mod audit;
+mod claims;
 mod deployments;
 mod desired;
 mod events;
@@ -39,6 +40,7 @@ mod tenants;
 
 pub use agents::*;
 pub use audit::*;
+pub use claims::*;
 pub use deployments::*;
 pub use desired::*;
 pub use events::*;
@@ -144,6 +146,7 @@ macro_rules! conformance_cases {
             artifacts_content_addressed,
             notifications_written_with_events,
             notification_claims_and_outcomes,
+            reconciler_claims,
         }
     };
 }

@@ -25,6 +25,7 @@ use crate::{Page, PayloadKey, PoolStats, PostgresPoolConfig, Result, Store};
 mod agents;
 mod audit;
 mod batch;
+mod claims;
 mod deployments;
 mod desired;
 mod events;
