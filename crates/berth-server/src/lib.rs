@@ -33,6 +33,7 @@ mod targets;
 mod tls;
 mod ui;
 mod wake;
+mod workers;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -147,6 +148,69 @@ impl Server {
         &self.bootstrapped
     }
 
+    /// Every background reconciler, each under the one driver (`workers::driver`), claiming
+    /// as this replica.
+    fn spawn_workers(
+        &self,
+        stop: &tokio::sync::watch::Receiver<bool>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        use workers::driver::{run, Holder};
+        let (state, holder) = (&self.state, Holder::new());
+        let mut workers = vec![
+            tokio::spawn(run(
+                state.clone(),
+                reconcile::AgentStaleness(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(run(
+                state.clone(),
+                reconcile::DeliveryLeases(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(run(
+                state.clone(),
+                reconcile::ReadBacks(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(run(
+                state.clone(),
+                deploy::Deployments(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(run(
+                state.clone(),
+                drift::DriftChecks(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(run(
+                state.clone(),
+                readiness::ReadinessPasses(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(run(
+                state.clone(),
+                retention::Retention(state.clone()),
+                holder.clone(),
+                stop.clone(),
+            )),
+        ];
+        if let Some(sender) = notify::Sender::new(state.clone()) {
+            workers.push(tokio::spawn(run(
+                state.clone(),
+                sender,
+                holder,
+                stop.clone(),
+            )));
+        }
+        workers
+    }
+
     /// Serves on an already-bound listener until `shutdown` resolves, then drains connections.
     pub async fn run(
         self,
@@ -154,12 +218,7 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
-        let deployments = tokio::spawn(deploy::run(self.state.clone(), stop_rx.clone()));
-        let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
-        let notify = tokio::spawn(notify::run(self.state.clone(), stop_rx.clone()));
-        let readiness = tokio::spawn(readiness::run(self.state.clone(), stop_rx.clone()));
-        let retention = tokio::spawn(retention::run(self.state.clone(), stop_rx.clone()));
+        let workers = self.spawn_workers(&stop_rx);
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -176,12 +235,9 @@ impl Server {
         )
         .await;
         let _ = stop_tx.send(true);
-        let _ = reconciler.await;
-        let _ = deployments.await;
-        let _ = drift.await;
-        let _ = notify.await;
-        let _ = readiness.await;
-        let _ = retention.await;
+        for worker in workers {
+            let _ = worker.await;
+        }
         self.state.heartbeats.close().await;
         result
     }
