@@ -73,7 +73,8 @@ async fn woken(state: &SharedState, wake: &mut Wake) {
     }
 }
 
-/// One pass: every page of due units, each claimed, reconciled and let go.
+/// One pass: every page of due units, claimed (one statement a page), reconciled one by one,
+/// and let go.
 pub(crate) async fn pass<R: Reconciler>(state: &SharedState, reconciler: &R, holder: &Holder) {
     let name = reconciler.name();
     let started = Instant::now();
@@ -107,10 +108,25 @@ async fn pages<R: Reconciler>(state: &SharedState, reconciler: &R, holder: &Hold
             }
         };
         let more = due.more;
+        let claimed = claim(state, reconciler, holder, &due.units).await;
         for unit in due.units {
-            let outcome = unit_of_work(state, reconciler, holder, pass, &unit).await;
+            let outcome = match &claimed {
+                Claimed::All => reconcile(state, reconciler, pass, &unit).await,
+                Claimed::These(keys) if keys.binary_search(&reconciler.key(&unit)).is_ok() => {
+                    reconcile(state, reconciler, pass, &unit).await
+                }
+                Claimed::These(_) => HELD,
+                Claimed::Failed => FAILED,
+            };
             state.metrics.reconciler_unit(name, outcome);
             after = Some(unit);
+        }
+        if let Claimed::These(keys) = &claimed {
+            // Not let go: the claims lapse with their lease, and the units wait until then.
+            if let Err(e) = state.store.release_units(name, keys, &holder.0).await {
+                state.metrics.error("reconcile_store");
+                tracing::warn!(reconciler = name, error = %ErrorChain(&e), "reconciler claims not released");
+            }
         }
         if !more || after.is_none() {
             return;
@@ -118,45 +134,55 @@ async fn pages<R: Reconciler>(state: &SharedState, reconciler: &R, holder: &Hold
     }
 }
 
-/// Claims, reconciles and lets go of one unit: its outcome.
-async fn unit_of_work<R: Reconciler>(
+/// What this replica may work of a page.
+enum Claimed {
+    /// Every unit: the store's own statement claimed them as it found them.
+    All,
+    /// The units of these keys (sorted); the others are another replica's now.
+    These(Vec<String>),
+    /// None: the claim itself failed (logged).
+    Failed,
+}
+
+/// Claims a page's units, all in one statement.
+async fn claim<R: Reconciler>(
     state: &SharedState,
     reconciler: &R,
     holder: &Holder,
+    units: &[R::Unit],
+) -> Claimed {
+    if reconciler.claimed_by_store() {
+        return Claimed::All;
+    }
+    let name = reconciler.name();
+    let keys: Vec<String> = units.iter().map(|u| reconciler.key(u)).collect();
+    match state
+        .store
+        .claim_units(name, &keys, &holder.0, reconciler.lease())
+        .await
+    {
+        Ok(claimed) => Claimed::These(claimed),
+        Err(e) => {
+            state.metrics.error("reconcile_store");
+            tracing::warn!(reconciler = name, error = %ErrorChain(&e), "reconciler claims failed");
+            Claimed::Failed
+        }
+    }
+}
+
+/// Reconciles one claimed unit: its outcome.
+async fn reconcile<R: Reconciler>(
+    state: &SharedState,
+    reconciler: &R,
     pass: &Pass,
     unit: &R::Unit,
 ) -> &'static str {
-    let name = reconciler.name();
-    let claim = (!reconciler.claimed_by_store()).then(|| reconciler.key(unit));
-    if let Some(key) = &claim {
-        match state
-            .store
-            .claim_unit(name, key, &holder.0, reconciler.lease())
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => return HELD,
-            Err(e) => {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(reconciler = name, unit = %key, error = %ErrorChain(&e), "reconciler claim failed");
-                return FAILED;
-            }
-        }
-    }
-    let outcome = match reconciler.reconcile(pass, unit).await {
+    match reconciler.reconcile(pass, unit).await {
         Ok(()) => DONE,
         Err(e) => {
             state.metrics.error("reconcile_store");
-            tracing::warn!(reconciler = name, unit = %reconciler.key(unit), error = %ErrorChain(&e), "reconciler unit failed");
+            tracing::warn!(reconciler = reconciler.name(), unit = %reconciler.key(unit), error = %ErrorChain(&e), "reconciler unit failed");
             FAILED
         }
-    };
-    if let Some(key) = &claim {
-        // Not let go: the claim lapses with its lease, and the unit waits until then.
-        if let Err(e) = state.store.release_unit(name, key, &holder.0).await {
-            state.metrics.error("reconcile_store");
-            tracing::warn!(reconciler = name, unit = %key, error = %ErrorChain(&e), "reconciler claim not released");
-        }
     }
-    outcome
 }

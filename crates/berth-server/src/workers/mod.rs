@@ -100,8 +100,9 @@ pub(crate) trait Reconciler: Send + Sync + 'static {
         unit: &Self::Unit,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// How long a claim on a unit lasts: longer than any unit takes, so a live replica keeps
-    /// it, and no longer, so a dead replica's unit is taken up again soon.
+    /// How long a claim on a unit lasts (a page's units are claimed together, before the
+    /// first is worked): longer than a page takes, so a live replica keeps them, and no
+    /// longer, so a dead replica's units are taken up again soon.
     fn lease(&self) -> Duration {
         Duration::from_secs(60)
     }

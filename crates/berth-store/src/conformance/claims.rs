@@ -1,6 +1,7 @@
 //! Conformance cases of reconciler claims: one holder at a time, a holder renewing its own
 //! claim, a release only by the holder, a dead holder's claim taken once its lease ran out (by
-//! the database's clock), one winner among concurrent claimants, and the database's now.
+//! the database's clock), a batch taking only what is free, one winner among concurrent
+//! claimants, and the database's now.
 
 use super::*;
 
@@ -8,71 +9,126 @@ fn unit() -> String {
     format!("unit-{}", uuid::Uuid::new_v4())
 }
 
+/// Claims `units` as `holder` for a minute: those taken.
+async fn claim(store: &DynStore, reconciler: &str, units: &[&String], holder: &str) -> Vec<String> {
+    let units: Vec<String> = units.iter().map(|u| u.to_string()).collect();
+    store
+        .claim_units(
+            reconciler,
+            &units,
+            holder,
+            std::time::Duration::from_secs(60),
+        )
+        .await
+        .expect("claim")
+}
+
+async fn release(store: &DynStore, reconciler: &str, units: &[&String], holder: &str) -> u64 {
+    let units: Vec<String> = units.iter().map(|u| u.to_string()).collect();
+    store
+        .release_units(reconciler, &units, holder)
+        .await
+        .expect("release")
+}
+
 pub async fn reconciler_claims(store: &DynStore) {
-    let lease = std::time::Duration::from_secs(60);
     let now = store.database_now().await.expect("database now");
     let drift = (now - OffsetDateTime::now_utc()).abs();
     assert!(drift < Duration::minutes(5), "database clock {now}");
     assert_eq!(now, millis(now), "millisecond precision");
+    assert!(store
+        .claim_units("drift", &[], "a", std::time::Duration::from_secs(1))
+        .await
+        .expect("an empty batch")
+        .is_empty());
 
-    let unit = unit();
-    assert!(store.claim_unit("drift", &unit, "a", lease).await.unwrap());
+    let u = unit();
+    assert_eq!(claim(store, "drift", &[&u], "a").await, vec![u.clone()]);
     assert!(
-        !store.claim_unit("drift", &unit, "b", lease).await.unwrap(),
+        claim(store, "drift", &[&u], "b").await.is_empty(),
         "a live claim is not taken by another holder"
     );
-    assert!(
-        store.claim_unit("other", &unit, "b", lease).await.unwrap(),
+    assert_eq!(
+        claim(store, "other", &[&u], "b").await,
+        vec![u.clone()],
         "claims are per reconciler"
     );
-    assert!(
-        store.claim_unit("drift", &unit, "a", lease).await.unwrap(),
+    assert_eq!(
+        claim(store, "drift", &[&u], "a").await,
+        vec![u.clone()],
         "the holder renews its own claim"
     );
-    assert!(
-        !store.release_unit("drift", &unit, "b").await.unwrap(),
+    assert_eq!(
+        release(store, "drift", &[&u], "b").await,
+        0,
         "only the holder lets go"
     );
-    assert!(!store.claim_unit("drift", &unit, "b", lease).await.unwrap());
-    assert!(store.release_unit("drift", &unit, "a").await.unwrap());
-    assert!(!store.release_unit("drift", &unit, "a").await.unwrap());
-    assert!(store.claim_unit("drift", &unit, "b", lease).await.unwrap());
+    assert!(claim(store, "drift", &[&u], "b").await.is_empty());
+    assert_eq!(release(store, "drift", &[&u], "a").await, 1);
+    assert_eq!(release(store, "drift", &[&u], "a").await, 0);
+    assert_eq!(claim(store, "drift", &[&u], "b").await, vec![u.clone()]);
+
+    // A batch takes what is free (and its own), sorted, and skips what another holds; a unit
+    // named twice is claimed once.
+    let (x, y) = (unit(), unit());
+    let mut expected = vec![x.clone(), y.clone()];
+    expected.sort();
+    assert_eq!(
+        claim(store, "drift", &[&y, &u, &x, &y], "c").await,
+        expected,
+        "b holds {u}"
+    );
+    assert_eq!(release(store, "drift", &[&u, &x, &y], "c").await, 2);
 
     // A holder that dies keeps its claim only until the lease runs out.
-    let dead = self::unit();
+    let dead = unit();
     let zero = std::time::Duration::ZERO;
-    assert!(store
-        .claim_unit("drift", &dead, "dead", zero)
-        .await
-        .unwrap());
-    assert!(
-        store.claim_unit("drift", &dead, "c", lease).await.unwrap(),
+    let batch = [dead.clone()];
+    assert_eq!(
+        store
+            .claim_units("drift", &batch, "dead", zero)
+            .await
+            .unwrap(),
+        batch
+    );
+    assert_eq!(
+        claim(store, "drift", &[&dead], "c").await,
+        batch,
         "an expired claim is taken"
     );
-    assert!(
-        !store.release_unit("drift", &dead, "dead").await.unwrap(),
+    assert_eq!(
+        release(store, "drift", &[&dead], "dead").await,
+        0,
         "the old holder no longer holds it"
     );
-    assert!(!store
-        .claim_unit("drift", &dead, "dead", lease)
-        .await
-        .unwrap());
+    assert!(claim(store, "drift", &[&dead], "dead").await.is_empty());
 
-    // Concurrent claimants: exactly one wins.
-    let contested = self::unit();
+    // Concurrent claimants of overlapping batches: each unit has exactly one winner.
+    let contested: Vec<String> = (0..5).map(|_| unit()).collect();
     let mut racers = Vec::new();
-    for i in 0..8 {
-        let (store, contested) = (store.clone(), contested.clone());
+    for i in 0..8usize {
+        let store = store.clone();
+        // Each racer names the units in another order.
+        let mut mine = contested.clone();
+        mine.rotate_left(i % contested.len());
         racers.push(tokio::spawn(async move {
             store
-                .claim_unit("race", &contested, &format!("holder-{i}"), lease)
+                .claim_units(
+                    "race",
+                    &mine,
+                    &format!("holder-{i}"),
+                    std::time::Duration::from_secs(60),
+                )
                 .await
                 .expect("claim")
         }));
     }
-    let mut won = 0;
+    let mut won = Vec::new();
     for racer in racers {
-        won += usize::from(racer.await.expect("racer"));
+        won.extend(racer.await.expect("racer"));
     }
-    assert_eq!(won, 1, "one claimant of eight wins");
+    won.sort();
+    let mut expected = contested.clone();
+    expected.sort();
+    assert_eq!(won, expected, "every unit won by one claimant of eight");
 }

@@ -15,18 +15,26 @@ pub trait ClaimStore: Send + Sync {
     /// millisecond precision: the one clock every replica agrees on.
     async fn database_now(&self) -> Result<OffsetDateTime>;
 
-    /// Takes `reconciler`'s `unit` for `holder` until `lease` from the database's now, when
-    /// nobody holds it, its lease ran out, or `holder` holds it already (then the lease is
-    /// renewed). `false`: another holder's lease is live; the unit is not this holder's to do.
-    async fn claim_unit(
+    /// Takes each of `reconciler`'s `units` for `holder` until `lease` from the database's now,
+    /// when nobody holds it, its lease ran out, or `holder` holds it already (then the lease is
+    /// renewed): the units taken, sorted. One statement for the lot, so a pass pays for its
+    /// claims per page, not per unit. A unit missing from the answer is another holder's.
+    async fn claim_units(
         &self,
         reconciler: &str,
-        unit: &str,
+        units: &[String],
         holder: &str,
         lease: Duration,
-    ) -> Result<bool>;
+    ) -> Result<Vec<String>>;
 
-    /// Lets go of `unit` if `holder` holds it (a claim taken over after its expiry stays the new
-    /// holder's). Whether it was held.
-    async fn release_unit(&self, reconciler: &str, unit: &str, holder: &str) -> Result<bool>;
+    /// Lets go of those of `units` that `holder` holds (a claim taken over after its expiry
+    /// stays the new holder's). How many it held.
+    async fn release_units(&self, reconciler: &str, units: &[String], holder: &str) -> Result<u64>;
+}
+
+/// The distinct units in sorted order: two claimants lock the rows of a batch in one order, so
+/// overlapping batches never deadlock, and no row is upserted twice in one statement.
+pub(crate) fn claim_order(units: &[String]) -> Vec<String> {
+    let set: std::collections::BTreeSet<&String> = units.iter().collect();
+    set.into_iter().cloned().collect()
 }

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use super::SqliteStore;
+use crate::domain::claims::claim_order;
 use crate::rows::{from_unix_millis, ColumnReader};
 use crate::{ClaimStore, Result};
 use time::OffsetDateTime;
@@ -26,13 +27,13 @@ impl ClaimStore for SqliteStore {
         from_unix_millis("now", ms)
     }
 
-    async fn claim_unit(
+    async fn claim_units(
         &self,
         reconciler: &str,
-        unit: &str,
+        units: &[String],
         holder: &str,
         lease: Duration,
-    ) -> Result<bool> {
+    ) -> Result<Vec<String>> {
         let sql = format!(
             "INSERT INTO reconciler_claims (reconciler, unit, holder, expires_at) \
              VALUES (?1, ?2, ?3, {NOW_MILLIS} + ?4) \
@@ -41,29 +42,36 @@ impl ClaimStore for SqliteStore {
              WHERE reconciler_claims.holder = excluded.holder \
                 OR reconciler_claims.expires_at <= {NOW_MILLIS}"
         );
-        let params = (
-            reconciler.to_string(),
-            unit.to_string(),
-            holder.to_string(),
-            i64::try_from(lease.as_millis()).unwrap_or(i64::MAX / 2),
-        );
+        let (reconciler, holder) = (reconciler.to_string(), holder.to_string());
+        let units = claim_order(units);
+        let lease = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX / 2);
         self.writer
-            .write_unflushed("claim a reconciler unit", move |tx| {
-                tx.execute(&sql, params).map(|n| n == 1)
+            .write_unflushed("claim reconciler units", move |tx| {
+                let mut claimed = Vec::new();
+                for unit in units {
+                    if tx.execute(&sql, (&reconciler, &unit, &holder, lease))? == 1 {
+                        claimed.push(unit);
+                    }
+                }
+                Ok(claimed)
             })
             .await
     }
 
-    async fn release_unit(&self, reconciler: &str, unit: &str, holder: &str) -> Result<bool> {
-        let params = (reconciler.to_string(), unit.to_string(), holder.to_string());
+    async fn release_units(&self, reconciler: &str, units: &[String], holder: &str) -> Result<u64> {
+        let (reconciler, holder) = (reconciler.to_string(), holder.to_string());
+        let units = claim_order(units);
         self.writer
-            .write_unflushed("release a reconciler unit", move |tx| {
-                tx.execute(
-                    "DELETE FROM reconciler_claims \
-                     WHERE reconciler = ?1 AND unit = ?2 AND holder = ?3",
-                    params,
-                )
-                .map(|n| n == 1)
+            .write_unflushed("release reconciler units", move |tx| {
+                let mut released = 0;
+                for unit in units {
+                    released += tx.execute(
+                        "DELETE FROM reconciler_claims \
+                         WHERE reconciler = ?1 AND unit = ?2 AND holder = ?3",
+                        (&reconciler, &unit, &holder),
+                    )? as u64;
+                }
+                Ok(released)
             })
             .await
     }
