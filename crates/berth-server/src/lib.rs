@@ -142,12 +142,7 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let reconciler = tokio::spawn(reconcile::run(self.state.clone(), stop_rx.clone()));
-        let deployments = tokio::spawn(deploy::run(self.state.clone(), stop_rx.clone()));
-        let drift = tokio::spawn(drift::run(self.state.clone(), stop_rx.clone()));
-        let notify = tokio::spawn(notify::run(self.state.clone(), stop_rx.clone()));
-        let readiness = tokio::spawn(readiness::run(self.state.clone(), stop_rx.clone()));
-        let retention = tokio::spawn(retention::run(self.state.clone(), stop_rx.clone()));
+        let workers = workers::spawn_all(&self.state, &stop_rx);
         let app = routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
@@ -164,12 +159,9 @@ impl Server {
         )
         .await;
         let _ = stop_tx.send(true);
-        let _ = reconciler.await;
-        let _ = deployments.await;
-        let _ = drift.await;
-        let _ = notify.await;
-        let _ = readiness.await;
-        let _ = retention.await;
+        for worker in workers {
+            let _ = worker.await;
+        }
         self.state.heartbeats.close().await;
         result
     }

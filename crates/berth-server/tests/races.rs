@@ -173,7 +173,7 @@ async fn a_cancel_during_a_pass_on_another_replica_leaves_no_task_queued() {
     let db = berth_test_utils::postgres::TestDatabase::create(&admin_url);
     let url = db.url.clone();
     let a = common::start_with(|config| config.database = Some(url.clone())).await;
-    let b = common::start_replica(&a, &url).await;
+    let b = common::start_replica(&a, |c| c.database = Some(url.to_string())).await;
     let agent = a.agent("race-host").await;
 
     let mut probe = PgConnection::connect(&url).await.expect("connect");

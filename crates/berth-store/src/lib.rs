@@ -19,6 +19,7 @@ mod sqlite;
 
 pub use domain::agents::*;
 pub use domain::audit::{AuditStore, NewAuditEvent};
+pub use domain::claims::ClaimStore;
 pub use domain::deployments::*;
 pub use domain::desired::{
     Bundle, CheckinRecord, DesiredAgent, DesiredEnvironment, DesiredStore, NewBundle, ReportRecord,
@@ -136,6 +137,7 @@ pub trait Store:
     + ArtifactStore
     + NotifyStore
     + ReadinessStore
+    + ClaimStore
     + Send
     + Sync
     + 'static

@@ -2,6 +2,10 @@
 //! config, never from the system directly, so a test moves time instead of sleeping through it.
 //! The store already takes every "now" as an argument; this is where those arguments come from.
 //! Timers (long-poll holds, sweep intervals) stay on tokio's clock.
+//!
+//! Reconcilers are the exception: what is due is judged by the database's clock, which every
+//! replica shares, not by this one (a replica's wall clock may be wrong). A test that moves a
+//! [`ManualClock`] moves the reconcilers' time by as much ([`Clock::advanced`]).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -10,6 +14,12 @@ use time::OffsetDateTime;
 
 pub trait Clock: Send + Sync + std::fmt::Debug {
     fn now(&self) -> OffsetDateTime;
+
+    /// How far a test moved this clock on purpose: added to the database's clock where a
+    /// reconciler decides what is due. Zero for a wall clock, however wrong it is.
+    fn advanced(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// The system's wall clock: what a server runs on.
@@ -24,16 +34,18 @@ impl Clock for SystemClock {
 
 /// A clock that moves only when told to: for tests of expiry, staleness and leases.
 #[derive(Debug)]
-pub struct ManualClock(Mutex<OffsetDateTime>);
+pub struct ManualClock(Mutex<(OffsetDateTime, Duration)>);
 
 impl ManualClock {
     /// Starts at the system time.
     pub fn new() -> ManualClock {
-        ManualClock(Mutex::new(OffsetDateTime::now_utc()))
+        ManualClock(Mutex::new((OffsetDateTime::now_utc(), Duration::ZERO)))
     }
 
     pub fn advance(&self, by: Duration) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) += by;
+        let mut clock = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        clock.0 += by;
+        clock.1 += by;
     }
 }
 
@@ -45,7 +57,11 @@ impl Default for ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> OffsetDateTime {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    fn advanced(&self) -> Duration {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).1
     }
 }
 
@@ -60,5 +76,7 @@ mod tests {
         assert_eq!(clock.now(), start);
         clock.advance(Duration::from_secs(90));
         assert_eq!(clock.now() - start, time::Duration::seconds(90));
+        assert_eq!(clock.advanced(), Duration::from_secs(90));
+        assert_eq!(SystemClock.advanced(), Duration::ZERO);
     }
 }

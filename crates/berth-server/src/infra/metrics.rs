@@ -36,6 +36,15 @@ struct Inner {
     event_streams: Gauge,
     poll_wakeups: Counter,
     connections_closed: Family<Labels, Counter>,
+    reconciler_passes: Family<Labels, Counter>,
+    reconciler_units: Family<Labels, Counter>,
+    reconciler_pass_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+}
+
+/// Bounds of `berth_reconciler_pass_seconds`: a pass over an idle database takes about a
+/// millisecond; a retention sweep of a backlog, seconds.
+fn pass_seconds() -> Histogram {
+    Histogram::new([0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0])
 }
 
 impl Metrics {
@@ -120,7 +129,31 @@ impl Metrics {
             "Connections the listener closed or refused to protect itself, by reason",
             connections_closed.clone(),
         );
+        let reconciler_passes = Family::<Labels, Counter>::default();
+        registry.register(
+            "reconciler_passes",
+            "Passes each reconciler ran (workers/driver.rs)",
+            reconciler_passes.clone(),
+        );
+        let reconciler_units = Family::<Labels, Counter>::default();
+        registry.register(
+            "reconciler_units",
+            "Units of work reconcilers took up, by outcome: done, failed, or held by another \
+             replica's claim",
+            reconciler_units.clone(),
+        );
+        let reconciler_pass_seconds =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(pass_seconds);
+        registry.register_with_unit(
+            "reconciler_pass",
+            "How long each reconciler's passes took",
+            Unit::Seconds,
+            reconciler_pass_seconds.clone(),
+        );
         Metrics(Arc::new(Inner {
+            reconciler_passes,
+            reconciler_units,
+            reconciler_pass_seconds,
             connections_closed,
             polls_parked,
             event_streams,
@@ -237,6 +270,24 @@ impl Metrics {
     pub fn event_stream_opened(&self) -> OpenEventStream {
         self.0.event_streams.inc();
         OpenEventStream(self.clone())
+    }
+
+    /// One pass of the reconciler `name` ended after `seconds`.
+    pub fn reconciler_pass(&self, name: &'static str, seconds: f64) {
+        let labels = vec![("name", name)];
+        self.0.reconciler_passes.get_or_create(&labels).inc();
+        self.0
+            .reconciler_pass_seconds
+            .get_or_create(&labels)
+            .observe(seconds);
+    }
+
+    /// A unit of the reconciler `name` ended as `outcome` (`done`, `failed`, `held`).
+    pub fn reconciler_unit(&self, name: &'static str, outcome: &'static str) {
+        self.0
+            .reconciler_units
+            .get_or_create(&vec![("name", name), ("outcome", outcome)])
+            .inc();
     }
 
     pub fn poll_woken(&self) {

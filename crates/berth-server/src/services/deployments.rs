@@ -27,7 +27,6 @@ use std::time::Duration;
 use berth_proto::audit::AuditActor;
 use berth_proto::deploy::{DeploymentKind, DeploymentState, RolloutPolicy, TargetPhase};
 use berth_proto::error::codes;
-use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::WriteStickerPayload;
 use berth_proto::release::Component;
@@ -38,11 +37,11 @@ use berth_store::{
     Release, ReleaseRef, StoreError, TaskState,
 };
 use serde_json::{json, Value};
-use tokio::sync::watch;
 
 use crate::services;
 use crate::services::tasks::{Origin, Placement, Refused, TaskRequest};
 use crate::targets::{SshTaskError, Target, TargetKind};
+use crate::workers::{Due, Pass, Reconciler, Schedule, Wake};
 use crate::SharedState;
 
 /// Deployments advanced per pass.
@@ -57,41 +56,47 @@ const SUPERSEDED: &str = "deployment_superseded";
 pub const DEPLOY: &str = "deploy";
 pub const ROLLBACK: &str = "rollback";
 
-/// Runs until `stop`: a pass after every committed change that may have written an event (a
-/// task result, a read-back, an approval) and at least every second.
-pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
-    let mut written = state.store.events_written();
-    let mut idle = tokio::time::interval(IDLE_PASS);
-    loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = written.changed() => {}
-            _ = idle.tick() => {}
-        }
-        sweep(&state).await;
-    }
-}
+/// The deployment reconciler: one unit per active deployment, a pass after every committed
+/// change that may have written an event (a task result, a read-back, an approval) and at least
+/// every second.
+pub(crate) struct Deployments(pub SharedState);
 
-pub async fn sweep(state: &SharedState) {
-    let active = match state.store.active_deployments(ACTIVE_PAGE).await {
-        Ok(active) => active,
-        Err(e) => {
-            state.metrics.error("reconcile_store");
-            tracing::warn!(error = %ErrorChain(&e), "deployment sweep failed");
-            return;
+impl Reconciler for Deployments {
+    type Unit = DeploymentDetail;
+
+    fn name(&self) -> &'static str {
+        "deploy"
+    }
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            wake: Wake::EventsWritten(self.0.store.events_written()),
+            ..Schedule::every(IDLE_PASS)
         }
-    };
-    for detail in active {
-        let id = detail.deployment.id;
-        match advance(state, detail).await {
-            Ok(())
-            | Err(StoreError::Conflict {
+    }
+
+    async fn due(
+        &self,
+        _pass: &Pass,
+        _after: Option<&DeploymentDetail>,
+    ) -> Result<Due<DeploymentDetail>, StoreError> {
+        // At most a page per pass: the next pass (at most a second away) takes the rest.
+        let active = self.0.store.active_deployments(ACTIVE_PAGE).await?;
+        Ok(Due::all(active))
+    }
+
+    fn key(&self, detail: &DeploymentDetail) -> String {
+        detail.deployment.id.to_string()
+    }
+
+    async fn reconcile(&self, _pass: &Pass, detail: &DeploymentDetail) -> Result<(), StoreError> {
+        match advance(&self.0, detail.clone()).await {
+            // The deployment moved on since it was read (a cancel, another replica's step):
+            // the next pass decides again, quietly.
+            Err(StoreError::Conflict {
                 constraint: SUPERSEDED,
-            }) => {}
-            Err(e) => {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(deployment_id = %id, error = %ErrorChain(&e), "deployment step failed");
-            }
+            }) => Ok(()),
+            other => other,
         }
     }
 }

@@ -7,11 +7,18 @@
 //!
 //! Like every reconciler this is a sweep over the database: a check is created under a key
 //! naming its due time, so a repeated pass finds it again, and a finished check is applied by
-//! whichever pass sees it first.
+//! whichever pass sees it first. Each environment is claimed for its check
+//! (`workers::driver`), and due times are the database's clock, so replicas whose clocks
+//! differ never read a target back twice in one period.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::deploy::container_name;
+use crate::services::tasks::{Origin, Placement, TaskRequest};
+use crate::targets::{SshTaskError, Target, TargetKind};
+use crate::workers::{Due, Pass, Reconciler, Schedule};
+use crate::SharedState;
 use berth_proto::deploy::{DeploymentKind, Drift, ObservedComponent};
 use berth_proto::error::ErrorChain;
 use berth_proto::kind::TaskKind;
@@ -20,48 +27,44 @@ use berth_proto::{AgentId, TaskId};
 use berth_store::{Environment, Release, StoreError, TargetObservation, TaskState};
 use serde_json::Value;
 use time::OffsetDateTime;
-use tokio::sync::watch;
-
-use crate::deploy::container_name;
-use crate::services::tasks::{Origin, Placement, TaskRequest};
-use crate::targets::{SshTaskError, Target, TargetKind};
-use crate::SharedState;
 
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const PAGE: u32 = 100;
 const CHECK_TIMEOUT_SECS: u32 = 60;
 
-pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(SWEEP_EVERY);
-    loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tick.tick() => sweep(&state).await,
-        }
-    }
-}
+/// The drift reconciler: one unit per environment with a current release.
+pub(crate) struct DriftChecks(pub SharedState);
 
-async fn sweep(state: &SharedState) {
-    let mut after = None;
-    loop {
-        let page = match state.store.environments_with_release(after, PAGE).await {
-            Ok(page) => page,
-            Err(e) => {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(error = %ErrorChain(&e), "drift sweep failed");
-                return;
-            }
-        };
-        for env in &page {
-            if let Err(e) = check_environment(state, env).await {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(environment = %env.name, error = %ErrorChain(&e), "drift check failed");
-            }
-        }
-        match page.last() {
-            Some(last) if page.len() == PAGE as usize => after = Some(last.id),
-            _ => break,
-        }
+impl Reconciler for DriftChecks {
+    type Unit = Environment;
+
+    fn name(&self) -> &'static str {
+        "drift"
+    }
+
+    fn schedule(&self) -> Schedule {
+        Schedule::every(SWEEP_EVERY)
+    }
+
+    async fn due(
+        &self,
+        _pass: &Pass,
+        after: Option<&Environment>,
+    ) -> Result<Due<Environment>, StoreError> {
+        let page = self
+            .0
+            .store
+            .environments_with_release(after.map(|e| e.id), PAGE)
+            .await?;
+        Ok(Due::page(page, PAGE))
+    }
+
+    fn key(&self, env: &Environment) -> String {
+        env.id.to_string()
+    }
+
+    async fn reconcile(&self, pass: &Pass, env: &Environment) -> Result<(), StoreError> {
+        check_environment(&self.0, env, pass.now).await
     }
 }
 
@@ -71,7 +74,13 @@ fn offset(agent: AgentId, period: Duration) -> Duration {
     Duration::from_millis(agent.0.as_u128() as u64 % millis)
 }
 
-async fn check_environment(state: &SharedState, env: &Environment) -> Result<(), StoreError> {
+/// `now` is the pass's, the database's clock: a replica whose own clock runs ahead must not find
+/// a check due that the others do not.
+async fn check_environment(
+    state: &SharedState,
+    env: &Environment,
+    now: OffsetDateTime,
+) -> Result<(), StoreError> {
     let Some(current) = &env.current_release else {
         return Ok(());
     };
@@ -82,7 +91,6 @@ async fn check_environment(state: &SharedState, env: &Environment) -> Result<(),
     else {
         return Ok(());
     };
-    let now = state.config.clock.now();
     let period = Duration::from_secs(env.drift_interval_secs.into());
     let targets = crate::targets::matching(state, env).await?;
     let known: HashMap<AgentId, TargetObservation> = state

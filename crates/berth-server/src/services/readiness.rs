@@ -29,12 +29,17 @@
 //! every condition is terminal; only then is `operationalReady` written (until then it is the
 //! last completed pass's of the same generation; a new generation starts at false), and the
 //! nonce it was started for echoed as `verifyObserved`. Like every reconciler
-//! this is a sweep: a crash between steps only delays the pass.
+//! this is a sweep: a crash between steps only delays the pass. Each environment is claimed
+//! while a replica works its pass (`workers::driver`), so no two replicas mint its grant.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use berth_proto::error::ErrorChain;
+use crate::registry::ResolveError;
+use crate::services::tasks::{Origin, Placement, TaskRequest};
+use crate::targets::{Target, TargetKind};
+use crate::workers::{Due, Pass, Reconciler, Schedule};
+use crate::SharedState;
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::{
     ReadinessProbePayload, SecretsProbe, SecretsProbeEntry, OPENBAO_LOGIN_JWT_CREDENTIAL,
@@ -44,12 +49,6 @@ use berth_proto::reference::parse_image;
 use berth_proto::{AgentId, TaskId};
 use berth_store::{Environment, Readiness, ReadinessPass, Release, StoreError, TaskState};
 use time::OffsetDateTime;
-use tokio::sync::watch;
-
-use crate::registry::ResolveError;
-use crate::services::tasks::{Origin, Placement, TaskRequest};
-use crate::targets::{Target, TargetKind};
-use crate::SharedState;
 
 /// What one host's probe said: its report, or why there is none (a reason and a message).
 type ProbeOutcome = Result<ProbeReport, (String, String)>;
@@ -73,37 +72,41 @@ enum SecretsVerdict {
     ByAgent(SecretsProbe),
 }
 
-pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(SWEEP_EVERY);
-    loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tick.tick() => sweep(&state).await,
-        }
-    }
-}
+/// The readiness reconciler: one unit per environment. The claim on it is what keeps two
+/// replicas from starting the same pass at once, and so from each minting the pass's OpenBao
+/// grant (the probe task's idempotency key keeps one task, not one grant).
+pub(crate) struct ReadinessPasses(pub SharedState);
 
-async fn sweep(state: &SharedState) {
-    let mut after = None;
-    loop {
-        let page = match state.store.readiness_environments(after, PAGE).await {
-            Ok(page) => page,
-            Err(e) => {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(error = %ErrorChain(&e), "readiness sweep failed");
-                return;
-            }
-        };
-        for env in &page {
-            if let Err(e) = reconcile(state, env).await {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(environment = %env.name, error = %ErrorChain(&e), "readiness pass failed");
-            }
-        }
-        match page.last() {
-            Some(last) if page.len() == PAGE as usize => after = Some(last.id),
-            _ => break,
-        }
+impl Reconciler for ReadinessPasses {
+    type Unit = Environment;
+
+    fn name(&self) -> &'static str {
+        "readiness"
+    }
+
+    fn schedule(&self) -> Schedule {
+        Schedule::every(SWEEP_EVERY)
+    }
+
+    async fn due(
+        &self,
+        _pass: &Pass,
+        after: Option<&Environment>,
+    ) -> Result<Due<Environment>, StoreError> {
+        let page = self
+            .0
+            .store
+            .readiness_environments(after.map(|e| e.id), PAGE)
+            .await?;
+        Ok(Due::page(page, PAGE))
+    }
+
+    fn key(&self, env: &Environment) -> String {
+        env.id.to_string()
+    }
+
+    async fn reconcile(&self, pass: &Pass, env: &Environment) -> Result<(), StoreError> {
+        reconcile(&self.0, env, pass.now).await
     }
 }
 
@@ -168,9 +171,14 @@ fn pass_id(env: &Environment, version: i64, generation: i64) -> uuid::Uuid {
     uuid::Builder::from_custom_bytes(bytes).into_uuid()
 }
 
-async fn reconcile(state: &SharedState, env: &Environment) -> Result<(), StoreError> {
+/// `now` is the pass's (the database's clock), so whether a completed pass is stale is the same
+/// question on every replica.
+async fn reconcile(
+    state: &SharedState,
+    env: &Environment,
+    now: OffsetDateTime,
+) -> Result<(), StoreError> {
     let stored = state.store.get_readiness(env.tenant_id, env.id).await?;
-    let now = state.config.clock.now();
     let spec = spec_of(state, env).await?;
     let mut r = stored.clone().unwrap_or_else(|| Readiness {
         tenant_id: env.tenant_id,

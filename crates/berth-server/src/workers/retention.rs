@@ -6,14 +6,16 @@
 //! (on SQLite there is one writer, and every task created or finished waits behind a delete
 //! that holds it), and after each the sweep rests [`REST_FACTOR`] times as long as the batch
 //! took, so a large backlog takes at most a fifth of the writer's time while it drains
-//! (BENCHMARKS.md, "Retention"). Like every reconciler it only re-derives from the database:
-//! every replica may run it, and a batch two replicas both take deletes each row once.
+//! (BENCHMARKS.md, "Retention"). Like every reconciler it only re-derives from the database,
+//! and "finished before" is judged by the database's clock; one replica prunes at a time (the
+//! driver's claim), and were two to, a batch both take deletes each row once.
 
 use std::time::{Duration, Instant};
 
-use berth_proto::error::ErrorChain;
-use tokio::sync::watch;
+use berth_store::StoreError;
+use time::OffsetDateTime;
 
+use crate::workers::{Due, Pass, Reconciler, Schedule};
 use crate::SharedState;
 
 /// What one batch (its tasks' delete, then its events') should take.
@@ -26,37 +28,61 @@ const MAX_BATCH: u32 = 500;
 const REST_FACTOR: u32 = 4;
 /// The shortest rest between two batches.
 const MIN_REST: Duration = Duration::from_millis(20);
-/// Between sweeps.
+/// Between sweeps; a sweep longer than this is followed by the next a period later, not by a
+/// burst of the ticks it missed.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
-pub async fn run(state: SharedState, mut stop: watch::Receiver<bool>) {
-    let Some(keep) = state.config.retention else {
-        return;
-    };
-    let mut tick = tokio::time::interval(SWEEP_EVERY);
-    // A sweep longer than the period (a first prune of a large backlog) is followed by the
-    // next one a period later, not by a burst of the ticks it missed.
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tick.tick() => {}
+/// The retention reconciler: one unit (the prune) per pass, when `--retention-days` is set.
+pub(crate) struct Retention(pub SharedState);
+
+impl Reconciler for Retention {
+    /// Rows finished before this are pruned.
+    type Unit = OffsetDateTime;
+
+    fn name(&self) -> &'static str {
+        "retention"
+    }
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            // Stopping cuts a prune off between two batches' statements: each is its own
+            // transaction, and the next start prunes the rest.
+            cancel_on_stop: true,
+            ..Schedule::every(SWEEP_EVERY)
         }
-        let before = state.config.clock.now() - keep;
-        let swept = tokio::select! {
-            _ = stop.changed() => return,
-            swept = sweep(&state, before) => swept,
-        };
-        match swept {
-            Ok((0, 0)) => {}
-            Ok((tasks, events)) => {
-                tracing::info!(tasks, events, %before, "retention: pruned what finished before");
-            }
-            Err(e) => {
-                state.metrics.error("reconcile_store");
-                tracing::warn!(error = %ErrorChain(&e), "retention sweep failed");
-            }
+    }
+
+    async fn due(
+        &self,
+        pass: &Pass,
+        _after: Option<&OffsetDateTime>,
+    ) -> Result<Due<OffsetDateTime>, StoreError> {
+        Ok(Due::all(
+            self.0
+                .config
+                .retention
+                .map(|keep| pass.now - keep)
+                .into_iter()
+                .collect(),
+        ))
+    }
+
+    /// One prune at a time across replicas: two would only share the writer's time.
+    fn key(&self, _before: &OffsetDateTime) -> String {
+        "prune".into()
+    }
+
+    /// A first prune of a large backlog takes minutes (it rests between batches).
+    fn lease(&self) -> Duration {
+        Duration::from_secs(600)
+    }
+
+    async fn reconcile(&self, _pass: &Pass, before: &OffsetDateTime) -> Result<(), StoreError> {
+        let (tasks, events) = sweep(&self.0, *before).await?;
+        if tasks > 0 || events > 0 {
+            tracing::info!(tasks, events, %before, "retention: pruned what finished before");
         }
+        Ok(())
     }
 }
 

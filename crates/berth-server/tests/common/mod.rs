@@ -69,32 +69,34 @@ pub async fn start_with(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
     }
 }
 
-/// A second replica of `of` (which runs on PostgreSQL, `database`): its data dir starts as a
-/// copy of `of`'s key material, as README's "Several replicas" says. Its `admin_token` is
-/// `of`'s (the store holds the tokens).
-#[allow(dead_code)]
-pub async fn start_replica(of: &TestServer, database: &str) -> TestServer {
+/// A second replica of `primary`: a data dir of its own holding a copy of the primary's key
+/// material (as an operator copies it to a new replica) and the same database, which `adjust`
+/// must name (the primary's, on PostgreSQL). Its admin token is the primary's.
+pub async fn start_replica(
+    primary: &TestServer,
+    adjust: impl FnOnce(&mut ServerConfig),
+) -> TestServer {
     let dir = tempfile::tempdir().expect("temp dir");
-    let data = dir.path().join("data");
-    std::fs::create_dir(&data).expect("data dir");
-    let from = of.dir.path().join("data");
-    for file in std::fs::read_dir(&from).expect("read data dir") {
-        let file = file.expect("entry");
-        let name = file.file_name();
-        if name.to_string_lossy().ends_with(".key") || name.to_string_lossy().ends_with(".crt") {
-            std::fs::copy(file.path(), data.join(&name)).expect("copy key material");
-        }
+    let from = berth_server::DataDir(primary.dir.path().join("data"));
+    let to = berth_server::DataDir(dir.path().join("data"));
+    std::fs::create_dir_all(&to.0).expect("replica data dir");
+    for file in from.key_material() {
+        let name = file.file_name().expect("a file name");
+        std::fs::copy(&file, to.0.join(name)).expect("copy key material");
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let mut config = ServerConfig::new(data, addr);
+    let mut config = ServerConfig::new(to.0.clone(), addr);
     config.heartbeat_interval = Duration::from_secs(1);
-    config.database = Some(database.to_string());
+    adjust(&mut config);
     let server = Server::bootstrap(config).await.expect("bootstrap replica");
     let boot = server.bootstrapped().clone();
-    assert_eq!(boot.ca_fingerprint, of.ca_fingerprint, "one CA");
+    assert!(
+        boot.new_admin_token.is_none(),
+        "the replica shares the database"
+    );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(server.run(listener, async {
         let _ = stopped.await;
@@ -102,9 +104,9 @@ pub async fn start_replica(of: &TestServer, database: &str) -> TestServer {
     TestServer {
         url: format!("https://{addr}"),
         addr,
-        ca_pem: of.ca_pem.clone(),
+        ca_pem: std::fs::read_to_string(boot.data_dir.ca_cert()).expect("ca"),
         ca_fingerprint: boot.ca_fingerprint,
-        admin_token: of.admin_token.clone(),
+        admin_token: primary.admin_token.clone(),
         stop: Some(stop),
         task: Some(task),
         dir,

@@ -10,6 +10,7 @@ use support::*;
 
 mod agents;
 mod audit;
+mod claims;
 mod deployments;
 mod desired;
 mod events;
@@ -24,6 +25,7 @@ mod tenants;
 
 pub use agents::*;
 pub use audit::*;
+pub use claims::*;
 pub use deployments::*;
 pub use desired::*;
 pub use events::*;
@@ -132,6 +134,7 @@ macro_rules! conformance_cases {
             artifacts_content_addressed,
             notifications_written_with_events,
             notification_claims_and_outcomes,
+            reconciler_claims,
         }
     };
 }

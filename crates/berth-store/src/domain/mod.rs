@@ -3,6 +3,7 @@
 
 pub mod agents;
 pub mod audit;
+pub mod claims;
 pub mod deployments;
 pub mod desired;
 pub mod events;

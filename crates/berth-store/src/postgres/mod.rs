@@ -26,6 +26,7 @@ use crate::{Page, PayloadKey, PoolStats, PostgresPoolConfig, Result, Store};
 mod agents;
 mod audit;
 mod batch;
+mod claims;
 mod completion;
 mod deployments;
 mod desired;

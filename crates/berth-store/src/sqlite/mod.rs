@@ -26,6 +26,7 @@ use crate::{Page, PayloadKey, Result, Store, StoreError};
 
 mod agents;
 mod audit;
+mod claims;
 mod deployments;
 mod desired;
 mod events;
