@@ -11,16 +11,7 @@ mod infra;
 mod services;
 mod workers;
 
-// Transitional aliases, removed once the branches in flight have landed on the new layout.
-use http::{auth, extract, openapi, routes, tls, ui};
-use infra::envelope as secrets;
 pub use infra::openbao;
-use infra::{
-    bootstrap, clock, config, error, fault, grants, heartbeat, install, metrics, rate, registry,
-    registry_token, wake,
-};
-use services::{deployments as deploy, drift, notify, readback, readiness, targets};
-use workers::{reconcile, retention};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -31,14 +22,14 @@ use tokio::net::TcpListener;
 
 /// The type of [`ServerConfig::database_pool`], so a caller needs no `berth-store` of its own.
 pub use berth_store::PostgresPoolConfig;
-pub use bootstrap::{Bootstrapped, DataDir};
-pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{
+pub use http::openapi::openapi_json;
+pub use infra::bootstrap::{Bootstrapped, DataDir};
+pub use infra::clock::{Clock, ManualClock, SystemClock};
+pub use infra::config::{
     format_retry_schedule, parse_retry_schedule, NotifySettings, OpenBaoSettings,
     RegistryTokenSettings, ServerConfig,
 };
-pub use error::ServerError;
-pub use openapi::openapi_json;
+pub use infra::error::ServerError;
 
 /// Everything a request handler may reach.
 pub(crate) struct AppState {
@@ -53,23 +44,23 @@ pub(crate) struct AppState {
     pub sealing_key: berth_crypto::hpke::RecipientKey,
     /// `sealing_key`'s public key as the session answer carries it.
     pub sealing_public: String,
-    pub wakeups: wake::Wakeups,
-    pub heartbeats: heartbeat::HeartbeatWriter,
-    pub metrics: metrics::Metrics,
+    pub wakeups: infra::wake::Wakeups,
+    pub heartbeats: infra::heartbeat::HeartbeatWriter,
+    pub metrics: infra::metrics::Metrics,
     /// The registry client that resolves release images to digests.
-    pub registries: registry::Registries,
+    pub registries: infra::registry::Registries,
     /// Turns true when the server starts to stop: open event streams end then, so draining
     /// connections does not wait on them.
     pub stopping: tokio::sync::watch::Sender<bool>,
     /// The desired-state calls' rate buckets per environment.
-    pub rate: rate::RateLimiter,
+    pub rate: infra::rate::RateLimiter,
     /// Verifies seed-compatible agents' OpenBao tokens; `None` without OpenBao (or without the
     /// server's own OpenBao token), when bearer-token agents are refused.
     pub bao: Option<Arc<openbao::TokenVerifier>>,
     /// Wakes the notification sender before its next sweep (a resend).
     pub notify_wake: tokio::sync::Notify,
     /// The agent binaries the install script downloads.
-    pub downloads: install::AgentDownloads,
+    pub downloads: infra::install::AgentDownloads,
 }
 
 pub(crate) type SharedState = Arc<AppState>;
@@ -85,20 +76,21 @@ impl Server {
     /// Opens the data dir and store, creating the CA, certificates, keys and admin token on
     /// first start and reusing them afterwards.
     pub async fn bootstrap(mut config: ServerConfig) -> Result<Server, ServerError> {
-        fault::init();
-        config.max_connections = tls::connection_budget(config.max_connections);
-        let (bootstrapped, material) = bootstrap::bootstrap(&config).await?;
-        let tls = tls::server_config(&material)?;
-        let metrics = metrics::Metrics::new(material.store.clone());
-        let heartbeats = heartbeat::HeartbeatWriter::spawn(material.store.clone(), metrics.clone());
-        let wakeups = wake::Wakeups::spawn(material.store.task_events());
+        infra::fault::init();
+        config.max_connections = http::tls::connection_budget(config.max_connections);
+        let (bootstrapped, material) = infra::bootstrap::bootstrap(&config).await?;
+        let tls = http::tls::server_config(&material)?;
+        let metrics = infra::metrics::Metrics::new(material.store.clone());
+        let heartbeats =
+            infra::heartbeat::HeartbeatWriter::spawn(material.store.clone(), metrics.clone());
+        let wakeups = infra::wake::Wakeups::spawn(material.store.task_events());
         let bao = match &config.openbao {
             Some(settings) if settings.token_file.is_some() => Some(Arc::new(
                 openbao::TokenVerifier::new(settings).map_err(ServerError::new)?,
             )),
             _ => None,
         };
-        let downloads = install::AgentDownloads::new(config.agent_downloads.clone());
+        let downloads = infra::install::AgentDownloads::new(config.agent_downloads.clone());
         let state = Arc::new(AppState {
             config,
             store: material.store,
@@ -115,9 +107,9 @@ impl Server {
             wakeups,
             heartbeats,
             metrics,
-            registries: registry::Registries::new().map_err(ServerError::new)?,
+            registries: infra::registry::Registries::new().map_err(ServerError::new)?,
             stopping: tokio::sync::watch::channel(false).0,
-            rate: rate::RateLimiter::default(),
+            rate: infra::rate::RateLimiter::default(),
             bao,
             notify_wake: tokio::sync::Notify::new(),
             downloads,
@@ -143,13 +135,13 @@ impl Server {
     ) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let workers = workers::spawn_all(&self.state, &stop_rx);
-        let app = routes::router(self.state.clone());
+        let app = http::routes::router(self.state.clone());
         let state = self.state.clone();
         let shutdown = async move {
             shutdown.await;
             state.stopping.send_replace(true);
         };
-        let result = tls::serve(
+        let result = http::tls::serve(
             listener,
             self.tls,
             app,

@@ -175,6 +175,16 @@ async fn a_cancel_during_a_pass_on_another_replica_leaves_no_task_queued() {
     let a = common::start_with(|config| config.database = Some(url.clone())).await;
     let b = common::start_replica(&a, |c| c.database = Some(url.to_string())).await;
     let agent = a.agent("race-host").await;
+    // The deployment's docker.run needs an agent that reports `docker` (checked at create).
+    let updated = a
+        .raw(None)
+        .put(format!("{}/api/v1/agents/{}", a.url, agent.id))
+        .header("authorization", format!("Bearer {}", a.admin_token))
+        .json(&serde_json::json!({"capabilities": [{"name": "docker"}]}))
+        .send()
+        .await
+        .expect("update the agent");
+    assert!(updated.status().is_success(), "{}", updated.status());
 
     let mut probe = PgConnection::connect(&url).await.expect("connect");
     let tenant: uuid::Uuid = sqlx::query_scalar("SELECT tenant_id FROM agents WHERE id = $1")

@@ -10,9 +10,9 @@ use berth_proto::error::codes;
 use berth_proto::AgentId;
 use berth_store::Agent;
 
-use crate::error::{ApiError, ApiResult};
+use crate::http::tls::{Peer, PeerCertificate};
+use crate::infra::error::{ApiError, ApiResult};
 pub use crate::services::caller::{Caller, DesiredCaller};
-use crate::tls::{Peer, PeerCertificate};
 use crate::SharedState;
 
 impl FromRequestParts<SharedState> for Caller {
@@ -209,12 +209,12 @@ async fn token_caller(state: &SharedState, bearer: &str) -> ApiResult<DesiredCal
     };
     let meta = match verifier.verify(bearer).await {
         Ok(meta) => meta,
-        Err(crate::openbao::VerifyError::Unknown(why)) => {
+        Err(crate::infra::openbao::VerifyError::Unknown(why)) => {
             return Err(agent_unauthenticated(format!(
                 "OpenBao does not know this token: {why}"
             )))
         }
-        Err(crate::openbao::VerifyError::Unavailable(why)) => {
+        Err(crate::infra::openbao::VerifyError::Unavailable(why)) => {
             return Err(ApiError::new(
                 axum::http::StatusCode::SERVICE_UNAVAILABLE,
                 codes::PROVIDER_UNAVAILABLE,
@@ -242,7 +242,7 @@ async fn token_caller(state: &SharedState, bearer: &str) -> ApiResult<DesiredCal
         berth_store::GrantUse::First => {
             // A used grant leaves the JWKS; OpenBao forgets the key only when its keyset is
             // reset, so a replay of the grant fails at login from now on.
-            crate::grants::reset_keyset(state);
+            crate::infra::grants::reset_keyset(state);
         }
         berth_store::GrantUse::Replay => {
             return Err(agent_unauthenticated(

@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use berth_proto::error::codes;
 use serde::de::DeserializeOwned;
 
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 
 /// A JSON body; refusals carry stable codes.
 pub struct ApiJson<T>(pub T);

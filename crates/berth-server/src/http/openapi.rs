@@ -69,7 +69,7 @@ pub(crate) fn document_base() -> utoipa::openapi::OpenApi {
 
 /// The document as pretty JSON, with a fixed version so it only changes when the API does.
 pub fn openapi_json() -> String {
-    let mut doc = crate::routes::declared().into_openapi();
+    let mut doc = crate::http::routes::declared().into_openapi();
     doc.info.version = "v1".to_string();
     // axum spells a parameter that spans segments `{*path}`; OpenAPI has only `{path}`.
     let wildcards: Vec<String> = doc

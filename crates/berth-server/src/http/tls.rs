@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::error::{Context, ServerError};
+use crate::infra::error::{Context, ServerError};
 use axum::Router;
 use berth_crypto::hpke::RecipientPublicKey;
 use berth_crypto::ResultVerifier;
@@ -27,8 +27,8 @@ use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt;
 use tracing::Instrument;
 
-use crate::bootstrap::Material;
-use crate::metrics::Metrics;
+use crate::infra::bootstrap::Material;
+use crate::infra::metrics::Metrics;
 use crate::ServerConfig;
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

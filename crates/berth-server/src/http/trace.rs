@@ -5,7 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use berth_proto::error::codes;
 
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 
 /// The request headers the server reads: bytes, counted as HTTP/2 counts a header list (name,
 /// value and 32 per field), and fields.

@@ -7,7 +7,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Context, ServerError};
+use crate::infra::error::{Context, ServerError};
 use berth_crypto::hpke::RecipientKey;
 use berth_crypto::{Ca, JwtSigner, MasterKey, RegistryTokenKey};
 use berth_proto::admin::Role;

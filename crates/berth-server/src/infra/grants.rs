@@ -13,7 +13,7 @@ use berth_store::{DesiredEnvironment, Grant, GrantKind};
 use serde_json::json;
 use time::OffsetDateTime;
 
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 use crate::SharedState;
 
 /// Seed 001's grant lifetime (1 h).

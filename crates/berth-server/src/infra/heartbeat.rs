@@ -8,7 +8,7 @@ use berth_proto::error::ErrorChain;
 use berth_store::{DynStore, HeartbeatOutcome, HeartbeatRecord};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use crate::metrics::Metrics;
+use crate::infra::metrics::Metrics;
 
 const MAX_BATCH: usize = 2048;
 const QUEUE: usize = 16 * 1024;

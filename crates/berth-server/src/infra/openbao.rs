@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::config::OpenBaoSettings;
+use crate::infra::config::OpenBaoSettings;
 
 /// How long a positive lookup is trusted (seed: "cached 60 s").
 pub const CACHE_TTL: Duration = Duration::from_secs(60);

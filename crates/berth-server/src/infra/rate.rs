@@ -16,7 +16,7 @@ use berth_proto::error::codes;
 use berth_proto::{EnvironmentId, TenantId};
 use time::OffsetDateTime;
 
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 
 /// One bucket: `limit` requests per `period`, all of them usable at once; over it, `code`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

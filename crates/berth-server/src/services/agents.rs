@@ -5,7 +5,7 @@ use berth_proto::error::codes;
 use berth_proto::AgentId;
 use berth_store::AgentFilter;
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::Caller;
 use crate::SharedState;
 

@@ -3,7 +3,7 @@
 
 use berth_proto::audit::{AuditPage, ListAudit};
 
-use crate::error::ApiResult;
+use crate::infra::error::ApiResult;
 use crate::services::caller::Caller;
 use crate::SharedState;
 

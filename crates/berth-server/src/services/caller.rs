@@ -7,7 +7,7 @@ use berth_proto::error::codes;
 use berth_proto::TenantId;
 use berth_store::{Agent, ApiToken};
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 
 /// An authenticated API token holder.
 pub struct Caller(pub ApiToken);

@@ -39,69 +39,23 @@ use berth_store::{
 use serde_json::{json, Value};
 
 use crate::services;
+use crate::services::targets::{SshTaskError, Target, TargetKind};
 use crate::services::tasks::{Origin, Placement, Refused, TaskRequest};
-use crate::targets::{SshTaskError, Target, TargetKind};
-use crate::workers::{Due, Pass, Reconciler, Schedule, Wake};
 use crate::SharedState;
 
 /// Deployments advanced per pass.
-const ACTIVE_PAGE: u32 = 200;
+pub(crate) const ACTIVE_PAGE: u32 = 200;
 /// A pass also runs this often without any event, for steps that wait on time alone.
-const IDLE_PASS: Duration = Duration::from_secs(1);
+pub(crate) const IDLE_PASS: Duration = Duration::from_secs(1);
 
 /// What [`create_tasks`] answers (as a `Conflict`) when the deployment moved on since the pass
 /// read it: the pass ends without recording, quietly.
-const SUPERSEDED: &str = "deployment_superseded";
+pub(crate) const SUPERSEDED: &str = "deployment_superseded";
 
 pub const DEPLOY: &str = "deploy";
 pub const ROLLBACK: &str = "rollback";
 
-/// The deployment reconciler: one unit per active deployment, a pass after every committed
-/// change that may have written an event (a task result, a read-back, an approval) and at least
-/// every second.
-pub(crate) struct Deployments(pub SharedState);
-
-impl Reconciler for Deployments {
-    type Unit = DeploymentDetail;
-
-    fn name(&self) -> &'static str {
-        "deploy"
-    }
-
-    fn schedule(&self) -> Schedule {
-        Schedule {
-            wake: Wake::EventsWritten(self.0.store.events_written()),
-            ..Schedule::every(IDLE_PASS)
-        }
-    }
-
-    async fn due(
-        &self,
-        _pass: &Pass,
-        _after: Option<&DeploymentDetail>,
-    ) -> Result<Due<DeploymentDetail>, StoreError> {
-        // At most a page per pass: the next pass (at most a second away) takes the rest.
-        let active = self.0.store.active_deployments(ACTIVE_PAGE).await?;
-        Ok(Due::all(active))
-    }
-
-    fn key(&self, detail: &DeploymentDetail) -> String {
-        detail.deployment.id.to_string()
-    }
-
-    async fn reconcile(&self, _pass: &Pass, detail: &DeploymentDetail) -> Result<(), StoreError> {
-        match advance(&self.0, detail.clone()).await {
-            // The deployment moved on since it was read (a cancel, another replica's step):
-            // the next pass decides again, quietly.
-            Err(StoreError::Conflict {
-                constraint: SUPERSEDED,
-            }) => Ok(()),
-            other => other,
-        }
-    }
-}
-
-/// `targets` (by name, as [`crate::targets::matching`] gives them) in waves of the policy's
+/// `targets` (by name, as [`crate::services::targets::matching`] gives them) in waves of the policy's
 /// `maxParallel`: what a deployment runs and its plan shows.
 pub(crate) fn waves<'a>(
     targets: &'a [Target],
@@ -388,7 +342,10 @@ async fn snapshots(
 }
 
 /// One step of one deployment.
-async fn advance(state: &SharedState, detail: DeploymentDetail) -> Result<(), StoreError> {
+pub(crate) async fn advance(
+    state: &SharedState,
+    detail: DeploymentDetail,
+) -> Result<(), StoreError> {
     let d = &detail.deployment;
     let now = state.config.clock.now();
     let tasks = snapshots(state, d.tenant_id, &detail.targets).await?;
@@ -702,7 +659,8 @@ async fn create_tasks(
     purpose: &str,
 ) -> Result<Result<Vec<TaskId>, Unplaceable>, StoreError> {
     let d = &detail.deployment;
-    let Some(found) = crate::targets::get(state, d.tenant_id, target.agent_id).await? else {
+    let Some(found) = crate::services::targets::get(state, d.tenant_id, target.agent_id).await?
+    else {
         return Ok(Err(Unplaceable {
             code: AGENT_DELETED,
             detail: format!("target {} was deleted", target.agent_name),
@@ -721,7 +679,9 @@ async fn create_tasks(
                 // deliveries mint a pull token for: this component's repository only.
                 let credentials = berth_proto::reference::parse_image(&component.image)
                     .ok()
-                    .and_then(|image| crate::registry_token::task_credentials(state, &image));
+                    .and_then(|image| {
+                        crate::infra::registry_token::task_credentials(state, &image)
+                    });
                 tasks.push((
                     TaskKind::DockerRun,
                     target.agent_id,
@@ -738,7 +698,7 @@ async fn create_tasks(
                     d.id, release.name
                 )));
             };
-            let Some(via) = crate::targets::via_agent(state, ssh).await? else {
+            let Some(via) = crate::services::targets::via_agent(state, ssh).await? else {
                 return Ok(Err(Unplaceable {
                     code: codes::SSH_VIA_UNAVAILABLE,
                     detail: format!("no agent can act for ssh target {}", ssh.name),
@@ -754,9 +714,10 @@ async fn create_tasks(
                 extra: Default::default(),
                 ..Default::default()
             };
-            let payload =
-                serde_json::to_value(spec.payload(crate::targets::payload_target(ssh), sticker))
-                    .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
+            let payload = serde_json::to_value(
+                spec.payload(crate::services::targets::payload_target(ssh), sticker),
+            )
+            .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
             tasks.push((
                 TaskKind::SshDeploy,
                 via.id,
@@ -770,17 +731,19 @@ async fn create_tasks(
     for (kind, agent_id, payload, credentials, part) in tasks {
         let credentials = match credentials {
             Credentials::Registry(creds) => creds,
-            Credentials::SshKey(ssh) => match crate::targets::key_credentials(state, ssh).await {
-                Ok(creds) => Some(creds),
-                Err(SshTaskError::Store(e)) => return Err(e),
-                Err(e) => {
-                    return Ok(Err(Unplaceable {
-                        code: codes::SECRET_NOT_FOUND,
-                        detail: e.to_string(),
-                        hold: Hold::None,
-                    }))
+            Credentials::SshKey(ssh) => {
+                match crate::services::targets::key_credentials(state, ssh).await {
+                    Ok(creds) => Some(creds),
+                    Err(SshTaskError::Store(e)) => return Err(e),
+                    Err(e) => {
+                        return Ok(Err(Unplaceable {
+                            code: codes::SECRET_NOT_FOUND,
+                            detail: e.to_string(),
+                            hold: Hold::None,
+                        }))
+                    }
                 }
-            },
+            }
         };
         let request = TaskRequest {
             tenant: d.tenant_id,

@@ -4,9 +4,9 @@
 use berth_proto::error::codes;
 use berth_store::DesiredEnvironment;
 
-use crate::error::{ApiError, ApiResult};
 use crate::infra::envelope;
-use crate::rate::Bucket;
+use crate::infra::error::{ApiError, ApiResult};
+use crate::infra::rate::Bucket;
 use crate::services::caller::DesiredCaller;
 use crate::SharedState;
 

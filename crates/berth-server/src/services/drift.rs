@@ -14,10 +14,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::deploy::container_name;
+use crate::services::deployments::container_name;
+use crate::services::targets::{SshTaskError, Target, TargetKind};
 use crate::services::tasks::{Origin, Placement, TaskRequest};
-use crate::targets::{SshTaskError, Target, TargetKind};
-use crate::workers::{Due, Pass, Reconciler, Schedule};
 use crate::SharedState;
 use berth_proto::deploy::{DeploymentKind, Drift, ObservedComponent};
 use berth_proto::error::ErrorChain;
@@ -28,45 +27,9 @@ use berth_store::{Environment, Release, StoreError, TargetObservation, TaskState
 use serde_json::Value;
 use time::OffsetDateTime;
 
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
-const PAGE: u32 = 100;
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const PAGE: u32 = 100;
 const CHECK_TIMEOUT_SECS: u32 = 60;
-
-/// The drift reconciler: one unit per environment with a current release.
-pub(crate) struct DriftChecks(pub SharedState);
-
-impl Reconciler for DriftChecks {
-    type Unit = Environment;
-
-    fn name(&self) -> &'static str {
-        "drift"
-    }
-
-    fn schedule(&self) -> Schedule {
-        Schedule::every(SWEEP_EVERY)
-    }
-
-    async fn due(
-        &self,
-        _pass: &Pass,
-        after: Option<&Environment>,
-    ) -> Result<Due<Environment>, StoreError> {
-        let page = self
-            .0
-            .store
-            .environments_with_release(after.map(|e| e.id), PAGE)
-            .await?;
-        Ok(Due::page(page, PAGE))
-    }
-
-    fn key(&self, env: &Environment) -> String {
-        env.id.to_string()
-    }
-
-    async fn reconcile(&self, pass: &Pass, env: &Environment) -> Result<(), StoreError> {
-        check_environment(&self.0, env, pass.now).await
-    }
-}
 
 /// The target's first check is due at an offset in the period derived from its id.
 fn offset(agent: AgentId, period: Duration) -> Duration {
@@ -76,7 +39,7 @@ fn offset(agent: AgentId, period: Duration) -> Duration {
 
 /// `now` is the pass's, the database's clock: a replica whose own clock runs ahead must not find
 /// a check due that the others do not.
-async fn check_environment(
+pub(crate) async fn check_environment(
     state: &SharedState,
     env: &Environment,
     now: OffsetDateTime,
@@ -92,7 +55,7 @@ async fn check_environment(
         return Ok(());
     };
     let period = Duration::from_secs(env.drift_interval_secs.into());
-    let targets = crate::targets::matching(state, env).await?;
+    let targets = crate::services::targets::matching(state, env).await?;
     let known: HashMap<AgentId, TargetObservation> = state
         .store
         .target_observations(env.id)
@@ -169,7 +132,7 @@ async fn schedule_check(
         TargetKind::Agent(agent) => (TaskKind::Inspect, agent.id, serde_json::json!({}), None),
         TargetKind::Ssh(ssh) => {
             let (Some(via), Some(release)) = (
-                crate::targets::via_agent(state, ssh).await?,
+                crate::services::targets::via_agent(state, ssh).await?,
                 env.current_release.as_ref(),
             ) else {
                 return Ok(None);
@@ -183,7 +146,7 @@ async fn schedule_check(
             else {
                 return Ok(None);
             };
-            let key = match crate::targets::key_credentials(state, ssh).await {
+            let key = match crate::services::targets::key_credentials(state, ssh).await {
                 Ok(key) => key,
                 Err(SshTaskError::Store(e)) => return Err(e),
                 Err(e) => {
@@ -193,7 +156,7 @@ async fn schedule_check(
             };
             let payload = ReadStickerPayload {
                 name: ssh.name.clone(),
-                ssh_target: Some(crate::targets::payload_target(ssh)),
+                ssh_target: Some(crate::services::targets::payload_target(ssh)),
                 deploy_directory: Some(directory),
                 ..Default::default()
             };
@@ -284,12 +247,12 @@ fn observe(
 /// Redeploys the environment's current release, unless a deployment is already running there.
 async fn heal(state: &SharedState, env: &Environment, release: &Release) -> Result<(), StoreError> {
     // A cordoned target is left out, as a deploy leaves it out.
-    let mut targets = crate::targets::matching(state, env).await?;
+    let mut targets = crate::services::targets::matching(state, env).await?;
     targets.retain(|t| !t.cordoned());
     if targets.is_empty() {
         return Ok(());
     }
-    let created = crate::deploy::create(
+    let created = crate::services::deployments::create(
         state,
         env,
         release,

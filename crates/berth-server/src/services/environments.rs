@@ -17,11 +17,11 @@ use berth_store::{
     ApproveOutcome, DeploymentDetail, Environment, Release, StoreError, TargetObservation,
 };
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
 use crate::services::caller::Caller;
+use crate::services::targets::{Target, TargetKind};
 use crate::services::validate::validate_labels;
-use crate::targets::{Target, TargetKind};
 use crate::SharedState;
 
 /// Seconds a health check may be given at most.
@@ -235,7 +235,7 @@ pub async fn environment_status(
 ) -> ApiResult<EnvironmentStatus> {
     caller.can_read()?;
     let env = environment(state, caller, &name).await?;
-    let targets = crate::targets::matching(state, &env).await?;
+    let targets = crate::services::targets::matching(state, &env).await?;
     let observations = state.store.target_observations(env.id).await?;
     let desired = env.current_release.as_ref().map(|r| r.name.clone());
     let targets = targets
@@ -365,10 +365,11 @@ async fn targets(
         }
         _ => {}
     }
-    let (targets, skipped): (Vec<Target>, Vec<Target>) = crate::targets::matching(state, env)
-        .await?
-        .into_iter()
-        .partition(|t| !t.cordoned());
+    let (targets, skipped): (Vec<Target>, Vec<Target>) =
+        crate::services::targets::matching(state, env)
+            .await?
+            .into_iter()
+            .partition(|t| !t.cordoned());
     let skipped: Vec<SkippedTarget> = skipped
         .into_iter()
         .map(|t| SkippedTarget {
@@ -403,7 +404,9 @@ async fn targets(
     for target in &targets {
         let able = match &target.kind {
             TargetKind::Agent(agent) => crate::services::tasks::can_run(agent, kind),
-            TargetKind::Ssh(ssh) => crate::targets::via_agent(state, ssh).await?.is_some(),
+            TargetKind::Ssh(ssh) => crate::services::targets::via_agent(state, ssh)
+                .await?
+                .is_some(),
         };
         if !able {
             unable.push(target.name.as_str());
@@ -434,8 +437,13 @@ async fn targets(
             let TargetKind::Agent(_) = target.kind else {
                 break;
             };
-            let payload = crate::deploy::component_payload(release, component, target, &env.policy)
-                .map_err(invalid)?;
+            let payload = crate::services::deployments::component_payload(
+                release,
+                component,
+                target,
+                &env.policy,
+            )
+            .map_err(invalid)?;
             kind.check_payload(&payload).map_err(|e| {
                 ApiError::unprocessable(
                     codes::INVALID_PAYLOAD,
@@ -494,7 +502,9 @@ async fn start(
     caller: &Caller,
     targets: &[Target],
 ) -> ApiResult<(StatusCode, DeploymentView)> {
-    match crate::deploy::create(state, env, release, kind, actor(caller), targets).await {
+    match crate::services::deployments::create(state, env, release, kind, actor(caller), targets)
+        .await
+    {
         Ok(d) => Ok((StatusCode::CREATED, deployment_view(d))),
         Err(StoreError::Conflict {
             constraint: "deployment_in_progress",
@@ -563,7 +573,7 @@ pub async fn plan(
     caller.can_read()?;
     let (env, release, targets, skipped) = prepare(state, caller, &req).await?;
     let observations = state.store.target_observations(env.id).await?;
-    let waves = crate::deploy::waves(&targets, &env.policy)
+    let waves = crate::services::deployments::waves(&targets, &env.policy)
         .map(|(wave, chunk)| PlanWave {
             wave,
             targets: chunk
@@ -739,7 +749,9 @@ pub(crate) async fn readiness_view(
 ) -> Result<EnvironmentReadiness, berth_store::StoreError> {
     let stored = state.store.get_readiness(env.tenant_id, env.id).await?;
     // Ready only for the spec the environment has now (a release moved since: not yet).
-    let current = crate::readiness::current(state, env).await?.is_some();
+    let current = crate::services::readiness::current(state, env)
+        .await?
+        .is_some();
     Ok(match stored {
         None => EnvironmentReadiness {
             environment: env.name.clone(),

@@ -35,10 +35,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::registry::ResolveError;
+use crate::infra::registry::ResolveError;
+use crate::services::targets::{Target, TargetKind};
 use crate::services::tasks::{Origin, Placement, TaskRequest};
-use crate::targets::{Target, TargetKind};
-use crate::workers::{Due, Pass, Reconciler, Schedule};
 use crate::SharedState;
 use berth_proto::kind::TaskKind;
 use berth_proto::payload::{
@@ -53,8 +52,8 @@ use time::OffsetDateTime;
 /// What one host's probe said: its report, or why there is none (a reason and a message).
 type ProbeOutcome = Result<ProbeReport, (String, String)>;
 
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
-const PAGE: u32 = 100;
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const PAGE: u32 = 100;
 const PROBE_TIMEOUT_SECS: u32 = 60;
 /// How long a pass waits for a probe before it calls it `PROBE_TIMEOUT`.
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(120);
@@ -70,44 +69,6 @@ enum SecretsVerdict {
     Decided(Condition),
     /// OpenBao-backed: the pass's first probe resolves them.
     ByAgent(SecretsProbe),
-}
-
-/// The readiness reconciler: one unit per environment. The claim on it is what keeps two
-/// replicas from starting the same pass at once, and so from each minting the pass's OpenBao
-/// grant (the probe task's idempotency key keeps one task, not one grant).
-pub(crate) struct ReadinessPasses(pub SharedState);
-
-impl Reconciler for ReadinessPasses {
-    type Unit = Environment;
-
-    fn name(&self) -> &'static str {
-        "readiness"
-    }
-
-    fn schedule(&self) -> Schedule {
-        Schedule::every(SWEEP_EVERY)
-    }
-
-    async fn due(
-        &self,
-        _pass: &Pass,
-        after: Option<&Environment>,
-    ) -> Result<Due<Environment>, StoreError> {
-        let page = self
-            .0
-            .store
-            .readiness_environments(after.map(|e| e.id), PAGE)
-            .await?;
-        Ok(Due::page(page, PAGE))
-    }
-
-    fn key(&self, env: &Environment) -> String {
-        env.id.to_string()
-    }
-
-    async fn reconcile(&self, pass: &Pass, env: &Environment) -> Result<(), StoreError> {
-        reconcile(&self.0, env, pass.now).await
-    }
 }
 
 /// What the generation is counted for: everything a condition depends on that an operator
@@ -173,7 +134,7 @@ fn pass_id(env: &Environment, version: i64, generation: i64) -> uuid::Uuid {
 
 /// `now` is the pass's (the database's clock), so whether a completed pass is stale is the same
 /// question on every replica.
-async fn reconcile(
+pub(crate) async fn reconcile(
     state: &SharedState,
     env: &Environment,
     now: OffsetDateTime,
@@ -286,13 +247,13 @@ async fn evaluate(
         }
         None => None,
     };
-    let targets = crate::targets::matching(state, env).await?;
+    let targets = crate::services::targets::matching(state, env).await?;
     // Each target's probe host: the agent itself, or an SSH target's via agent.
     let mut hosts: Vec<(Target, Option<berth_store::Agent>)> = Vec::new();
     for target in &targets {
         let host = match &target.kind {
             TargetKind::Agent(agent) => Some((**agent).clone()),
-            TargetKind::Ssh(ssh) => crate::targets::via_agent(state, ssh).await?,
+            TargetKind::Ssh(ssh) => crate::services::targets::via_agent(state, ssh).await?,
         };
         hosts.push((target.clone(), host));
     }
@@ -450,7 +411,7 @@ async fn evaluate(
             (TargetKind::Agent(_), Some(rel)) => rel
                 .components
                 .iter()
-                .filter_map(|c| crate::deploy::container_name(c, target).ok())
+                .filter_map(|c| crate::services::deployments::container_name(c, target).ok())
                 .collect(),
             _ => Vec::new(),
         };
@@ -658,7 +619,9 @@ async fn evaluate(
                             continue;
                         }
                         for component in &rel.components {
-                            let Ok(name) = crate::deploy::container_name(component, target) else {
+                            let Ok(name) =
+                                crate::services::deployments::container_name(component, target)
+                            else {
                                 continue;
                             };
                             let found = report.containers.iter().find(|c| c.name == name);
@@ -1073,7 +1036,7 @@ async fn probe_grant(
         return Ok(None);
     };
     let now = state.config.clock.now();
-    let minted = crate::grants::mint(
+    let minted = crate::infra::grants::mint(
         state,
         &desired,
         berth_store::GrantKind::Lease,

@@ -13,8 +13,8 @@ use berth_proto::release::{
 use berth_proto::ReleaseId;
 use berth_store::{Release, StoreError};
 
-use crate::error::{ApiError, ApiResult};
-use crate::registry::{Credentials, ResolveError};
+use crate::infra::error::{ApiError, ApiResult};
+use crate::infra::registry::{Credentials, ResolveError};
 use crate::services::caller::Caller;
 use crate::SharedState;
 
@@ -44,7 +44,7 @@ async fn resolve(
     // A registry berth is the token server of is read with berth's own short pull token,
     // unless the request brings credentials of its own.
     let token = match credentials {
-        None => crate::registry_token::resolve_token(state, &parsed),
+        None => crate::infra::registry_token::resolve_token(state, &parsed),
         Some(_) => None,
     };
     let resolved = match &token {

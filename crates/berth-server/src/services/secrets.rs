@@ -4,7 +4,7 @@
 //! A value is decrypted only for the KV read of an agent that proves its certificate, belongs
 //! to the path's environment and presents a live lease of it; it is never logged.
 
-use crate::install::sh_word;
+use crate::infra::install::sh_word;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -17,10 +17,10 @@ use berth_proto::error::codes;
 use berth_store::{DesiredEnvironment, GrantKind, SealedSecret, SecretMeta, StoreError};
 use serde::Deserialize;
 
-use crate::error::{ApiError, ApiResult};
-use crate::grants::{self, LeaseRefusal};
-use crate::rate;
-use crate::secrets as envelope;
+use crate::infra::envelope;
+use crate::infra::error::{ApiError, ApiResult};
+use crate::infra::grants::{self, LeaseRefusal};
+use crate::infra::rate;
 use crate::services::caller::{Caller, DesiredCaller};
 use crate::services::desired::agent_environment;
 use crate::SharedState;

@@ -13,7 +13,7 @@ use berth_proto::ssh_target::{
 use berth_proto::{AgentId, SshTargetId};
 use berth_store::{Agent, Artifact, SshTarget, StoreError};
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
 use crate::services::caller::Caller;
 use crate::services::validate::validate_labels;

@@ -13,7 +13,7 @@ use berth_proto::payload::{self, SSH_PRIVATE_KEY_CREDENTIAL};
 use berth_proto::{AgentId, SshTargetId, TenantId};
 use berth_store::{Agent, Environment, SshTarget, StoreError};
 
-use crate::secrets as envelope;
+use crate::infra::envelope;
 use crate::SharedState;
 
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@ use berth_proto::task::{AttemptView, ListTasks, TaskList, TaskView};
 use berth_proto::TaskId;
 use berth_store::{Attempt, Task, TaskFilter};
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::Caller;
 use crate::SharedState;
 

@@ -9,7 +9,7 @@ use berth_proto::error::codes;
 use berth_proto::{TenantId, TokenId};
 use berth_store::{NewApiToken, NewRegistrationToken, StoreError};
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
 use crate::services::caller::Caller;
 use crate::services::validate::{validate_labels, validate_name};
@@ -141,7 +141,7 @@ pub async fn create_agent_token(
     Ok((
         StatusCode::CREATED,
         CreateAgentTokenResponse {
-            install_command: crate::install::install_line(
+            install_command: crate::infra::install::install_line(
                 &state.config.public_url(),
                 &state.ca.fingerprint(),
                 &token,

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use berth_proto::error::codes;
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 
 /// Names of tenants, agents, environments and tokens: 1–63 of `[A-Za-z0-9._-]`, starting with
 /// a letter or digit, so they are safe in URLs, file names and log lines.
@@ -70,11 +70,13 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> ApiResult<()> {
 
 /// A list's `cursor` query parameter: the last id of the previous page. Anything else is
 /// `400 INVALID_REQUEST`, as every malformed query parameter is.
-pub fn cursor<T: std::str::FromStr>(cursor: Option<&str>) -> crate::error::ApiResult<Option<T>> {
+pub fn cursor<T: std::str::FromStr>(
+    cursor: Option<&str>,
+) -> crate::infra::error::ApiResult<Option<T>> {
     cursor
         .map(|c| {
             c.parse().map_err(|_| {
-                crate::error::ApiError::bad_request(
+                crate::infra::error::ApiError::bad_request(
                     berth_proto::error::codes::INVALID_REQUEST,
                     "invalid cursor",
                 )

@@ -10,8 +10,8 @@ use berth_proto::notify::{
 };
 use berth_store::{NewWebhook, Notification, Resend, StoreError, Webhook};
 
-use crate::error::{ApiError, ApiResult};
-use crate::secrets as envelope;
+use crate::infra::envelope;
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
 use crate::services::caller::Caller;
 use crate::services::notify::secret_key;

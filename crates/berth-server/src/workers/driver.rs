@@ -9,7 +9,7 @@ use std::time::Instant;
 use berth_proto::error::ErrorChain;
 use tokio::sync::watch;
 
-use super::{Pass, Reconciler, Wake};
+use super::reconciler::{Pass, Reconciler, Wake};
 use crate::SharedState;
 
 /// Who holds a claim: one id per running server (replica), fresh at each start, so a restarted

@@ -18,7 +18,7 @@ use std::time::Duration;
 use berth_proto::TaskId;
 use berth_store::{StoreError, Task};
 
-use crate::workers::{Due, Pass, Reconciler, Schedule};
+use crate::workers::reconciler::{Due, Pass, Reconciler, Schedule};
 use crate::SharedState;
 
 const LEASE_SWEEP_EVERY: Duration = Duration::from_millis(500);
@@ -120,11 +120,11 @@ impl Reconciler for DeliveryLeases {
         }
         // Committed: a crash from here on leaves these tasks to the read-back sweep.
         if !sweep.unknown.is_empty() {
-            crate::fault::crash_after("lease-expiry");
+            crate::infra::fault::crash_after("lease-expiry");
         }
         for task in &sweep.unknown {
             tracing::warn!(task_id = %task.id, agent_id = %task.agent_id, "delivery lease lost on a task with side effects: unknown");
-            crate::readback::schedule(state, task).await;
+            crate::services::readback::schedule(state, task).await;
         }
         Ok(())
     }
@@ -209,15 +209,15 @@ impl Reconciler for ReadBacks {
         match unit {
             ReadBackWork::Schedule(task) => {
                 // A task with nothing to read back was reported when it became unknown.
-                if crate::readback::intended_sticker(task).is_some() {
+                if crate::services::readback::intended_sticker(task).is_some() {
                     tracing::info!(task_id = %task.id, "unknown task without a read-back: scheduling one");
-                    crate::readback::schedule(state, task).await;
+                    crate::services::readback::schedule(state, task).await;
                 }
             }
             ReadBackWork::Resolve(read_back) => {
                 if let Some(parent) = read_back.read_back_of {
                     tracing::info!(task_id = %parent, read_back = %read_back.id, "read-back finished without a verdict: deciding");
-                    crate::readback::resolve(state, parent, read_back).await;
+                    crate::services::readback::resolve(state, parent, read_back).await;
                 }
             }
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use berth_store::StoreError;
 use time::OffsetDateTime;
 
-use crate::workers::{Due, Pass, Reconciler, Schedule};
+use crate::workers::reconciler::{Due, Pass, Reconciler, Schedule};
 use crate::SharedState;
 
 /// What one batch (its tasks' delete, then its events') should take.

@@ -1,8 +1,8 @@
 //! Admin API: tenants (operator only), API tokens and one-time agent registration tokens.
 
-use crate::auth::Caller;
-use crate::error::ApiResult;
-use crate::extract::ApiJson;
+use crate::http::auth::Caller;
+use crate::http::extract::ApiJson;
+use crate::infra::error::ApiResult;
 use crate::services::tokens;
 use crate::SharedState;
 use axum::extract::State;

@@ -18,10 +18,10 @@ use berth_store::{
 };
 use serde_json::json;
 
-use crate::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
-use crate::routes::transport::verify_signature;
+use crate::http::auth::{binding_refused, AgentCaller, Caller, FencedAgent};
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::routes::transport::verify_signature;
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::agents;
 use crate::services::caller::actor;
 use crate::services::validate::{validate_agent_version, validate_labels, validate_name};
@@ -404,7 +404,7 @@ pub async fn heartbeat(
         .queued_tasks(id, HEARTBEAT_TASKS_MAX)
         .await?
         .iter()
-        .map(crate::routes::transport::listed_task)
+        .map(crate::http::routes::transport::listed_task)
         .collect();
     Ok(Json(HeartbeatResponse {
         acknowledged: true,

@@ -7,10 +7,10 @@ use axum::Json;
 use berth_proto::audit::{AuditPage, ListAudit};
 use berth_proto::ErrorBody;
 
-use crate::error::ApiResult;
-use crate::extract::ApiQuery;
+use crate::http::extract::ApiQuery;
+use crate::http::ui::session::ReadCaller;
+use crate::infra::error::ApiResult;
 use crate::services::audit;
-use crate::ui::session::ReadCaller;
 use crate::SharedState;
 
 /// The caller's tenant's audit chain, in `seq` order (admin). `berth audit export` pages

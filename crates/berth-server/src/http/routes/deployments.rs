@@ -9,9 +9,9 @@ use berth_proto::deploy::{
 };
 use berth_proto::{DeploymentId, ErrorBody};
 
-use crate::auth::Caller;
-use crate::error::ApiResult;
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::auth::Caller;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::infra::error::ApiResult;
 use crate::services::environments;
 use crate::SharedState;
 

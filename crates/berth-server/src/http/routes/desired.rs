@@ -23,10 +23,10 @@ use berth_store::{
     Bundle, CheckinRecord, DesiredEnvironment, NewBundle, ReportRecord, SetDesiredOutcome,
 };
 
-use crate::auth::{Caller, DesiredCaller};
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiJson, ApiPath};
-use crate::rate::{self};
+use crate::http::auth::{Caller, DesiredCaller};
+use crate::http::extract::{ApiJson, ApiPath};
+use crate::infra::error::{ApiError, ApiResult};
+use crate::infra::rate::{self};
 use crate::services::desired::agent_environment;
 use crate::SharedState;
 

@@ -19,9 +19,9 @@ use berth_store::{DynStore, Event, EventFilter};
 use futures_util::Stream;
 use tokio::sync::watch;
 
-use crate::error::{ApiError, ApiResult};
-use crate::extract::ApiQuery;
-use crate::ui::session::ReadCaller;
+use crate::http::extract::ApiQuery;
+use crate::http::ui::session::ReadCaller;
+use crate::infra::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 /// A comment line this often keeps proxies (and clients' read timeouts) from closing a quiet
@@ -96,7 +96,7 @@ struct Follow {
     /// `None`: not following; the stream ends once the stored events are sent.
     written: Option<watch::Receiver<u64>>,
     ready: VecDeque<Event>,
-    _open: crate::metrics::OpenEventStream,
+    _open: crate::infra::metrics::OpenEventStream,
     /// The server is stopping: the stream ends (cleanly; the client resumes elsewhere).
     stopping: watch::Receiver<bool>,
 }

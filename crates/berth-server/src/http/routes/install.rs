@@ -1,4 +1,4 @@
-//! Adding a host in one command (`crate::install`): the CA the install line checks, the script
+//! Adding a host in one command (`crate::infra::install`): the CA the install line checks, the script
 //! it runs, and the agent binaries the script downloads. None needs a credential: the CA and
 //! the binaries are public, and the script holds no secret (the token stays in the line).
 
@@ -7,8 +7,8 @@ use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 
-use crate::error::{ApiError, ApiResult};
-use crate::install;
+use crate::infra::error::{ApiError, ApiResult};
+use crate::infra::install;
 use crate::SharedState;
 use berth_proto::error::codes;
 use berth_proto::ErrorBody;

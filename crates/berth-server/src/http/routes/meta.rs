@@ -10,7 +10,7 @@ use berth_proto::agent::{Jwk, Jwks};
 use berth_proto::error::ErrorChain;
 use serde_json::json;
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 /// Liveness: the process answers.

@@ -7,7 +7,7 @@ use berth_proto::error::codes;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 use crate::SharedState;
 
 pub mod admin;
@@ -30,7 +30,7 @@ pub mod transport;
 /// Every route, declared once: each handler's `#[utoipa::path]` gives both its axum route and
 /// its operation in the OpenAPI document, so the two cannot disagree. One `routes!` per path.
 pub(crate) fn declared() -> OpenApiRouter<SharedState> {
-    OpenApiRouter::with_openapi(crate::openapi::document_base())
+    OpenApiRouter::with_openapi(crate::http::openapi::document_base())
         .routes(routes!(meta::healthz))
         .routes(routes!(meta::readyz))
         .routes(routes!(meta::metrics))
@@ -123,7 +123,7 @@ pub fn router(state: SharedState) -> Router {
     let body_limit = state.config.body_limit;
     let (router, _) = declared().split_for_parts();
     router
-        .merge(crate::ui::router())
+        .merge(crate::http::ui::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

@@ -1,9 +1,9 @@
 //! Webhooks (create, list, delete) and their notifications (list, resend). A webhook's secret
 //! is sealed here, before the store sees it, and never answered; `notify.rs` sends.
 
-use crate::auth::Caller;
-use crate::error::ApiResult;
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::auth::Caller;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::infra::error::ApiResult;
 use crate::services::webhooks;
 use crate::SharedState;
 use axum::extract::State;

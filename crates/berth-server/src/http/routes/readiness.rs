@@ -7,9 +7,9 @@ use axum::Json;
 use berth_proto::readiness::{EnvironmentReadiness, VerifyResponse};
 use berth_proto::ErrorBody;
 
-use crate::auth::Caller;
-use crate::error::ApiResult;
-use crate::extract::ApiPath;
+use crate::http::auth::Caller;
+use crate::http::extract::ApiPath;
+use crate::infra::error::ApiResult;
 use crate::services::environments;
 use crate::SharedState;
 

@@ -1,9 +1,9 @@
 //! The release API: create (every image resolved to its digest by the server, through the
 //! registry, before anything is written), list, show by name. Releases never change.
 
-use crate::auth::Caller;
-use crate::error::ApiResult;
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::auth::Caller;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::infra::error::ApiResult;
 use crate::services::releases;
 use crate::SharedState;
 use axum::extract::State;

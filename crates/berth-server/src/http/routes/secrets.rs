@@ -4,9 +4,9 @@
 //! A value is decrypted only for the KV read of an agent that proves its certificate, belongs
 //! to the path's environment and presents a live lease of it; it is never logged.
 
-use crate::auth::{Caller, DesiredCaller};
-use crate::error::ApiResult;
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::auth::{Caller, DesiredCaller};
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::infra::error::ApiResult;
 use crate::services::secrets::{self, kv_read, lease, KvQuery, ListSecrets};
 use crate::SharedState;
 use axum::extract::State;

@@ -2,9 +2,9 @@
 //! sha256). A target's private key never passes here: it names a builtin secret, which only a
 //! task for its via agent carries, sealed (`targets.rs`).
 
-use crate::auth::{AgentCaller, Caller};
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiJson, ApiPath};
+use crate::http::auth::{AgentCaller, Caller};
+use crate::http::extract::{ApiJson, ApiPath};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
 use crate::services::ssh_targets::{self, artifact_view};
 use crate::SharedState;

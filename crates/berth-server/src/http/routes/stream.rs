@@ -22,10 +22,10 @@ use berth_proto::transport::{
 use berth_proto::{AgentId, AssignmentId, ErrorBody};
 use berth_store::ClaimOutcome;
 
-use crate::auth::{binding_refused, AgentCaller, FencedAgent};
-use crate::error::{ApiError, ApiResult};
-use crate::routes::transport::{assignment, check_poll, fenced, transport_enabled};
-use crate::tls::{ConnectionHold, PeerCertificate};
+use crate::http::auth::{binding_refused, AgentCaller, FencedAgent};
+use crate::http::routes::transport::{assignment, check_poll, fenced, transport_enabled};
+use crate::http::tls::{ConnectionHold, PeerCertificate};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 /// How often a quiet stream is pinged and its session and certificate checked again, so a

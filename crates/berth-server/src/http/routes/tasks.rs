@@ -10,9 +10,9 @@ use berth_proto::task::{CreateTask, ListTasks, TaskList, TaskView};
 use berth_proto::{ErrorBody, TaskId};
 use berth_store::{CancelOutcome, RetryOutcome};
 
-use crate::auth::Caller;
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiPath, ApiQuery, LosslessJson};
+use crate::http::auth::Caller;
+use crate::http::extract::{ApiPath, ApiQuery, LosslessJson};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::caller::actor;
 use crate::services::task_views::{self, to_view};
 use crate::services::tasks::{self, Origin, Placed, Placement, Refused, TaskRequest};
@@ -40,12 +40,12 @@ fn check_limits(req: &CreateTask) -> ApiResult<()> {
                 ),
             );
         }
-        if creds.contains_key(crate::registry_token::SCOPE_CREDENTIAL) {
+        if creds.contains_key(crate::infra::registry_token::SCOPE_CREDENTIAL) {
             return refuse(
                 codes::CREDENTIAL_RESERVED,
                 format!(
                     "credential {:?} is set only by the server",
-                    crate::registry_token::SCOPE_CREDENTIAL
+                    crate::infra::registry_token::SCOPE_CREDENTIAL
                 ),
             );
         }

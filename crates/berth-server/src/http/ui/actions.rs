@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::layout::{error_page, page_response};
 use super::pages::{caller, deployment_page, environment_page, percent};
 use super::session::UiCaller;
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 use crate::services;
 use crate::SharedState;
 

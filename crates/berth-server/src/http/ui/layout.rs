@@ -10,7 +10,7 @@ use maud::{html, Markup, DOCTYPE};
 use time::OffsetDateTime;
 
 use super::session::UiCaller;
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 
 /// Which navigation entry a page belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]

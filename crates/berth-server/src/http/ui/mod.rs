@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::error::ApiError;
+use crate::infra::error::ApiError;
 use crate::SharedState;
 
 mod actions;

@@ -30,8 +30,8 @@ use time::OffsetDateTime;
 use super::layout::{self, badge, labels, page, status_badge, time, Live, Nav};
 use super::layout::{error_page, page_response};
 use super::session::UiCaller;
-use crate::auth::Caller;
-use crate::error::ApiResult;
+use crate::http::auth::Caller;
+use crate::infra::error::ApiResult;
 use crate::services;
 use crate::SharedState;
 
@@ -466,7 +466,10 @@ fn sticker_table(stickers: &[Sticker]) -> Markup {
 
 fn parse_id<T: std::str::FromStr>(id: &str) -> ApiResult<T> {
     id.parse().map_err(|_| {
-        crate::error::ApiError::bad_request(berth_proto::error::codes::INVALID_ID, "not a UUID")
+        crate::infra::error::ApiError::bad_request(
+            berth_proto::error::codes::INVALID_ID,
+            "not a UUID",
+        )
     })
 }
 
@@ -776,7 +779,7 @@ pub async fn audit_export(State(state): State<SharedState>, ui: UiCaller) -> Res
             let mut lines = Vec::new();
             for entry in &page.items {
                 serde_json::to_writer(&mut lines, entry)
-                    .map_err(|e| crate::error::ApiError::internal(&e))?;
+                    .map_err(|e| crate::infra::error::ApiError::internal(&e))?;
                 lines.push(b'\n');
             }
             ApiResult::Ok((lines, page.next))
@@ -806,7 +809,7 @@ pub async fn audit_export(State(state): State<SharedState>, ui: UiCaller) -> Res
                 "attachment; filename=\"berth-audit.jsonl\"",
             ),
         ],
-        Body::from_stream(body.map_err(|e: crate::error::ApiError| {
+        Body::from_stream(body.map_err(|e: crate::infra::error::ApiError| {
             std::io::Error::other(format!("{}: {}", e.code, e.detail))
         })),
     )
@@ -874,7 +877,7 @@ pub(super) async fn environment_page(
     ui: &UiCaller,
     name: &str,
     plan: Option<&DeploymentPlan>,
-    notice: Option<&crate::error::ApiError>,
+    notice: Option<&crate::infra::error::ApiError>,
 ) -> ApiResult<Markup> {
     let cursor = state.store.latest_event_id(ui.caller.tenant()).await?;
     let status =
@@ -1043,7 +1046,7 @@ pub(super) async fn deployment_page(
     state: &SharedState,
     ui: &UiCaller,
     id: &str,
-    notice: Option<&crate::error::ApiError>,
+    notice: Option<&crate::infra::error::ApiError>,
 ) -> ApiResult<Markup> {
     let id: DeploymentId = parse_id(id)?;
     let live = live(state, ui, format!("deployment={id}")).await?;

@@ -19,8 +19,8 @@ use berth_store::NewUiSession;
 use serde::Deserialize;
 use time::Duration;
 
-use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::http::auth::Caller;
+use crate::infra::error::ApiError;
 use crate::SharedState;
 
 pub const SESSION_COOKIE: &str = "__Host-berth_session";

@@ -20,10 +20,10 @@ use berth_crypto::hpke::{self, RecipientPublicKey};
 
 use super::gate::{fenced, transport_enabled};
 use super::results::check_contract;
-use crate::auth::{binding_refused, FencedAgent};
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiJson, ApiPath};
-use crate::tls::PeerCertificate;
+use crate::http::auth::{binding_refused, FencedAgent};
+use crate::http::extract::{ApiJson, ApiPath};
+use crate::http::tls::PeerCertificate;
+use crate::infra::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 /// Long-poll for the next assignment (mTLS, with the generation). Answers as soon as one exists,
@@ -210,7 +210,7 @@ pub fn assignment(
         }
     };
     // A deployment task's registry scope becomes this delivery's pull token.
-    crate::registry_token::mint_for_delivery(state, task, &attempt, &mut credentials)
+    crate::infra::registry_token::mint_for_delivery(state, task, &attempt, &mut credentials)
         .map_err(|e| ApiError::internal(&e))?;
     let clear = serde_json::to_vec(&SealedAssignment {
         payload: task.payload.to_string(),

@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use berth_proto::error::codes;
 
-use crate::error::{ApiError, ApiResult};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 pub fn fenced(detail: &str) -> ApiError {

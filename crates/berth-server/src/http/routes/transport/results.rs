@@ -14,9 +14,9 @@ use serde::Deserialize;
 use berth_crypto::hpke::{self, RecipientKey};
 
 use super::gate::{fenced, transport_enabled};
-use crate::auth::{binding_refused, FencedAgent};
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{ApiJson, ApiPath};
+use crate::http::auth::{binding_refused, FencedAgent};
+use crate::http::extract::{ApiJson, ApiPath};
+use crate::infra::error::{ApiError, ApiResult};
 use crate::SharedState;
 
 /// The one contract this server speaks, for polls and results alike.
@@ -347,8 +347,8 @@ async fn after_result(state: &SharedState, task: &Task) {
         state.wakeups.wake_after(task.agent_id, delay);
     }
     if let Some(parent) = task.read_back_of {
-        crate::fault::crash_after("read-back-result");
-        crate::readback::resolve(state, parent, task).await;
+        crate::infra::fault::crash_after("read-back-result");
+        crate::services::readback::resolve(state, parent, task).await;
     }
 }
 

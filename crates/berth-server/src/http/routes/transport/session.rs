@@ -8,9 +8,9 @@ use berth_proto::ErrorBody;
 use berth_store::SessionOutcome;
 
 use super::gate::fenced;
-use crate::auth::{binding_refused, AgentCaller, FencedAgent};
-use crate::error::{ApiError, ApiResult};
-use crate::extract::ApiJson;
+use crate::http::auth::{binding_refused, AgentCaller, FencedAgent};
+use crate::http::extract::ApiJson;
+use crate::infra::error::{ApiError, ApiResult};
 use crate::services::validate::validate_agent_version;
 use crate::SharedState;
 
