@@ -37,6 +37,17 @@ if [[ "$("$venv/bin/st" --version 2>/dev/null)" != *" $SCHEMATHESIS_VERSION" ]];
     "$venv/bin/pip" install --quiet --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION"
 fi
 
+# The document must be valid OpenAPI before anything is generated from it: an independent
+# validator (PyPI's openapi-spec-validator, pinned) on the committed copy, which
+# tests/api.rs keeps equal to the served one.
+OPENAPI_SPEC_VALIDATOR_VERSION=0.9.0
+if [[ "$("$venv/bin/pip" show openapi-spec-validator 2>/dev/null | sed -n 's/^Version: //p')" \
+    != "$OPENAPI_SPEC_VALIDATOR_VERSION" ]]; then
+    "$venv/bin/pip" install --quiet --disable-pip-version-check \
+        "openapi-spec-validator==$OPENAPI_SPEC_VALIDATOR_VERSION"
+fi
+"$venv/bin/openapi-spec-validator" openapi/berth.json >&2
+
 work="$(mktemp -d -t berth-schemathesis.XXXXXX)"
 pids=()
 cleanup() {

@@ -36,6 +36,9 @@ command -v systemd-nspawn >/dev/null || apt_install systemd-container
 # through WebDriver.
 { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
     || apt_install chromium chromium-driver
+# promtool (Debian's prometheus package): tests/api.rs checks the /metrics exposition with
+# `promtool check metrics`. Only the binary is used; the package's service is not started here.
+command -v promtool >/dev/null || apt_install prometheus
 
 # python3 with venv: schemathesis.sh installs its pinned schemathesis into a venv of its own.
 python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3 python3-venv

@@ -950,6 +950,89 @@ async fn meta_endpoints_answer() {
     server.stop().await;
 }
 
+/// `/metrics` answers in the format the scraper asks for: the classic Prometheus text (0.0.4) by
+/// default and for `text/plain`, which Prometheus' own `promtool check metrics` accepts without a
+/// single problem; OpenMetrics 1.0 when the `Accept` names it.
+#[tokio::test]
+async fn metrics_answer_in_the_format_asked_for_and_promtool_accepts_them() {
+    let server = start().await;
+    server.agent("metered").await;
+    let raw = server.raw(None);
+    let get = |accept: Option<&'static str>| {
+        let mut request = raw.get(format!("{}/metrics", server.url));
+        if let Some(accept) = accept {
+            request = request.header("accept", accept);
+        }
+        async move {
+            let answer = request.send().await.expect("metrics");
+            let kind = answer.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            (kind, answer.text().await.expect("body"))
+        }
+    };
+    for accept in [None, Some("text/plain;version=0.0.4;q=1,*/*;q=0.1")] {
+        let (kind, text) = get(accept).await;
+        assert_eq!(
+            kind, "text/plain; version=0.0.4; charset=utf-8",
+            "{accept:?}"
+        );
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(
+            text.contains("# TYPE berth_agent_registrations_total counter")
+                && text.contains("# HELP berth_agent_registrations_total "),
+            "a counter's HELP and TYPE name its samples:\n{text}"
+        );
+        promtool_accepts(&text);
+    }
+    let (kind, text) = get(Some(
+        "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+    ))
+    .await;
+    assert_eq!(
+        kind,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
+    assert!(
+        text.contains("# TYPE berth_agent_registrations counter"),
+        "{text}"
+    );
+    server.stop().await;
+}
+
+/// `promtool check metrics` (Debian's `prometheus` package, installed by scripts/test.sh) finds
+/// no problem in `text`.
+fn promtool_accepts(text: &str) {
+    use std::io::Write;
+    let child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Some(mut child) = child.ok().or_else(|| {
+        berth_test_utils::require_service("promtool_accepts", "promtool is not installed")
+    }) else {
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("promtool");
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The served OpenAPI document equals the committed one. Regenerate with
 /// `BERTH_UPDATE_OPENAPI=1 cargo test -p berth-server --test api openapi`.
 #[tokio::test]

@@ -84,8 +84,8 @@ fn assert_valid_exposition(text: &str) {
         );
     }
     for declared in [
-        "# TYPE berth_reconciler_passes counter",
-        "# TYPE berth_reconciler_units counter",
+        "# TYPE berth_reconciler_passes_total counter",
+        "# TYPE berth_reconciler_units_total counter",
         "# TYPE berth_reconciler_pass_seconds histogram",
     ] {
         assert!(text.contains(declared), "{declared} missing:\n{text}");

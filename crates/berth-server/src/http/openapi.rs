@@ -33,7 +33,9 @@ pub const AGENT_CERTIFICATE: &str = "agentCertificate";
         berth_proto::event::AgentEvent,
         // The task stream's messages, each way (WebSocket frames, not an HTTP body).
         berth_proto::transport::TaskStreamMessage,
-        berth_proto::transport::TaskStreamRequest
+        berth_proto::transport::TaskStreamRequest,
+        // The `order` query parameter of the task and deployment lists refers to it.
+        berth_proto::task::ListOrder
     )),
     modifiers(&SecuritySchemes),
 )]
@@ -85,7 +87,64 @@ pub fn openapi_json() -> String {
         }
     }
     CommonResponses.modify(&mut doc);
+    name_operations(&mut doc);
     doc.to_pretty_json().unwrap_or_else(|_| "{}".to_string())
+}
+
+/// Operation ids a generated client can name its methods by, unique in the document: a
+/// handler named by a bare verb (`tasks::list`) gets its tag's resource (`listTasks`; one item:
+/// `getTask`), any other its own name in camelCase (`create_environment` → `createEnvironment`,
+/// `healthz` → `healthz`).
+fn name_operations(doc: &mut utoipa::openapi::OpenApi) {
+    for item in doc.paths.paths.values_mut() {
+        for op in [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let Some(id) = op.operation_id.as_deref() else {
+                continue;
+            };
+            let tag = op.tags.as_ref().and_then(|t| t.first()).map(String::as_str);
+            op.operation_id = Some(operation_id(id, tag.unwrap_or_default()));
+        }
+    }
+}
+
+/// See [`name_operations`].
+fn operation_id(handler: &str, tag: &str) -> String {
+    let camel = |words: &mut dyn Iterator<Item = &str>| -> String {
+        words
+            .filter(|w| !w.is_empty())
+            .map(|w| {
+                let mut c = w.chars();
+                c.next()
+                    .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                    .unwrap_or_default()
+            })
+            .collect()
+    };
+    const ON_MANY: [&str; 2] = ["list", "stream"];
+    const ON_ONE: [&str; 17] = [
+        "get", "create", "update", "delete", "cancel", "retry", "approve", "plan", "cordon",
+        "uncordon", "suspend", "resume", "resend", "kit", "register", "verify", "retire",
+    ];
+    let resource = camel(&mut tag.split(['-', '_']));
+    let one = resource.strip_suffix('s').unwrap_or(&resource);
+    if ON_MANY.contains(&handler) {
+        format!("{handler}{resource}")
+    } else if ON_ONE.contains(&handler) {
+        format!("{handler}{one}")
+    } else {
+        let mut words = handler.split('_');
+        let first = words.next().unwrap_or_default().to_string();
+        first + &camel(&mut words)
+    }
 }
 
 /// A refusal an operation gives because of its declaration: `(status, code, why)`.
@@ -279,4 +338,41 @@ fn names(description: &str, code: &str) -> bool {
     description
         .split(|c: char| !(c.is_ascii_uppercase() || c == '_'))
         .any(|word| word == code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operation_ids_name_the_verb_and_the_resource() {
+        for (handler, tag, id) in [
+            ("list", "tasks", "listTasks"),
+            ("get", "deployments", "getDeployment"),
+            ("cancel", "tasks", "cancelTask"),
+            ("delete", "ssh-targets", "deleteSshTarget"),
+            ("create_environment", "environments", "createEnvironment"),
+            ("agent_kv", "agent-runtime", "agentKv"),
+            ("healthz", "meta", "healthz"),
+            ("stream", "events", "streamEvents"),
+        ] {
+            assert_eq!(operation_id(handler, tag), id, "{handler} {tag}");
+        }
+    }
+
+    #[test]
+    fn every_operation_id_is_unique() {
+        let doc: serde_json::Value = serde_json::from_str(&openapi_json()).expect("json");
+        let mut seen = std::collections::BTreeMap::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("item") {
+                if let Some(id) = op.get("operationId").and_then(|v| v.as_str()) {
+                    if let Some(other) = seen.insert(id.to_string(), format!("{method} {path}")) {
+                        panic!("{id} names both {other} and {method} {path}");
+                    }
+                }
+            }
+        }
+        assert!(seen.len() > 50, "{seen:?}");
+    }
 }

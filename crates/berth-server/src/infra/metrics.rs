@@ -294,6 +294,7 @@ impl Metrics {
         self.0.poll_wakeups.inc();
     }
 
+    /// The OpenMetrics 1.0 text exposition (`application/openmetrics-text`).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.0.registry).is_err() {
@@ -301,6 +302,51 @@ impl Metrics {
         }
         out
     }
+
+    /// The classic Prometheus text format (0.0.4), what a scraper gets unless it asks for
+    /// OpenMetrics: [`classic_text`] of [`Metrics::encode`].
+    pub fn encode_classic(&self) -> String {
+        classic_text(&self.encode())
+    }
+}
+
+/// OpenMetrics text as the classic Prometheus format (0.0.4) reads it. The two differ where a
+/// counter is concerned: OpenMetrics names the family `x` and its sample `x_total`, the classic
+/// format names both `x_total`; and the classic format has no `# UNIT` and no `# EOF`.
+pub fn classic_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let name = if counters.contains(name) && !name.ends_with("_total") {
+                    format!("{name}_total")
+                } else {
+                    name.to_string()
+                };
+                out.push_str(prefix);
+                out.push_str(&name);
+                if !tail.is_empty() {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// Counts one parked poll in `berth_long_polls_parked` while it lives.

@@ -125,6 +125,7 @@ pub async fn put_secret(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListSecrets {
     /// Only paths that start with this (`qa/` for one environment's).
@@ -306,6 +307,7 @@ pub async fn lease(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct KvQuery {
     /// The version to read; latest when absent.

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
 use berth_proto::agent::{Jwk, Jwks};
@@ -64,15 +64,33 @@ pub async fn readyz(State(state): State<SharedState>) -> impl IntoResponse {
     )
 }
 
-#[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200, description = "Prometheus text format")))]
-pub async fn metrics(State(state): State<SharedState>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.encode(),
-    )
+/// The metrics, in the format the scraper asks for: OpenMetrics when its `Accept` names
+/// `application/openmetrics-text`, else the classic Prometheus text format (0.0.4).
+#[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200,
+    description = "the classic Prometheus text format (0.0.4), or OpenMetrics 1.0 when asked for")))]
+pub async fn metrics(State(state): State<SharedState>, headers: HeaderMap) -> impl IntoResponse {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    if openmetrics {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            state.metrics.encode(),
+        )
+    } else {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            state.metrics.encode_classic(),
+        )
+    }
 }
 
 #[utoipa::path(get, path = "/api/v1/openapi.json", tag = "meta", responses((status = 200, description = "this document")))]
