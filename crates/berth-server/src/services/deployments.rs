@@ -359,12 +359,42 @@ pub(crate) async fn advance(
         .unwrap_or_default();
 
     let mut targets = detail.targets.clone();
-    for t in &mut targets {
-        let (phase, code) = phase_of(t, &tasks);
+    settle_targets(state, d, &mut targets, &tasks, now).await?;
+
+    let mut next = Next {
+        state: DeploymentState::Running,
+        rolling_back: d.rolling_back,
+        wave: d.current_wave,
+        error_code: d.error_code.clone(),
+        detail: d.detail.clone(),
+    };
+    if d.rolling_back {
+        finish_rollback(&targets, &mut next);
+    } else {
+        settle_wave(state, &detail, &mut targets, &mut next, &policy, now).await?;
+        // Start the current wave's targets that have no tasks yet.
+        if next.state == DeploymentState::Running && !next.rolling_back {
+            start_wave(state, &detail, &mut targets, next.wave, &policy, now).await?;
+        }
+    }
+    record_step(state, &detail, targets, next, now).await
+}
+
+/// Moves each target to the phase its tasks show; a target that just failed has its other
+/// open tasks cancelled.
+async fn settle_targets(
+    state: &SharedState,
+    d: &berth_store::Deployment,
+    targets: &mut [DeploymentTarget],
+    tasks: &HashMap<TaskId, Snapshot>,
+    now: time::OffsetDateTime,
+) -> Result<(), StoreError> {
+    for t in targets {
+        let (phase, code) = phase_of(t, tasks);
         if phase != t.phase {
             if phase == TargetPhase::Failed {
                 // The target's remaining components must not run after one failed.
-                cancel_open(state, d, &t.tasks, &tasks).await?;
+                cancel_open(state, d, &t.tasks, tasks).await?;
             }
             // `phase_of` never yields `skipped` (only the wave start sets it), so this is the
             // target's first settled phase.
@@ -378,121 +408,161 @@ pub(crate) async fn advance(
             t.error_code = code;
         }
     }
+    Ok(())
+}
 
-    let mut next = Next {
-        state: DeploymentState::Running,
-        rolling_back: d.rolling_back,
-        wave: d.current_wave,
-        error_code: d.error_code.clone(),
-        detail: d.detail.clone(),
-    };
-    if d.rolling_back {
-        // Every target the rollback covers, a deleted agent's (no tasks, failed) included.
-        let rolling: Vec<&DeploymentTarget> = targets
-            .iter()
-            .filter(|t| {
-                matches!(
-                    t.phase,
-                    TargetPhase::RollingBack
-                        | TargetPhase::RolledBack
-                        | TargetPhase::RollbackFailed
-                )
-            })
-            .collect();
-        if rolling.iter().all(|t| t.phase.is_settled()) {
-            let failed: Vec<&str> = rolling
-                .iter()
-                .filter(|t| t.phase == TargetPhase::RollbackFailed)
-                .map(|t| t.agent_name.as_str())
-                .collect();
-            if failed.is_empty() {
-                next.state = DeploymentState::RolledBack;
-            } else {
-                next.state = DeploymentState::Failed;
-                next.detail = Some(format!(
-                    "{}; the rollback failed on {}",
-                    next.detail.unwrap_or_default(),
-                    failed.join(", ")
-                ));
-            }
-        }
+/// A rolling-back deployment ends once every target its rollback covers settled:
+/// `rolled_back`, or `failed` naming the targets whose rollback failed.
+fn finish_rollback(targets: &[DeploymentTarget], next: &mut Next) {
+    // Every target the rollback covers, a deleted agent's (no tasks, failed) included.
+    let rolling: Vec<&DeploymentTarget> = targets
+        .iter()
+        .filter(|t| {
+            matches!(
+                t.phase,
+                TargetPhase::RollingBack | TargetPhase::RolledBack | TargetPhase::RollbackFailed
+            )
+        })
+        .collect();
+    if !rolling.iter().all(|t| t.phase.is_settled()) {
+        return;
+    }
+    let failed: Vec<&str> = rolling
+        .iter()
+        .filter(|t| t.phase == TargetPhase::RollbackFailed)
+        .map(|t| t.agent_name.as_str())
+        .collect();
+    if failed.is_empty() {
+        next.state = DeploymentState::RolledBack;
     } else {
-        let last_wave = targets.iter().map(|t| t.wave).max().unwrap_or(0);
-        let wave_done = targets
-            .iter()
-            .filter(|t| t.wave == next.wave)
-            .all(|t| t.phase.is_settled());
-        let failed: Vec<&DeploymentTarget> = targets
-            .iter()
-            .filter(|t| t.phase == TargetPhase::Failed)
-            .collect();
-        if wave_done {
-            if !failed.is_empty() && (policy.stop_on_failure || next.wave == last_wave) {
-                next.error_code = failed[0].error_code.clone();
-                next.detail = Some(
-                    failed
-                        .iter()
-                        .map(|t| {
-                            format!(
-                                "{} failed: {}",
-                                t.agent_name,
-                                t.error_code.as_deref().unwrap_or("FAILED")
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join("; "),
-                );
-                let rollback = (policy.auto_rollback && d.kind == DeploymentKind::Deploy)
-                    .then_some(d.rollback_release.as_ref())
-                    .flatten();
-                match rollback {
-                    Some(to) => {
-                        let release = load_release(state, d.tenant_id, &to.name).await?;
-                        next.rolling_back = true;
-                        for t in &mut targets {
-                            if matches!(t.phase, TargetPhase::Succeeded | TargetPhase::Failed) {
-                                match create_tasks(state, &detail, t, &release, &policy, ROLLBACK)
-                                    .await?
-                                {
-                                    Ok(ids) => {
-                                        t.rollback_tasks = ids;
-                                        t.phase = TargetPhase::RollingBack;
-                                        t.finished_at = None;
-                                    }
-                                    Err(why) => why.mark(t, TargetPhase::RollbackFailed, now),
-                                }
-                            }
-                        }
-                    }
-                    None => next.state = DeploymentState::Failed,
-                }
-                skip_waiting(&mut targets);
-            } else if d.cancel_requested {
-                next.state = DeploymentState::Cancelled;
-                skip_waiting(&mut targets);
-            } else if next.wave < last_wave {
-                next.wave += 1;
-            } else {
-                next.state = DeploymentState::Succeeded;
+        next.state = DeploymentState::Failed;
+        next.detail = Some(format!(
+            "{}; the rollback failed on {}",
+            next.detail.take().unwrap_or_default(),
+            failed.join(", ")
+        ));
+    }
+}
+
+/// Once the current wave settled: a failure ends the rollout (rolling back, with
+/// `autoRollback`), a cancel ends it, else the next wave starts or the deployment succeeded.
+async fn settle_wave(
+    state: &SharedState,
+    detail: &DeploymentDetail,
+    targets: &mut [DeploymentTarget],
+    next: &mut Next,
+    policy: &RolloutPolicy,
+    now: time::OffsetDateTime,
+) -> Result<(), StoreError> {
+    let d = &detail.deployment;
+    let last_wave = targets.iter().map(|t| t.wave).max().unwrap_or(0);
+    let wave_done = targets
+        .iter()
+        .filter(|t| t.wave == next.wave)
+        .all(|t| t.phase.is_settled());
+    if !wave_done {
+        return Ok(());
+    }
+    let failed: Vec<&DeploymentTarget> = targets
+        .iter()
+        .filter(|t| t.phase == TargetPhase::Failed)
+        .collect();
+    if !failed.is_empty() && (policy.stop_on_failure || next.wave == last_wave) {
+        next.error_code = failed[0].error_code.clone();
+        next.detail = Some(
+            failed
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{} failed: {}",
+                        t.agent_name,
+                        t.error_code.as_deref().unwrap_or("FAILED")
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+        );
+        let rollback = (policy.auto_rollback && d.kind == DeploymentKind::Deploy)
+            .then_some(d.rollback_release.as_ref())
+            .flatten();
+        match rollback {
+            Some(to) => {
+                next.rolling_back = true;
+                start_rollback(state, detail, targets, &to.name, policy, now).await?;
             }
+            None => next.state = DeploymentState::Failed,
         }
-        // Start the current wave's targets that have no tasks yet.
-        if next.state == DeploymentState::Running && !next.rolling_back {
-            let release = load_release(state, d.tenant_id, &d.release.name).await?;
-            for t in &mut targets {
-                if t.wave == next.wave && t.phase == TargetPhase::Waiting {
-                    match create_tasks(state, &detail, t, &release, &policy, DEPLOY).await? {
-                        Ok(ids) => {
-                            t.tasks = ids;
-                            t.phase = TargetPhase::Queued;
-                        }
-                        Err(why) => why.mark(t, TargetPhase::Failed, now),
-                    }
+        skip_waiting(targets);
+    } else if d.cancel_requested {
+        next.state = DeploymentState::Cancelled;
+        skip_waiting(targets);
+    } else if next.wave < last_wave {
+        next.wave += 1;
+    } else {
+        next.state = DeploymentState::Succeeded;
+    }
+    Ok(())
+}
+
+/// Gives every target this deployment touched (succeeded or failed) the release `to`.
+async fn start_rollback(
+    state: &SharedState,
+    detail: &DeploymentDetail,
+    targets: &mut [DeploymentTarget],
+    to: &str,
+    policy: &RolloutPolicy,
+    now: time::OffsetDateTime,
+) -> Result<(), StoreError> {
+    let release = load_release(state, detail.deployment.tenant_id, to).await?;
+    for t in targets {
+        if matches!(t.phase, TargetPhase::Succeeded | TargetPhase::Failed) {
+            match create_tasks(state, detail, t, &release, policy, ROLLBACK).await? {
+                Ok(ids) => {
+                    t.rollback_tasks = ids;
+                    t.phase = TargetPhase::RollingBack;
+                    t.finished_at = None;
                 }
+                Err(why) => why.mark(t, TargetPhase::RollbackFailed, now),
             }
         }
     }
+    Ok(())
+}
 
+/// Queues the deployment's release on each target of `wave` still waiting.
+async fn start_wave(
+    state: &SharedState,
+    detail: &DeploymentDetail,
+    targets: &mut [DeploymentTarget],
+    wave: u32,
+    policy: &RolloutPolicy,
+    now: time::OffsetDateTime,
+) -> Result<(), StoreError> {
+    let d = &detail.deployment;
+    let release = load_release(state, d.tenant_id, &d.release.name).await?;
+    for t in targets {
+        if t.wave == wave && t.phase == TargetPhase::Waiting {
+            match create_tasks(state, detail, t, &release, policy, DEPLOY).await? {
+                Ok(ids) => {
+                    t.tasks = ids;
+                    t.phase = TargetPhase::Queued;
+                }
+                Err(why) => why.mark(t, TargetPhase::Failed, now),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Records the step (compare-and-set on the version the pass read), if it changed anything.
+async fn record_step(
+    state: &SharedState,
+    detail: &DeploymentDetail,
+    targets: Vec<DeploymentTarget>,
+    next: Next,
+    now: time::OffsetDateTime,
+) -> Result<(), StoreError> {
+    let d = &detail.deployment;
     let changed: Vec<DeploymentTarget> = targets
         .into_iter()
         .zip(&detail.targets)
@@ -646,6 +716,16 @@ enum Credentials<'a> {
     SshKey(&'a berth_store::SshTarget),
 }
 
+/// One task a target's deployment needs: its kind, the agent it runs on, its payload, what
+/// its credentials hold, and the part of the target it deploys (a component, or `ssh`).
+type PlannedTask<'a> = (
+    TaskKind,
+    berth_proto::AgentId,
+    Value,
+    Credentials<'a>,
+    &'a str,
+);
+
 /// Creates (or finds again, by key) the target's tasks for `release`: one `docker.run` per
 /// component on an agent, one `ssh.deploy` on an SSH target's via agent. `Err` when the target
 /// can no longer be deployed to (its agent or SSH target deleted, no via agent, its key gone,
@@ -667,13 +747,71 @@ async fn create_tasks(
             hold: Hold::None,
         }));
     };
+    let tasks = match plan_tasks(state, d, target, &found, release, policy).await? {
+        Ok(tasks) => tasks,
+        Err(why) => return Ok(Err(why)),
+    };
+    let mut ids = Vec::new();
+    for (kind, agent_id, payload, credentials, part) in tasks {
+        let credentials = match credentials {
+            Credentials::Registry(creds) => creds,
+            Credentials::SshKey(ssh) => {
+                match crate::services::targets::key_credentials(state, ssh).await {
+                    Ok(creds) => Some(creds),
+                    Err(SshTaskError::Store(e)) => return Err(e),
+                    Err(e) => {
+                        return Ok(Err(Unplaceable {
+                            code: codes::SECRET_NOT_FOUND,
+                            detail: e.to_string(),
+                            hold: Hold::None,
+                        }))
+                    }
+                }
+            }
+        };
+        let request = TaskRequest {
+            tenant: d.tenant_id,
+            kind,
+            placement: Placement::Agent(agent_id),
+            payload,
+            credentials,
+            variables: Default::default(),
+            timeout_seconds: u32::try_from(policy.task_timeout_secs).unwrap_or(u32::MAX),
+            priority: 0,
+            origin: Origin::Deployment {
+                deployment: d.id,
+                version: d.version,
+                target: target.agent_id,
+                purpose: purpose.to_string(),
+                part: part.to_string(),
+                requested_by: d.requested_by.clone(),
+            },
+        };
+        match services::tasks::create(state, request).await? {
+            Ok(placed) => ids.push(placed.task().id),
+            Err(refused) => return unplaceable(d, target, refused).map(Err),
+        }
+    }
+    Ok(Ok(ids))
+}
+
+/// The tasks `found` needs to run `release` (their credentials not opened yet), or why it
+/// cannot be deployed to.
+async fn plan_tasks<'a>(
+    state: &SharedState,
+    d: &Deployment,
+    target: &DeploymentTarget,
+    found: &'a Target,
+    release: &'a Release,
+    policy: &RolloutPolicy,
+) -> Result<Result<Vec<PlannedTask<'a>>, Unplaceable>, StoreError> {
     let mut tasks = Vec::new();
     match &found.kind {
         TargetKind::Agent(_) => {
             for component in &release.components {
                 // Checked for every target when the deployment was created (and its labels
                 // are the agent's own); a label removed since fails the step loudly.
-                let payload = component_payload(release, component, &found, policy)
+                let payload = component_payload(release, component, found, policy)
                     .map_err(|e| StoreError::Corrupt(format!("deployment {}: {e}", d.id)))?;
                 // On a registry berth is the token server of, the task carries the scope its
                 // deliveries mint a pull token for: this component's repository only.
@@ -727,78 +865,44 @@ async fn create_tasks(
             ));
         }
     }
-    let mut ids = Vec::new();
-    for (kind, agent_id, payload, credentials, part) in tasks {
-        let credentials = match credentials {
-            Credentials::Registry(creds) => creds,
-            Credentials::SshKey(ssh) => {
-                match crate::services::targets::key_credentials(state, ssh).await {
-                    Ok(creds) => Some(creds),
-                    Err(SshTaskError::Store(e)) => return Err(e),
-                    Err(e) => {
-                        return Ok(Err(Unplaceable {
-                            code: codes::SECRET_NOT_FOUND,
-                            detail: e.to_string(),
-                            hold: Hold::None,
-                        }))
-                    }
-                }
-            }
-        };
-        let request = TaskRequest {
-            tenant: d.tenant_id,
-            kind,
-            placement: Placement::Agent(agent_id),
-            payload,
-            credentials,
-            variables: Default::default(),
-            timeout_seconds: u32::try_from(policy.task_timeout_secs).unwrap_or(u32::MAX),
-            priority: 0,
-            origin: Origin::Deployment {
-                deployment: d.id,
-                version: d.version,
-                target: target.agent_id,
-                purpose: purpose.to_string(),
-                part: part.to_string(),
-                requested_by: d.requested_by.clone(),
-            },
-        };
-        let refused = match services::tasks::create(state, request).await? {
-            Ok(placed) => {
-                ids.push(placed.task().id);
-                continue;
-            }
-            Err(refused) => refused,
-        };
-        let (code, hold) = match &refused {
-            Refused::AgentNotFound(_) => (AGENT_DELETED, Hold::None),
-            // A component queued before the cordon stays queued; the target is skipped.
-            Refused::Cordoned(_) => (codes::AGENT_CORDONED, Hold::Cordoned),
-            // The target waits for room in its agent's queue (a rollback fails instead).
-            Refused::QueueFull { .. } => (codes::QUEUE_FULL, Hold::QueueFull),
-            Refused::CapabilityMissing { .. } => (codes::CAPABILITY_MISSING, Hold::None),
-            // A cancel (or another replica's step) committed since this pass read the
-            // deployment: the step is void (its record would fail on `version`), and the next
-            // pass decides again from what the cancel left.
-            Refused::Superseded => {
-                return Err(StoreError::Conflict {
-                    constraint: SUPERSEDED,
-                })
-            }
-            Refused::KeyConflict | Refused::KeyReserved | Refused::NoMatchingAgent { .. } => {
-                return Err(StoreError::Corrupt(format!(
-                    "deployment {} task for {} was refused: {refused:?}",
-                    d.id, target.agent_name
-                )))
-            }
-        };
-        return Ok(Err(Unplaceable {
-            code,
-            detail: describe(&refused, &target.agent_name),
-            hold,
-        }));
-    }
-    Ok(Ok(ids))
+    Ok(Ok(tasks))
+}
+
+/// What a refused task means for its target: the code and hold it ends (or waits) with; a
+/// refusal a deployment task can never meet is an error, and one from a moved-on deployment
+/// voids the step.
+fn unplaceable(
+    d: &Deployment,
+    target: &DeploymentTarget,
+    refused: Refused,
+) -> Result<Unplaceable, StoreError> {
+    let (code, hold) = match &refused {
+        Refused::AgentNotFound(_) => (AGENT_DELETED, Hold::None),
+        // A component queued before the cordon stays queued; the target is skipped.
+        Refused::Cordoned(_) => (codes::AGENT_CORDONED, Hold::Cordoned),
+        // The target waits for room in its agent's queue (a rollback fails instead).
+        Refused::QueueFull { .. } => (codes::QUEUE_FULL, Hold::QueueFull),
+        Refused::CapabilityMissing { .. } => (codes::CAPABILITY_MISSING, Hold::None),
+        // A cancel (or another replica's step) committed since this pass read the
+        // deployment: the step is void (its record would fail on `version`), and the next
+        // pass decides again from what the cancel left.
+        Refused::Superseded => {
+            return Err(StoreError::Conflict {
+                constraint: SUPERSEDED,
+            })
+        }
+        Refused::KeyConflict | Refused::KeyReserved | Refused::NoMatchingAgent { .. } => {
+            return Err(StoreError::Corrupt(format!(
+                "deployment {} task for {} was refused: {refused:?}",
+                d.id, target.agent_name
+            )))
+        }
+    };
+    Ok(Unplaceable {
+        code,
+        detail: describe(&refused, &target.agent_name),
+        hold,
+    })
 }
 
 #[cfg(test)]

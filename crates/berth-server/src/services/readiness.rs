@@ -217,6 +217,128 @@ pub(crate) async fn reconcile(
     Ok(())
 }
 
+/// What one step of a pass reads once and every condition's evaluator shares.
+struct PassInputs {
+    release: Option<Release>,
+    targets: Vec<Target>,
+    /// Each target's probe host: the agent itself, or an SSH target's via agent.
+    hosts: Vec<(Target, Option<berth_store::Agent>)>,
+    /// A host whose last heartbeat is older than this is not reachable.
+    live_after: OffsetDateTime,
+    now: OffsetDateTime,
+    generation: i64,
+}
+
+impl PassInputs {
+    async fn read(
+        state: &SharedState,
+        env: &Environment,
+        now: OffsetDateTime,
+        generation: i64,
+    ) -> Result<Self, StoreError> {
+        let release = match &env.current_release {
+            Some(current) => {
+                state
+                    .store
+                    .get_release(env.tenant_id, &current.name)
+                    .await?
+            }
+            None => None,
+        };
+        let targets = crate::services::targets::matching(state, env).await?;
+        let mut hosts: Vec<(Target, Option<berth_store::Agent>)> = Vec::new();
+        for target in &targets {
+            let host = match &target.kind {
+                TargetKind::Agent(agent) => Some((**agent).clone()),
+                TargetKind::Ssh(ssh) => crate::services::targets::via_agent(state, ssh).await?,
+            };
+            hosts.push((target.clone(), host));
+        }
+        let live_after = now
+            - time::Duration::try_from(state.config.heartbeat_interval * 3)
+                .unwrap_or(time::Duration::seconds(90));
+        Ok(Self {
+            release,
+            targets,
+            hosts,
+            live_after,
+            now,
+            generation,
+        })
+    }
+
+    fn reachable(&self, host: &Option<berth_store::Agent>) -> bool {
+        host.as_ref().is_some_and(|a| {
+            a.status == berth_proto::agent::AgentStatus::Online
+                && a.last_heartbeat.is_some_and(|h| h >= self.live_after)
+        })
+    }
+
+    fn condition(
+        &self,
+        kind: ConditionType,
+        status: ConditionStatus,
+        reason: &str,
+        message: impl Into<String>,
+    ) -> Condition {
+        condition(kind, status, reason, message, self.now, self.generation)
+    }
+
+    /// The registries the release's images name, each once.
+    fn registries(&self) -> Vec<String> {
+        self.release
+            .as_ref()
+            .map(|rel| {
+                let mut hosts: Vec<String> = rel
+                    .components
+                    .iter()
+                    .filter_map(|c| parse_image(&c.image).ok())
+                    .map(|i| i.registry().to_string())
+                    .collect();
+                hosts.sort();
+                hosts.dedup();
+                hosts
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// What this step's probes said: each host's outcome, and the hosts whose probe runs still.
+struct Probes {
+    reports: Vec<(String, ProbeOutcome)>,
+    pending: Vec<String>,
+}
+
+impl Probes {
+    /// A condition the probes decide, while some have not finished.
+    fn pending_condition(&self, inputs: &PassInputs, kind: ConditionType) -> Condition {
+        inputs.condition(
+            kind,
+            ConditionStatus::Unknown,
+            reasons::PROBE_PENDING,
+            format!("waiting for the probe of {}", self.pending.join(", ")),
+        )
+    }
+}
+
+fn get_condition(r: &Readiness, kind: ConditionType) -> Condition {
+    r.conditions
+        .iter()
+        .find(|c| c.kind == kind)
+        .cloned()
+        .expect("every condition")
+}
+
+fn is_terminal(r: &Readiness, kind: ConditionType) -> bool {
+    get_condition(r, kind).status.is_terminal()
+}
+
+fn set_condition(r: &mut Readiness, c: Condition) {
+    if let Some(slot) = r.conditions.iter_mut().find(|x| x.kind == c.kind) {
+        *slot = c;
+    }
+}
+
 /// One step of the pass in `r`: the server-side conditions once, the probes until they settle.
 async fn evaluate(
     state: &SharedState,
@@ -226,450 +348,49 @@ async fn evaluate(
 ) -> Result<(), StoreError> {
     let generation = r.generation;
     let mut pass = r.pass.clone().expect("a pass");
-    let get = |r: &Readiness, kind| {
-        r.conditions
-            .iter()
-            .find(|c| c.kind == kind)
-            .cloned()
-            .expect("every condition")
-    };
-    let set = |r: &mut Readiness, c: Condition| {
-        if let Some(slot) = r.conditions.iter_mut().find(|x| x.kind == c.kind) {
-            *slot = c;
-        }
-    };
-    let release = match &env.current_release {
-        Some(current) => {
-            state
-                .store
-                .get_release(env.tenant_id, &current.name)
-                .await?
-        }
-        None => None,
-    };
-    let targets = crate::services::targets::matching(state, env).await?;
-    // Each target's probe host: the agent itself, or an SSH target's via agent.
-    let mut hosts: Vec<(Target, Option<berth_store::Agent>)> = Vec::new();
-    for target in &targets {
-        let host = match &target.kind {
-            TargetKind::Agent(agent) => Some((**agent).clone()),
-            TargetKind::Ssh(ssh) => crate::services::targets::via_agent(state, ssh).await?,
-        };
-        hosts.push((target.clone(), host));
-    }
-    let live_after = now
-        - time::Duration::try_from(state.config.heartbeat_interval * 3)
-            .unwrap_or(time::Duration::seconds(90));
-    let reachable = |a: &Option<berth_store::Agent>| {
-        a.as_ref().is_some_and(|a| {
-            a.status == berth_proto::agent::AgentStatus::Online
-                && a.last_heartbeat.is_some_and(|h| h >= live_after)
-        })
-    };
+    let inputs = PassInputs::read(state, env, now, generation).await?;
 
     // 1. Configured.
-    if !get(r, ConditionType::Configured).status.is_terminal() {
-        let c = configured(state, env, release.as_ref(), now, generation).await;
-        set(r, c);
+    if !is_terminal(r, ConditionType::Configured) {
+        let c = configured(state, env, inputs.release.as_ref(), now, generation).await;
+        set_condition(r, c);
     }
     // 2. TargetsReachable.
-    if !get(r, ConditionType::TargetsReachable).status.is_terminal() {
-        let offline: Vec<String> = hosts
-            .iter()
-            .filter(|(_, host)| !reachable(host))
-            .map(|(t, host)| match (&t.kind, host) {
-                (TargetKind::Ssh(_), Some(via)) => format!("{} (via {})", t.name, via.name),
-                (TargetKind::Ssh(_), None) => format!("{} (no via agent)", t.name),
-                _ => t.name.clone(),
-            })
-            .collect();
-        let c = if targets.is_empty() {
-            condition(
-                ConditionType::TargetsReachable,
-                ConditionStatus::False,
-                reasons::NO_TARGETS,
-                "the selector picks no target",
-                now,
-                generation,
-            )
-        } else if offline.is_empty() {
-            condition(
-                ConditionType::TargetsReachable,
-                ConditionStatus::True,
-                reasons::OK,
-                format!("{} target(s) online", targets.len()),
-                now,
-                generation,
-            )
-        } else {
-            condition(
-                ConditionType::TargetsReachable,
-                ConditionStatus::False,
-                reasons::TARGET_OFFLINE,
-                format!("offline or without a live session: {}", offline.join(", ")),
-                now,
-                generation,
-            )
-        };
-        set(r, c);
+    if !is_terminal(r, ConditionType::TargetsReachable) {
+        set_condition(r, targets_reachable(&inputs));
     }
     // 3. CapabilitiesMatch.
-    if !get(r, ConditionType::CapabilitiesMatch)
-        .status
-        .is_terminal()
-    {
-        let kind = match (env.target_type, release.as_ref()) {
-            (berth_proto::deploy::TargetType::Ssh, _) => Some(TaskKind::SshDeploy),
-            (_, Some(rel)) if !rel.components.is_empty() => Some(TaskKind::DockerRun),
-            _ => None,
-        };
-        let missing: Vec<String> = match kind {
-            None => Vec::new(),
-            Some(kind) => hosts
-                .iter()
-                .filter_map(|(t, host)| match host {
-                    Some(a) if crate::services::tasks::can_run(a, kind) => None,
-                    _ => Some(format!("{} lacks {}", t.name, kind.required_capability())),
-                })
-                .collect(),
-        };
-        let c = if missing.is_empty() {
-            condition(
-                ConditionType::CapabilitiesMatch,
-                ConditionStatus::True,
-                if kind.is_some() {
-                    reasons::OK
-                } else {
-                    reasons::NOTHING_TO_CHECK
-                },
-                kind.map_or("no release to run".to_string(), |k| {
-                    format!("every target can run {k}")
-                }),
-                now,
-                generation,
-            )
-        } else {
-            condition(
-                ConditionType::CapabilitiesMatch,
-                ConditionStatus::False,
-                reasons::CAPABILITY_MISSING,
-                missing.join(", "),
-                now,
-                generation,
-            )
-        };
-        set(r, c);
+    if !is_terminal(r, ConditionType::CapabilitiesMatch) {
+        set_condition(r, capabilities_match(env, &inputs));
     }
     // 4. SecretsResolvable (OpenBao-backed: decided with the probes below).
     let mut by_agent = None;
-    if !get(r, ConditionType::SecretsResolvable)
-        .status
-        .is_terminal()
-    {
+    if !is_terminal(r, ConditionType::SecretsResolvable) {
         match secrets(state, env, now, generation).await? {
-            SecretsVerdict::Decided(c) => set(r, c),
+            SecretsVerdict::Decided(c) => set_condition(r, c),
             SecretsVerdict::ByAgent(probe) => by_agent = Some(probe),
         }
     }
 
     // 5-7. The probes, one per reachable host (an SSH target's via agent once).
-    let registries: Vec<String> = release
-        .as_ref()
-        .map(|rel| {
-            let mut hosts: Vec<String> = rel
-                .components
-                .iter()
-                .filter_map(|c| parse_image(&c.image).ok())
-                .map(|i| i.registry().to_string())
-                .collect();
-            hosts.sort();
-            hosts.dedup();
-            hosts
-        })
-        .unwrap_or_default();
-    let mut reports: Vec<(String, ProbeOutcome)> = Vec::new();
-    let mut pending: Vec<String> = Vec::new();
-    let mut probed: BTreeMap<AgentId, ()> = BTreeMap::new();
-    let deadline_passed = now
-        >= pass.started_at
-            + time::Duration::try_from(PROBE_DEADLINE).unwrap_or(time::Duration::minutes(2));
-    for (target, host) in &hosts {
-        let Some(agent) = host.as_ref().filter(|_| reachable(host)) else {
-            reports.push((
-                target.name.clone(),
-                Err((
-                    reasons::TARGET_OFFLINE.into(),
-                    format!("{}: not probed, the target is not reachable", target.name),
-                )),
-            ));
-            continue;
-        };
-        if probed.insert(agent.id, ()).is_some() {
-            continue;
-        }
-        let containers: Vec<String> = match (&target.kind, release.as_ref()) {
-            (TargetKind::Agent(_), Some(rel)) => rel
-                .components
-                .iter()
-                .filter_map(|c| crate::services::deployments::container_name(c, target).ok())
-                .collect(),
-            _ => Vec::new(),
-        };
-        let task_id = match pass.probes.iter().find(|(a, _)| *a == agent.id) {
-            Some((_, t)) => Some(*t),
-            None => {
-                let payload = ReadinessProbePayload {
-                    docker: matches!(target.kind, TargetKind::Agent(_))
-                        && release.as_ref().is_some_and(|r| !r.components.is_empty()),
-                    registries: registries.clone(),
-                    containers,
-                    pass: Some(pass.id.to_string()),
-                    // One host resolves the environment's secrets: the first one probed.
-                    secrets: by_agent.clone().filter(|_| pass.probes.is_empty()),
-                };
-                let created = create_probe(state, env, &pass, agent.id, payload).await?;
-                if let Some(t) = created {
-                    pass.probes.push((agent.id, t));
-                }
-                created
-            }
-        };
-        let Some(task_id) = task_id else {
-            reports.push((
-                target.name.clone(),
-                Err((
-                    reasons::PROBE_FAILED.into(),
-                    format!(
-                        "{}: the probe could not be queued (cordoned or queue full)",
-                        agent.name
-                    ),
-                )),
-            ));
-            continue;
-        };
-        let task = state.store.get_task(env.tenant_id, task_id).await?;
-        match task.map(|(t, _)| t) {
-            Some(t) if t.state == TaskState::Succeeded => {
-                let report = t
-                    .result
-                    .as_ref()
-                    .and_then(|r| r.get("outputs"))
-                    .and_then(|o| serde_json::from_value::<ProbeReport>(o.clone()).ok())
-                    .unwrap_or_default();
-                reports.push((agent.name.clone(), Ok(report)));
-            }
-            Some(t) if t.state.is_terminal() => reports.push((
-                agent.name.clone(),
-                Err((
-                    reasons::PROBE_FAILED.into(),
-                    format!(
-                        "{}: the probe task {} ended {} ({})",
-                        agent.name,
-                        t.id,
-                        t.state.as_str(),
-                        t.error_code.as_deref().unwrap_or("no code")
-                    ),
-                )),
-            )),
-            Some(_) if !deadline_passed => pending.push(agent.name.clone()),
-            Some(t) => reports.push((
-                agent.name.clone(),
-                Err((
-                    reasons::PROBE_TIMEOUT.into(),
-                    format!(
-                        "{}: the probe task {} did not finish within {}s",
-                        agent.name,
-                        t.id,
-                        PROBE_DEADLINE.as_secs()
-                    ),
-                )),
-            )),
-            None => reports.push((
-                agent.name.clone(),
-                Err((
-                    reasons::PROBE_FAILED.into(),
-                    format!("{}: the probe task is gone", agent.name),
-                )),
-            )),
-        }
-    }
-    let pending_condition = |kind| {
-        condition(
-            kind,
-            ConditionStatus::Unknown,
-            reasons::PROBE_PENDING,
-            format!("waiting for the probe of {}", pending.join(", ")),
-            now,
-            generation,
-        )
-    };
-    // RoutesExecutable: every host ran this pass's probe and its signed result verified.
-    let failed: Vec<&(String, String)> = reports
-        .iter()
-        .filter_map(|(_, r)| r.as_ref().err())
-        .collect();
-    let routes = if !pending.is_empty() {
-        pending_condition(ConditionType::RoutesExecutable)
-    } else if targets.is_empty() {
-        condition(
-            ConditionType::RoutesExecutable,
-            ConditionStatus::False,
-            reasons::NO_TARGETS,
-            "no target to probe",
-            now,
-            generation,
-        )
-    } else if let Some((reason, _)) = failed.first() {
-        condition(
-            ConditionType::RoutesExecutable,
-            ConditionStatus::False,
-            reason,
-            failed
-                .iter()
-                .map(|(_, m)| m.as_str())
-                .collect::<Vec<_>>()
-                .join("; "),
-            now,
-            generation,
-        )
-    } else {
-        condition(
-            ConditionType::RoutesExecutable,
-            ConditionStatus::True,
-            reasons::OK,
-            format!("{} host(s) ran the signed probe", reports.len()),
-            now,
-            generation,
-        )
-    };
-    set(r, routes);
-    // RegistryReachable: each registry's /v2/ from each probed host.
-    let registry = if registries.is_empty() {
-        condition(
-            ConditionType::RegistryReachable,
-            ConditionStatus::True,
-            reasons::NOTHING_TO_CHECK,
-            "the release names no registry",
-            now,
-            generation,
-        )
-    } else if !pending.is_empty() {
-        pending_condition(ConditionType::RegistryReachable)
-    } else {
-        let mut bad = Vec::new();
-        for (host, report) in &reports {
-            match report {
-                Ok(report) => {
-                    for check in report.registries.iter().filter(|c| !c.ok) {
-                        bad.push((
-                            reasons::REGISTRY_UNREACHABLE,
-                            format!("registry {} from {host}: {}", check.host, check.detail),
-                        ));
-                    }
-                }
-                Err((reason, message)) => bad.push((reason.as_str(), message.clone())),
-            }
-        }
-        verdict(
-            ConditionType::RegistryReachable,
-            bad,
-            "every registry answers /v2/ from every target",
-            now,
-            generation,
-        )
-    };
-    set(r, registry);
-    // Healthy: the engine answers and each container of the current release runs healthy.
-    let healthy = match release.as_ref() {
-        None => condition(
-            ConditionType::Healthy,
-            ConditionStatus::True,
-            reasons::NOTHING_TO_CHECK,
-            "no release deployed yet",
-            now,
-            generation,
-        ),
-        // An SSH target runs no containers: its release is read back by drift (the sticker).
-        Some(_) if env.target_type == berth_proto::deploy::TargetType::Ssh => condition(
-            ConditionType::Healthy,
-            ConditionStatus::True,
-            reasons::NOTHING_TO_CHECK,
-            "ssh targets run no containers; drift reads their sticker back",
-            now,
-            generation,
-        ),
-        Some(_) if !pending.is_empty() => pending_condition(ConditionType::Healthy),
-        Some(rel) => {
-            let mut bad = Vec::new();
-            for (target, _) in hosts
-                .iter()
-                .filter(|(t, _)| matches!(t.kind, TargetKind::Agent(_)))
-            {
-                let report = reports
-                    .iter()
-                    .find(|(n, _)| *n == target.name)
-                    .map(|(_, r)| r);
-                match report {
-                    Some(Ok(report)) => {
-                        if let Some(docker) = report.docker.as_ref().filter(|d| !d.ok) {
-                            bad.push((
-                                reasons::DOCKER_UNAVAILABLE,
-                                format!("docker on {}: {}", target.name, docker.detail),
-                            ));
-                            continue;
-                        }
-                        for component in &rel.components {
-                            let Ok(name) =
-                                crate::services::deployments::container_name(component, target)
-                            else {
-                                continue;
-                            };
-                            let found = report.containers.iter().find(|c| c.name == name);
-                            let ok = found.is_some_and(|c| {
-                                c.state == "running"
-                                    && !matches!(
-                                        c.health.as_deref(),
-                                        Some("unhealthy" | "starting")
-                                    )
-                                    && c.image.ends_with(&component.digest)
-                            });
-                            if !ok {
-                                bad.push((
-                                    reasons::UNHEALTHY,
-                                    format!(
-                                        "{name} on {}: {}",
-                                        target.name,
-                                        found.map_or("missing".to_string(), |c| format!(
-                                            "{} {}",
-                                            c.state,
-                                            c.health.as_deref().unwrap_or("")
-                                        ))
-                                    ),
-                                ));
-                            }
-                        }
-                    }
-                    Some(Err((reason, message))) => bad.push((reason.as_str(), message.clone())),
-                    None => {}
-                }
-            }
-            verdict(
-                ConditionType::Healthy,
-                bad,
-                "every container of the release runs healthy",
+    let registries = inputs.registries();
+    let probes = run_probes(state, env, &inputs, &mut pass, &registries, &by_agent).await?;
+    set_condition(r, routes_executable(&inputs, &probes));
+    set_condition(r, registry_reachable(&inputs, &registries, &probes));
+    set_condition(r, healthy(env, &inputs, &probes));
+    if let Some(probe) = &by_agent {
+        let c = if probes.pending.is_empty() {
+            resolved_by_agent(
+                probe,
+                &probes.reports,
+                inputs.targets.is_empty(),
                 now,
                 generation,
             )
-        }
-    };
-    set(r, healthy);
-    if let Some(probe) = &by_agent {
-        let c = if pending.is_empty() {
-            resolved_by_agent(probe, &reports, targets.is_empty(), now, generation)
         } else {
-            pending_condition(ConditionType::SecretsResolvable)
+            probes.pending_condition(&inputs, ConditionType::SecretsResolvable)
         };
-        set(r, c);
+        set_condition(r, c);
     }
 
     pass.complete = r.conditions.iter().all(|c| c.status.is_terminal());
@@ -684,6 +405,378 @@ async fn evaluate(
     }
     r.pass = Some(pass);
     Ok(())
+}
+
+/// 2. `TargetsReachable`: each selected target's host is online with a live heartbeat.
+fn targets_reachable(inputs: &PassInputs) -> Condition {
+    let offline: Vec<String> = inputs
+        .hosts
+        .iter()
+        .filter(|(_, host)| !inputs.reachable(host))
+        .map(|(t, host)| match (&t.kind, host) {
+            (TargetKind::Ssh(_), Some(via)) => format!("{} (via {})", t.name, via.name),
+            (TargetKind::Ssh(_), None) => format!("{} (no via agent)", t.name),
+            _ => t.name.clone(),
+        })
+        .collect();
+    let kind = ConditionType::TargetsReachable;
+    if inputs.targets.is_empty() {
+        inputs.condition(
+            kind,
+            ConditionStatus::False,
+            reasons::NO_TARGETS,
+            "the selector picks no target",
+        )
+    } else if offline.is_empty() {
+        inputs.condition(
+            kind,
+            ConditionStatus::True,
+            reasons::OK,
+            format!("{} target(s) online", inputs.targets.len()),
+        )
+    } else {
+        inputs.condition(
+            kind,
+            ConditionStatus::False,
+            reasons::TARGET_OFFLINE,
+            format!("offline or without a live session: {}", offline.join(", ")),
+        )
+    }
+}
+
+/// 3. `CapabilitiesMatch`: each target's host reports the capability of the release's kind.
+fn capabilities_match(env: &Environment, inputs: &PassInputs) -> Condition {
+    let kind = match (env.target_type, inputs.release.as_ref()) {
+        (berth_proto::deploy::TargetType::Ssh, _) => Some(TaskKind::SshDeploy),
+        (_, Some(rel)) if !rel.components.is_empty() => Some(TaskKind::DockerRun),
+        _ => None,
+    };
+    let missing: Vec<String> = match kind {
+        None => Vec::new(),
+        Some(kind) => inputs
+            .hosts
+            .iter()
+            .filter_map(|(t, host)| match host {
+                Some(a) if crate::services::tasks::can_run(a, kind) => None,
+                _ => Some(format!("{} lacks {}", t.name, kind.required_capability())),
+            })
+            .collect(),
+    };
+    if missing.is_empty() {
+        inputs.condition(
+            ConditionType::CapabilitiesMatch,
+            ConditionStatus::True,
+            if kind.is_some() {
+                reasons::OK
+            } else {
+                reasons::NOTHING_TO_CHECK
+            },
+            kind.map_or("no release to run".to_string(), |k| {
+                format!("every target can run {k}")
+            }),
+        )
+    } else {
+        inputs.condition(
+            ConditionType::CapabilitiesMatch,
+            ConditionStatus::False,
+            reasons::CAPABILITY_MISSING,
+            missing.join(", "),
+        )
+    }
+}
+
+/// Queues this pass's probe on each reachable host that has none yet (an SSH target's via
+/// agent once), and reads back what each probe said so far.
+async fn run_probes(
+    state: &SharedState,
+    env: &Environment,
+    inputs: &PassInputs,
+    pass: &mut ReadinessPass,
+    registries: &[String],
+    by_agent: &Option<SecretsProbe>,
+) -> Result<Probes, StoreError> {
+    let mut probes = Probes {
+        reports: Vec::new(),
+        pending: Vec::new(),
+    };
+    let mut probed: BTreeMap<AgentId, ()> = BTreeMap::new();
+    let deadline_passed = inputs.now
+        >= pass.started_at
+            + time::Duration::try_from(PROBE_DEADLINE).unwrap_or(time::Duration::minutes(2));
+    let release = inputs.release.as_ref();
+    for (target, host) in &inputs.hosts {
+        let Some(agent) = host.as_ref().filter(|_| inputs.reachable(host)) else {
+            probes.reports.push((
+                target.name.clone(),
+                Err((
+                    reasons::TARGET_OFFLINE.into(),
+                    format!("{}: not probed, the target is not reachable", target.name),
+                )),
+            ));
+            continue;
+        };
+        if probed.insert(agent.id, ()).is_some() {
+            continue;
+        }
+        let containers: Vec<String> = match (&target.kind, release) {
+            (TargetKind::Agent(_), Some(rel)) => rel
+                .components
+                .iter()
+                .filter_map(|c| crate::services::deployments::container_name(c, target).ok())
+                .collect(),
+            _ => Vec::new(),
+        };
+        let task_id = match pass.probes.iter().find(|(a, _)| *a == agent.id) {
+            Some((_, t)) => Some(*t),
+            None => {
+                let payload = ReadinessProbePayload {
+                    docker: matches!(target.kind, TargetKind::Agent(_))
+                        && release.is_some_and(|r| !r.components.is_empty()),
+                    registries: registries.to_vec(),
+                    containers,
+                    pass: Some(pass.id.to_string()),
+                    // One host resolves the environment's secrets: the first one probed.
+                    secrets: by_agent.clone().filter(|_| pass.probes.is_empty()),
+                };
+                let created = create_probe(state, env, pass, agent.id, payload).await?;
+                if let Some(t) = created {
+                    pass.probes.push((agent.id, t));
+                }
+                created
+            }
+        };
+        let Some(task_id) = task_id else {
+            probes.reports.push((
+                target.name.clone(),
+                Err((
+                    reasons::PROBE_FAILED.into(),
+                    format!(
+                        "{}: the probe could not be queued (cordoned or queue full)",
+                        agent.name
+                    ),
+                )),
+            ));
+            continue;
+        };
+        match probe_outcome(state, env, agent, task_id, deadline_passed).await? {
+            Some(outcome) => probes.reports.push((agent.name.clone(), outcome)),
+            None => probes.pending.push(agent.name.clone()),
+        }
+    }
+    Ok(probes)
+}
+
+/// What the probe task `task_id` on `agent` said, or `None` while it may still finish.
+async fn probe_outcome(
+    state: &SharedState,
+    env: &Environment,
+    agent: &berth_store::Agent,
+    task_id: TaskId,
+    deadline_passed: bool,
+) -> Result<Option<ProbeOutcome>, StoreError> {
+    let task = state.store.get_task(env.tenant_id, task_id).await?;
+    Ok(match task.map(|(t, _)| t) {
+        Some(t) if t.state == TaskState::Succeeded => {
+            let report = t
+                .result
+                .as_ref()
+                .and_then(|r| r.get("outputs"))
+                .and_then(|o| serde_json::from_value::<ProbeReport>(o.clone()).ok())
+                .unwrap_or_default();
+            Some(Ok(report))
+        }
+        Some(t) if t.state.is_terminal() => Some(Err((
+            reasons::PROBE_FAILED.into(),
+            format!(
+                "{}: the probe task {} ended {} ({})",
+                agent.name,
+                t.id,
+                t.state.as_str(),
+                t.error_code.as_deref().unwrap_or("no code")
+            ),
+        ))),
+        Some(_) if !deadline_passed => None,
+        Some(t) => Some(Err((
+            reasons::PROBE_TIMEOUT.into(),
+            format!(
+                "{}: the probe task {} did not finish within {}s",
+                agent.name,
+                t.id,
+                PROBE_DEADLINE.as_secs()
+            ),
+        ))),
+        None => Some(Err((
+            reasons::PROBE_FAILED.into(),
+            format!("{}: the probe task is gone", agent.name),
+        ))),
+    })
+}
+
+/// 6. `RoutesExecutable`: every host ran this pass's probe and its signed result verified.
+fn routes_executable(inputs: &PassInputs, probes: &Probes) -> Condition {
+    let kind = ConditionType::RoutesExecutable;
+    let failed: Vec<&(String, String)> = probes
+        .reports
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().err())
+        .collect();
+    if !probes.pending.is_empty() {
+        probes.pending_condition(inputs, kind)
+    } else if inputs.targets.is_empty() {
+        inputs.condition(
+            kind,
+            ConditionStatus::False,
+            reasons::NO_TARGETS,
+            "no target to probe",
+        )
+    } else if let Some((reason, _)) = failed.first() {
+        inputs.condition(
+            kind,
+            ConditionStatus::False,
+            reason,
+            failed
+                .iter()
+                .map(|(_, m)| m.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+        )
+    } else {
+        inputs.condition(
+            kind,
+            ConditionStatus::True,
+            reasons::OK,
+            format!("{} host(s) ran the signed probe", probes.reports.len()),
+        )
+    }
+}
+
+/// 5. `RegistryReachable`: each registry's `/v2/` from each probed host.
+fn registry_reachable(inputs: &PassInputs, registries: &[String], probes: &Probes) -> Condition {
+    let kind = ConditionType::RegistryReachable;
+    if registries.is_empty() {
+        return inputs.condition(
+            kind,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "the release names no registry",
+        );
+    }
+    if !probes.pending.is_empty() {
+        return probes.pending_condition(inputs, kind);
+    }
+    let mut bad = Vec::new();
+    for (host, report) in &probes.reports {
+        match report {
+            Ok(report) => {
+                for check in report.registries.iter().filter(|c| !c.ok) {
+                    bad.push((
+                        reasons::REGISTRY_UNREACHABLE,
+                        format!("registry {} from {host}: {}", check.host, check.detail),
+                    ));
+                }
+            }
+            Err((reason, message)) => bad.push((reason.as_str(), message.clone())),
+        }
+    }
+    verdict(
+        kind,
+        bad,
+        "every registry answers /v2/ from every target",
+        inputs.now,
+        inputs.generation,
+    )
+}
+
+/// 7. `Healthy`: the engine answers and each container of the current release runs healthy.
+fn healthy(env: &Environment, inputs: &PassInputs, probes: &Probes) -> Condition {
+    let kind = ConditionType::Healthy;
+    let Some(rel) = inputs.release.as_ref() else {
+        return inputs.condition(
+            kind,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "no release deployed yet",
+        );
+    };
+    // An SSH target runs no containers: its release is read back by drift (the sticker).
+    if env.target_type == berth_proto::deploy::TargetType::Ssh {
+        return inputs.condition(
+            kind,
+            ConditionStatus::True,
+            reasons::NOTHING_TO_CHECK,
+            "ssh targets run no containers; drift reads their sticker back",
+        );
+    }
+    if !probes.pending.is_empty() {
+        return probes.pending_condition(inputs, kind);
+    }
+    let mut bad = Vec::new();
+    for (target, _) in inputs
+        .hosts
+        .iter()
+        .filter(|(t, _)| matches!(t.kind, TargetKind::Agent(_)))
+    {
+        let report = probes
+            .reports
+            .iter()
+            .find(|(n, _)| *n == target.name)
+            .map(|(_, r)| r);
+        match report {
+            Some(Ok(report)) => unhealthy_on(rel, target, report, &mut bad),
+            Some(Err((reason, message))) => bad.push((reason.as_str(), message.clone())),
+            None => {}
+        }
+    }
+    verdict(
+        kind,
+        bad,
+        "every container of the release runs healthy",
+        inputs.now,
+        inputs.generation,
+    )
+}
+
+/// Adds to `bad` why `target`'s probe `report` shows its engine or a container of `rel`
+/// unhealthy (a container is healthy when it runs the release's digest, not unhealthy or
+/// starting).
+fn unhealthy_on(
+    rel: &Release,
+    target: &Target,
+    report: &ProbeReport,
+    bad: &mut Vec<(&str, String)>,
+) {
+    if let Some(docker) = report.docker.as_ref().filter(|d| !d.ok) {
+        bad.push((
+            reasons::DOCKER_UNAVAILABLE,
+            format!("docker on {}: {}", target.name, docker.detail),
+        ));
+        return;
+    }
+    for component in &rel.components {
+        let Ok(name) = crate::services::deployments::container_name(component, target) else {
+            continue;
+        };
+        let found = report.containers.iter().find(|c| c.name == name);
+        let ok = found.is_some_and(|c| {
+            c.state == "running"
+                && !matches!(c.health.as_deref(), Some("unhealthy" | "starting"))
+                && c.image.ends_with(&component.digest)
+        });
+        if !ok {
+            bad.push((
+                reasons::UNHEALTHY,
+                format!(
+                    "{name} on {}: {}",
+                    target.name,
+                    found.map_or("missing".to_string(), |c| format!(
+                        "{} {}",
+                        c.state,
+                        c.health.as_deref().unwrap_or("")
+                    ))
+                ),
+            ));
+        }
+    }
 }
 
 fn verdict(

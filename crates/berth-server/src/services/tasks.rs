@@ -121,6 +121,85 @@ pub(crate) enum Refused {
     Superseded,
 }
 
+/// What an origin stores on its task: the idempotency key, the request hash (the API's), the
+/// task read back (a read-back's) and the audit actor.
+struct OriginKeys {
+    idempotency_key: Option<String>,
+    request_hash: Option<String>,
+    read_back_of: Option<TaskId>,
+    created_by: Option<AuditActor>,
+}
+
+impl Origin {
+    /// A deployment's task is inserted only while the deployment is at the version the pass
+    /// read.
+    fn guard(&self) -> Option<berth_store::DeploymentGuard> {
+        match self {
+            Origin::Deployment {
+                deployment,
+                version,
+                ..
+            } => Some(berth_store::DeploymentGuard {
+                deployment_id: *deployment,
+                expected_version: *version,
+            }),
+            _ => None,
+        }
+    }
+
+    fn keys(self) -> OriginKeys {
+        let key_only = |key| OriginKeys {
+            idempotency_key: Some(key),
+            request_hash: None,
+            read_back_of: None,
+            created_by: None,
+        };
+        match self {
+            Origin::Api {
+                actor,
+                idempotency_key,
+                request_hash,
+            } => OriginKeys {
+                idempotency_key,
+                request_hash: Some(request_hash),
+                read_back_of: None,
+                created_by: Some(actor),
+            },
+            Origin::Deployment {
+                deployment,
+                target,
+                purpose,
+                part,
+                requested_by,
+                ..
+            } => OriginKeys {
+                created_by: Some(requested_by),
+                ..key_only(berth_store::deployment_task_key(
+                    deployment, target, &purpose, &part,
+                ))
+            },
+            Origin::Drift {
+                environment,
+                target,
+                due,
+            } => key_only(berth_store::drift_check_key(
+                environment,
+                target,
+                (due.unix_timestamp_nanos() / 1_000_000) as i64,
+            )),
+            Origin::ReadBack { of, attempts } => OriginKeys {
+                read_back_of: Some(of),
+                ..key_only(berth_store::read_back_key(of, attempts))
+            },
+            Origin::Readiness {
+                environment,
+                pass,
+                agent,
+            } => key_only(berth_store::readiness_probe_key(environment, pass, agent)),
+        }
+    }
+}
+
 /// Creates the task `req` asks for, or says why not. `Err` only when the store fails or the
 /// credentials cannot be sealed.
 pub(crate) async fn create(
@@ -148,69 +227,8 @@ pub(crate) async fn create(
         ),
         _ => None,
     };
-    let guard = match &req.origin {
-        Origin::Deployment {
-            deployment,
-            version,
-            ..
-        } => Some(berth_store::DeploymentGuard {
-            deployment_id: *deployment,
-            expected_version: *version,
-        }),
-        _ => None,
-    };
-    let (idempotency_key, request_hash, read_back_of, created_by) = match req.origin {
-        Origin::Api {
-            actor,
-            idempotency_key,
-            request_hash,
-        } => (idempotency_key, Some(request_hash), None, Some(actor)),
-        Origin::Deployment {
-            deployment,
-            target,
-            purpose,
-            part,
-            requested_by,
-            ..
-        } => (
-            Some(berth_store::deployment_task_key(
-                deployment, target, &purpose, &part,
-            )),
-            None,
-            None,
-            Some(requested_by),
-        ),
-        Origin::Drift {
-            environment,
-            target,
-            due,
-        } => (
-            Some(berth_store::drift_check_key(
-                environment,
-                target,
-                (due.unix_timestamp_nanos() / 1_000_000) as i64,
-            )),
-            None,
-            None,
-            None,
-        ),
-        Origin::ReadBack { of, attempts } => (
-            Some(berth_store::read_back_key(of, attempts)),
-            None,
-            Some(of),
-            None,
-        ),
-        Origin::Readiness {
-            environment,
-            pass,
-            agent,
-        } => (
-            Some(berth_store::readiness_probe_key(environment, pass, agent)),
-            None,
-            None,
-            None,
-        ),
-    };
+    let guard = req.origin.guard();
+    let keys = req.origin.keys();
     let cap = state.config.max_open_tasks_per_agent;
     let task = NewTask {
         id,
@@ -223,31 +241,17 @@ pub(crate) async fn create(
         timeout_seconds: req.timeout_seconds,
         priority: req.priority,
         side_effects: req.kind.side_effects(),
-        idempotency_key,
-        request_hash,
-        read_back_of,
+        idempotency_key: keys.idempotency_key,
+        request_hash: keys.request_hash,
+        read_back_of: keys.read_back_of,
         // Every origin counts against the cap; the store exempts read-backs (`queue_cap`).
         queue_cap: Some(cap),
         created_at: state.config.clock.now(),
-        created_by,
+        created_by: keys.created_by,
     };
-    let created = match guard {
-        None => state.store.create_task(task).await,
-        Some(guard) => match state.store.create_deployment_task(guard, task).await {
-            Ok(berth_store::DeploymentTaskOutcome::Decided(outcome)) => Ok(outcome),
-            Ok(berth_store::DeploymentTaskOutcome::Superseded) => {
-                return Ok(Err(Refused::Superseded))
-            }
-            Err(e) => Err(e),
-        },
-    };
-    let outcome = match created {
+    let outcome = match insert(state, guard, task).await? {
         Ok(outcome) => outcome,
-        // The agent was deleted between the routing and the insert.
-        Err(StoreError::Conflict {
-            constraint: "task_agent",
-        }) => return Ok(Err(Refused::AgentNotFound(agent_id))),
-        Err(e) => return Err(e),
+        Err(refused) => return Ok(Err(refused)),
     };
     Ok(match outcome {
         CreateTaskOutcome::Created(t) => {
@@ -263,6 +267,34 @@ pub(crate) async fn create(
             cap,
         }),
     })
+}
+
+/// Hands the store the task (under the deployment's `guard`, for a deployment's): a deleted
+/// agent or a moved-on deployment is a refusal, not an error.
+async fn insert(
+    state: &SharedState,
+    guard: Option<berth_store::DeploymentGuard>,
+    task: NewTask,
+) -> Result<Result<CreateTaskOutcome, Refused>, StoreError> {
+    let agent_id = task.agent_id;
+    let created = match guard {
+        None => state.store.create_task(task).await,
+        Some(guard) => match state.store.create_deployment_task(guard, task).await {
+            Ok(berth_store::DeploymentTaskOutcome::Decided(outcome)) => Ok(outcome),
+            Ok(berth_store::DeploymentTaskOutcome::Superseded) => {
+                return Ok(Err(Refused::Superseded))
+            }
+            Err(e) => Err(e),
+        },
+    };
+    match created {
+        Ok(outcome) => Ok(Ok(outcome)),
+        // The agent was deleted between the routing and the insert.
+        Err(StoreError::Conflict {
+            constraint: "task_agent",
+        }) => Ok(Err(Refused::AgentNotFound(agent_id))),
+        Err(e) => Err(e),
+    }
 }
 
 /// The agent the task goes to. Cordon is left to the insert's transaction, which is the only
