@@ -4,6 +4,8 @@
 //!   the crates in [`CYCLES_PENDING`] while their cycles are being removed.
 //! - **Layers.** [`layer_breaches`] fails on any import from a lower layer's folder into a
 //!   higher one's (berth-server: `http` > `services` > `infra`, `workers` > `services`).
+//! - **Function length.** No function in berth-server's `src/` over [`MAX_FN_LINES`] lines
+//!   ([`long_functions`]), test modules aside.
 //!
 //! The import graph is built with a small scanner rather than a parser: one node per file (the
 //! crate root `lib.rs`/`main.rs` is not a node, since every module hangs off it); test modules
@@ -539,6 +541,193 @@ fn workspace_crates() -> Vec<(String, PathBuf)> {
         .collect();
     out.sort();
     out
+}
+
+/// The longest function berth-server may hold: one a person can still read in one go.
+const MAX_FN_LINES: usize = 120;
+
+/// Where code is, for [`long_functions`]: outside any literal or comment, or inside one.
+#[derive(Clone, Copy, PartialEq)]
+enum Lexed {
+    Code,
+    LineComment,
+    BlockComment,
+    Str,
+    RawStr(usize),
+}
+
+/// `text` with every string, char and comment blanked out (newlines kept, so line numbers hold),
+/// for counting braces: `"{"` or a `'}'` must not open or close a body.
+fn code_only(text: &str) -> String {
+    let chars: Vec<char> = text.chars().collect();
+    let mut out = String::with_capacity(text.len());
+    let mut state = Lexed::Code;
+    let mut i = 0;
+    let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
+    while i < chars.len() {
+        let c = chars[i];
+        let next = chars.get(i + 1).copied();
+        match state {
+            Lexed::Code => match c {
+                '/' if next == Some('/') => state = Lexed::LineComment,
+                '/' if next == Some('*') => state = Lexed::BlockComment,
+                '"' => state = Lexed::Str,
+                'r' if next == Some('#') || (next == Some('"') && !prev_ident(&chars, i)) => {
+                    let hashes = chars[i + 1..].iter().take_while(|&&h| h == '#').count();
+                    if chars.get(i + 1 + hashes) == Some(&'"') {
+                        state = Lexed::RawStr(hashes);
+                        out.push(' ');
+                        for _ in 0..=hashes {
+                            out.push(' ');
+                        }
+                        i += hashes + 2;
+                        continue;
+                    }
+                }
+                '\'' => {
+                    // A char literal ('x', '\n', '\u{..}'), not a lifetime ('a).
+                    let end = if next == Some('\\') {
+                        chars[i + 2..]
+                            .iter()
+                            .position(|&q| q == '\'')
+                            .map(|p| i + 2 + p)
+                    } else if chars.get(i + 2) == Some(&'\'') {
+                        Some(i + 2)
+                    } else {
+                        None
+                    };
+                    if let Some(end) = end {
+                        for _ in i..=end {
+                            out.push(' ');
+                        }
+                        i = end + 1;
+                        continue;
+                    }
+                }
+                _ => {}
+            },
+            Lexed::LineComment if c == '\n' => state = Lexed::Code,
+            Lexed::BlockComment if c == '*' && next == Some('/') => {
+                out.push_str("  ");
+                i += 2;
+                state = Lexed::Code;
+                continue;
+            }
+            Lexed::Str if c == '\\' => {
+                out.push(' ');
+                out.push(next.map_or(' ', blank));
+                i += 2;
+                continue;
+            }
+            Lexed::Str if c == '"' => {
+                out.push(' ');
+                i += 1;
+                state = Lexed::Code;
+                continue;
+            }
+            Lexed::RawStr(hashes)
+                if c == '"' && chars[i + 1..].iter().take(hashes).all(|&h| h == '#') =>
+            {
+                for _ in 0..=hashes {
+                    out.push(' ');
+                }
+                i += hashes + 1;
+                state = Lexed::Code;
+                continue;
+            }
+            _ => {}
+        }
+        out.push(if state == Lexed::Code { c } else { blank(c) });
+        i += 1;
+    }
+    out
+}
+
+fn prev_ident(chars: &[char], i: usize) -> bool {
+    i > 0 && (chars[i - 1].is_alphanumeric() || chars[i - 1] == '_')
+}
+
+/// Every function of `text` longer than `max` lines: `(line, name, lines)`, from its `fn` line to
+/// its closing brace.
+fn long_functions(text: &str, max: usize) -> Vec<(usize, String, usize)> {
+    let code = code_only(&without_test_modules(text));
+    let bytes = code.as_bytes();
+    let line_at = |at: usize| code[..at].matches('\n').count() + 1;
+    let mut found = Vec::new();
+    let mut from = 0;
+    while let Some(at) = code[from..].find("fn ").map(|p| from + p) {
+        from = at + 3;
+        if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_') {
+            continue;
+        }
+        let name: String = code[at + 3..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if name.is_empty() {
+            continue;
+        }
+        let Some(open) = code[at..].find(['{', ';']).map(|p| at + p) else {
+            continue;
+        };
+        if bytes[open] == b';' {
+            continue;
+        }
+        let mut depth = 0usize;
+        let mut close = None;
+        for (p, b) in bytes.iter().enumerate().skip(open) {
+            match b {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = Some(p);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let Some(close) = close else { continue };
+        let lines = line_at(close) - line_at(at) + 1;
+        if lines > max {
+            found.push((line_at(at), name, lines));
+        }
+    }
+    found
+}
+
+#[test]
+fn no_function_in_the_server_is_over_120_lines() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../berth-server/src");
+    let mut found = Vec::new();
+    for file in rust_files(&src) {
+        let text = std::fs::read_to_string(&file).expect("read");
+        for (line, name, lines) in long_functions(&text, MAX_FN_LINES) {
+            found.push(format!("{}:{line} {name}: {lines} lines", file.display()));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "functions over {MAX_FN_LINES} lines; split them:\n  {}",
+        found.join("\n  ")
+    );
+}
+
+#[test]
+fn a_long_function_is_found_and_literals_do_not_fool_the_count() {
+    let body = "    let x = 1;\n".repeat(5);
+    let text = format!(
+        "fn short() {{\n{body}}}\n\
+         fn tricky() {{\n    let s = \"}}\\\n}}\";\n    let c = '}}';\n    let r = r#\"}}\"#;\n\
+         // }}\n{body}{body}}}\n\
+         fn decl();\n\
+         #[cfg(test)]\nmod tests {{\n    fn long_test() {{\n{body}{body}{body}    }}\n}}\n"
+    );
+    let found = long_functions(&text, 8);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].1, "tricky");
+    assert_eq!(found[0].2, 17, "{found:?}");
 }
 
 #[test]

@@ -150,6 +150,51 @@ fn operation_id(handler: &str, tag: &str) -> String {
 /// A refusal an operation gives because of its declaration: `(status, code, why)`.
 type Refusal = (u16, &'static str, &'static str);
 
+/// What every agent-certificate operation may answer before its handler runs.
+const AGENT_REFUSALS: [Refusal; 4] = [
+            (
+                401,
+                codes::CLIENT_CERT_REQUIRED,
+                "the connection presented no client certificate",
+            ),
+            (
+                401,
+                codes::CLIENT_CERT_EXPIRED,
+                "the client certificate expired after the connection's handshake",
+            ),
+            (
+                401,
+                codes::CERTIFICATE_SUPERSEDED,
+                "the certificate is the one the agent's last renewal replaced: send again with the new one",
+            ),
+            (
+                401,
+                codes::AGENT_REVOKED,
+                "the certificate is no longer bound to an agent (deleted, or replaced before the last renewal): register again",
+            ),
+];
+
+/// What every operation with a JSON body may answer before its handler runs.
+const BODY_REFUSALS: [Refusal; 5] = [
+            (400, codes::MALFORMED_JSON, "the body is not JSON"),
+            (400, codes::INVALID_REQUEST, "the body could not be read"),
+            (
+                413,
+                codes::PAYLOAD_TOO_LARGE,
+                "the body is larger than the server accepts",
+            ),
+            (
+                415,
+                codes::UNSUPPORTED_MEDIA_TYPE,
+                "the Content-Type is not application/json",
+            ),
+            (
+                422,
+                codes::INVALID_REQUEST,
+                "the JSON is not what this operation takes (a field missing, of the wrong type or out of range)",
+            ),
+];
+
 /// The refusals every operation gives because of how it is declared. Its security requirement
 /// says which auth extractor runs; a path, query or `X-Berth-Generation` parameter and a body
 /// say which other extractors do.
@@ -193,28 +238,7 @@ fn common_refusals(op: &Operation) -> Vec<Refusal> {
         ));
     }
     if agent {
-        refusals.extend([
-            (
-                401,
-                codes::CLIENT_CERT_REQUIRED,
-                "the connection presented no client certificate",
-            ),
-            (
-                401,
-                codes::CLIENT_CERT_EXPIRED,
-                "the client certificate expired after the connection's handshake",
-            ),
-            (
-                401,
-                codes::CERTIFICATE_SUPERSEDED,
-                "the certificate is the one the agent's last renewal replaced: send again with the new one",
-            ),
-            (
-                401,
-                codes::AGENT_REVOKED,
-                "the certificate is no longer bound to an agent (deleted, or replaced before the last renewal): register again",
-            ),
-        ]);
+        refusals.extend(AGENT_REFUSALS);
         if in_path.iter().any(|p| matches!(*p, "id" | "agentId")) {
             refusals.push((
                 403,
@@ -248,25 +272,7 @@ fn common_refusals(op: &Operation) -> Vec<Refusal> {
         ));
     }
     if body {
-        refusals.extend([
-            (400, codes::MALFORMED_JSON, "the body is not JSON"),
-            (400, codes::INVALID_REQUEST, "the body could not be read"),
-            (
-                413,
-                codes::PAYLOAD_TOO_LARGE,
-                "the body is larger than the server accepts",
-            ),
-            (
-                415,
-                codes::UNSUPPORTED_MEDIA_TYPE,
-                "the Content-Type is not application/json",
-            ),
-            (
-                422,
-                codes::INVALID_REQUEST,
-                "the JSON is not what this operation takes (a field missing, of the wrong type or out of range)",
-            ),
-        ]);
+        refusals.extend(BODY_REFUSALS);
     }
     if bearer || agent || body {
         refusals.push((

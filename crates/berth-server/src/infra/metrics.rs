@@ -47,6 +47,39 @@ fn pass_seconds() -> Histogram {
     Histogram::new([0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0])
 }
 
+/// The reconciler driver's families: passes, units by outcome, and pass durations.
+#[allow(clippy::type_complexity)]
+fn register_reconcilers(
+    registry: &mut Registry,
+) -> (
+    Family<Labels, Counter>,
+    Family<Labels, Counter>,
+    Family<Labels, Histogram, fn() -> Histogram>,
+) {
+    let reconciler_passes = Family::<Labels, Counter>::default();
+    registry.register(
+        "reconciler_passes",
+        "Passes each reconciler ran (workers/driver.rs)",
+        reconciler_passes.clone(),
+    );
+    let reconciler_units = Family::<Labels, Counter>::default();
+    registry.register(
+        "reconciler_units",
+        "Units of work reconcilers took up, by outcome: done, failed, or held by another \
+         replica's claim",
+        reconciler_units.clone(),
+    );
+    let reconciler_pass_seconds =
+        Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(pass_seconds);
+    registry.register_with_unit(
+        "reconciler_pass",
+        "How long each reconciler's passes took",
+        Unit::Seconds,
+        reconciler_pass_seconds.clone(),
+    );
+    (reconciler_passes, reconciler_units, reconciler_pass_seconds)
+}
+
 impl Metrics {
     /// `store`'s connection pool is reported at each scrape (nothing for SQLite, which has
     /// none).
@@ -129,27 +162,8 @@ impl Metrics {
             "Connections the listener closed or refused to protect itself, by reason",
             connections_closed.clone(),
         );
-        let reconciler_passes = Family::<Labels, Counter>::default();
-        registry.register(
-            "reconciler_passes",
-            "Passes each reconciler ran (workers/driver.rs)",
-            reconciler_passes.clone(),
-        );
-        let reconciler_units = Family::<Labels, Counter>::default();
-        registry.register(
-            "reconciler_units",
-            "Units of work reconcilers took up, by outcome: done, failed, or held by another \
-             replica's claim",
-            reconciler_units.clone(),
-        );
-        let reconciler_pass_seconds =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(pass_seconds);
-        registry.register_with_unit(
-            "reconciler_pass",
-            "How long each reconciler's passes took",
-            Unit::Seconds,
-            reconciler_pass_seconds.clone(),
-        );
+        let (reconciler_passes, reconciler_units, reconciler_pass_seconds) =
+            register_reconcilers(&mut registry);
         Metrics(Arc::new(Inner {
             reconciler_passes,
             reconciler_units,
