@@ -58,6 +58,8 @@ RULES = [
     # and no target is reachable for a readiness probe).
     ("drift", r"^WITH input AS \(SELECT \* FROM unnest"),
     ("drift", r"^SELECT id, tenant_id, cordoned, CASE WHEN id = ANY"),
+    ("drift", r"^SELECT pg_advisory_xact_lock\(hashtextextended\(\$2 \|\| a::text"),
+    ("drift", r"FROM agents WHERE id = ANY\(\$1\)$"),
     # The reconciler driver (builds that have one): the database's clock once a pass, and a
     # claim and its release once a page of units claimed in reconciler_claims; split below.
     ("driver:now", r"^SELECT date_trunc\('milliseconds', clock_timestamp\(\)\) AS now"),
@@ -74,7 +76,7 @@ ENTRIES = {
     "deploy": (r"AS deployment WHERE state IN \(\S+, \S+\) ORDER BY created_at, id LIMIT", 1),
     "drift": (r"AS environment WHERE current_release_id IS NOT NULL AND \(\$1::uuid IS NULL OR id > \$1\)", "pages"),
     "readiness": (r"AS environment WHERE \(\$1::uuid IS NULL OR id > \$1\) ORDER BY id LIMIT", "pages"),
-    "notify": (r"^UPDATE notifications SET state = \$3, error_code", 1),
+    "notify": (r"^UPDATE notifications SET state = \S+, error_code", 1),
     "retention": (r"^DELETE FROM tasks WHERE id IN \( ?SELECT t\.id FROM tasks t", 1),
     "staleness": (r"^UPDATE agents SET status = \$1 WHERE id IN \( SELECT id FROM agents WHERE status <> \$1", 1),
     "leases": (r"FROM tasks WHERE state = \S+ AND lease_expires_at <= \$1", 1),
@@ -101,7 +103,7 @@ PERF_RULES = [(loop, re.compile(r"berth_server::(?:\w+::)*?" + pat + r"(?:::|\b)
     ("staleness", re.compile(r"berth_server::(?:\w+::)*?(?:sweep_agents|\w*staleness)", re.I)),
     ("leases", re.compile(r"berth_server::(?:\w+::)*?(?:sweep_leases|\w*leases)", re.I)),
     ("read_backs", re.compile(r"berth_server::(?:\w+::)*?(?:sweep_read_backs|reconcile::ReadBack\w*)", re.I)),
-    ("reconcile", re.compile(r"berth_server::(?:\w+::)*?reconcile::")),
+    ("reconcile", re.compile(r"berth_server::(?:workers::)?reconcile::")),
     ("sequencer", re.compile(r"sequencer")),
     ("pool: ping on return", re.compile(r"return_to_pool")),
     ("runtime: park, timers, epoll", re.compile(r"park_internal|Driver::turn|process_at_time")),
@@ -115,6 +117,14 @@ CLAIM_PAGE = {"deploy": 200, "drift": 100, "readiness": 100, "retention": 1, "re
 
 # berth_reconciler_passes_total's names for the loops named otherwise here.
 METRIC_NAMES = {"agent_staleness": "staleness", "delivery_leases": "leases", "read_back": "read_backs"}
+
+
+STORE_RULES = [
+    ("readiness", re.compile(r"get_readiness|desired_environment|readiness_environments|put_readiness")),
+    ("deploy", re.compile(r"active_deployments|with_parts|record_deployment_step")),
+    ("drift", re.compile(r"target_observations|environments_with_release|list_agents")),
+    ("driver, no reconciler in the stack", re.compile(r"claim_units|release_units|database_now|workers::driver")),
+]
 
 
 def classify(query):
@@ -148,6 +158,16 @@ def perf_mode():
             if fallback is None and PERF_RULES[len(LOOPS)][1].search(frame):
                 fallback = "reconcile"
         found = found or fallback
+        if not found:
+            # The driver's generic frames name no reconciler when one's code is inlined into
+            # them: the store call the sample is in names it (each is one loop's here).
+            for frame in frames:
+                for name, rx in STORE_RULES:
+                    if rx.search(frame):
+                        found = name
+                        break
+                if found:
+                    break
         if not found:
             for frame in reversed(frames):
                 for name, rx in PERF_RULES[len(LOOPS) + 1:]:
