@@ -9,7 +9,8 @@
 #
 # BINS: label=DIR pairs; the database is seeded once (scripts/bench-reconcilers-seed.sql, into a
 # template migrated by the first DIR's server) and each run gets its own copy, runs interleaved
-# label by label. Each run: WARMUP (20) s after the server listens, then DURATION (60) s
+# label by label. Each run: WARMUP (20) s after the server listens and every environment has a
+# completed readiness pass again, then DURATION (60) s
 # measured: pg_stat_statements of the run's database (reset at the start; BEGIN/COMMIT
 # included), the server's CPU from /proc, and /metrics at both ends (the reconciler driver's
 # `berth_reconciler_passes_total{name}` when the build has it). Then PERF_SECS (20; 0 skips)
@@ -18,10 +19,14 @@
 #
 # Passes: from `berth_reconciler_passes_total` when the build exports it, else from the
 # calls of the one statement each pass of that loop runs once (the report names it).
-# Statements: attributed to a reconciler by their text (the patterns in the report below);
-# statements several loops share (a task by id, a release, an agent page) are reported as
-# shared, with the callers named, never guessed into one.
-# Knobs: ENVS, PER_ENV, WARMUP, DURATION, PERF_SECS, RUNS (1), OUT, KEEP_TEMPLATE=1 (keep the
+# Statements: attributed to a reconciler by their text (the patterns in
+# scripts/bench-reconcilers-report.py); a statement two loops share (a task by id, a release by
+# name) is split by each caller's units, counted from statements only that caller runs, and the
+# report prints the split's prediction against the measured total. Server CPU per reconciler:
+# the window's CPU times the loop's share of the perf samples (samples naming no loop are left
+# out and reported).
+# Knobs: ENVS, PER_ENV, WARMUP, DURATION, PERF_SECS, RUNS (1), OUT, KEEP_PERF=1 (keep each
+# run's perf.data in OUT), KEEP_TEMPLATE=1 (keep the
 # seeded template database and print its name), TEMPLATE=NAME (reuse one instead of seeding;
 # with TEMPLATE_DATA=DIR, the data dir its seeding server made, kept under OUT).
 set -euo pipefail
