@@ -308,21 +308,7 @@ async fn leased_without_owner(pool: &sqlx::PgPool, slack: i64) -> anyhow::Result
         name: "tasks leased with no owner",
         count: Some(ids.len() as u64),
         gate: true,
-        detail: format!(
-            "{leased} leased in all{}",
-            if ids.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; e.g. {}",
-                    ids.iter()
-                        .take(5)
-                        .map(Uuid::to_string)
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                )
-            }
-        ),
+        detail: format!("{leased} leased in all{}", examples(&ids)),
     })
 }
 
@@ -344,21 +330,7 @@ async fn unknown_without_read_back(pool: &sqlx::PgPool, slack: i64) -> anyhow::R
         name: "tasks unknown with no read-back",
         count: Some(ids.len() as u64),
         gate: true,
-        detail: format!(
-            "{unknown} unknown in all{}",
-            if ids.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; e.g. {}",
-                    ids.iter()
-                        .take(5)
-                        .map(Uuid::to_string)
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                )
-            }
-        ),
+        detail: format!("{unknown} unknown in all{}", examples(&ids)),
     })
 }
 
@@ -444,6 +416,16 @@ async fn figures(pool: &sqlx::PgPool, writes: &StickerWrites) -> anyhow::Result<
         detail: format!("{} tasks", writes.len()),
     });
     Ok(rows)
+}
+
+/// Up to five of `ids` after "; e.g.", or nothing when there are none: a violation's detail
+/// names tasks to look at.
+fn examples(ids: &[Uuid]) -> String {
+    if ids.is_empty() {
+        return String::new();
+    }
+    let some: Vec<String> = ids.iter().take(5).map(Uuid::to_string).collect();
+    format!("; e.g. {}", some.join(" "))
 }
 
 #[cfg(test)]
